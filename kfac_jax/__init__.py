@@ -1,0 +1,27 @@
+"""kfac_jax: K-FAC gradient preconditioning as an optax transformation."""
+
+from kfac_jax.capture.flax_linen import value_grad_and_stats
+from kfac_jax.capture.statistics import LayerStatistics
+from kfac_jax.factors.running import LayerFactors
+from kfac_jax.preconditioning.eigen import EigenPreconditioner
+from kfac_jax.preconditioning.inverse import InversePreconditioner
+from kfac_jax.transform.alias import kfac
+from kfac_jax.transform.hyperparameters import ComputeMethod
+from kfac_jax.transform.scale_by_kfac import AccumulatorState
+from kfac_jax.transform.scale_by_kfac import ScaleByKFACState
+from kfac_jax.transform.scale_by_kfac import scale_by_kfac
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccumulatorState",
+    "ComputeMethod",
+    "EigenPreconditioner",
+    "InversePreconditioner",
+    "LayerFactors",
+    "LayerStatistics",
+    "ScaleByKFACState",
+    "kfac",
+    "scale_by_kfac",
+    "value_grad_and_stats",
+]

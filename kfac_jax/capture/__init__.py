@@ -1,0 +1,1 @@
+"""Capture: which layers K-FAC sees, and their inputs and output cotangents."""

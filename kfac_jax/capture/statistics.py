@@ -1,0 +1,73 @@
+"""What the capture hands to the optimizer: per-layer inputs and output cotangents.
+
+``value_grad_and_stats`` returns ``{layer_name: LayerStatistics}``. The arrays
+are the raw tensors of each call of the layer, so the factors
+(``factors.batch``) are only computed on steps that update them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+import jax
+
+# Flax's canonical padding: a lax padding string, "CIRCULAR"/"REFLECT"/"CAUSAL",
+# or explicit (low, high) pairs per spatial dimension.
+Padding = Union[str, tuple[tuple[int, int], ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvGeometry:
+  """Static hyper-parameters of a convolution, as the layer applied them.
+
+  Attributes:
+    window: kernel spatial size ``(kh, kw, ...)``.
+    strides: window strides, one per spatial dimension.
+    padding: Flax's canonical padding (see ``Padding``).
+    input_dilation: lhs dilation, one per spatial dimension.
+    kernel_dilation: rhs dilation, one per spatial dimension.
+    feature_group_count: grouped convolution factor (1 for a plain conv).
+  """
+
+  window: tuple[int, ...]
+  strides: tuple[int, ...]
+  padding: Padding
+  input_dilation: tuple[int, ...]
+  kernel_dilation: tuple[int, ...]
+  feature_group_count: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSignature:
+  """Static identity of a captured layer.
+
+  Attributes:
+    module_type: the Flax class name (``"Dense"``, ``"Conv"``); ``skip_layers``
+      patterns are matched against it.
+    has_bias: whether the layer added a bias.
+    conv: the convolution geometry, ``None`` for a dense layer.
+  """
+
+  module_type: str
+  has_bias: bool
+  conv: ConvGeometry | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerStatistics:
+  """The tensors of every call of one layer in one forward/backward pass.
+
+  Attributes:
+    signature: static description of the layer (pytree metadata).
+    inputs: one array per call, ``[*batch, in]`` (dense) or
+      ``[*batch, *spatial, in]`` (conv).
+    output_cotangents: one array per call, the gradient of the loss with
+      respect to the layer output, ``[*batch, out]`` or
+      ``[*batch, *out_spatial, out]``.
+  """
+
+  signature: LayerSignature = dataclasses.field(metadata=dict(static=True))
+  inputs: tuple[jax.Array, ...]
+  output_cotangents: tuple[jax.Array, ...]

@@ -1,0 +1,1 @@
+"""Factors: batch Kronecker factors A and G and their running averages."""

@@ -1,0 +1,40 @@
+"""Running (exponentially averaged) Kronecker factors."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class LayerFactors(NamedTuple):
+  """Running Kronecker factors of one layer.
+
+  Attributes:
+    activation_factor: A, ``[activation_dim, activation_dim]``.
+    gradient_factor: G, ``[gradient_dim, gradient_dim]``.
+  """
+
+  activation_factor: jax.Array
+  gradient_factor: jax.Array
+
+
+def init_factors(activation_dim: int, gradient_dim: int,
+                 dtype: jnp.dtype) -> LayerFactors:
+  """Factors start at the identity (KAISA)."""
+  return LayerFactors(
+      activation_factor=jnp.eye(activation_dim, dtype=dtype),
+      gradient_factor=jnp.eye(gradient_dim, dtype=dtype))
+
+
+def update_factors(factors: LayerFactors, batch: LayerFactors,
+                   decay: jax.Array) -> LayerFactors:
+  """``F ← d·F + (1 − d)·F_batch`` for A and G; storage dtype is kept."""
+
+  def average(running: jax.Array, new: jax.Array) -> jax.Array:
+    mixed = decay * running.astype(jnp.float32) + (1 - decay) * new.astype(
+        jnp.float32)
+    return mixed.astype(running.dtype)
+
+  return LayerFactors(*map(average, factors, batch))

@@ -1,0 +1,1 @@
+"""Preconditioning: eigen and inverse forms of (A ⊗ G + λI)⁻¹, KL clipping."""

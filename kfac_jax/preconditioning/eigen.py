@@ -1,0 +1,102 @@
+"""Eigen-method preconditioning: ``(A ⊗ G + λI)⁻¹`` through eigenbases.
+
+With ``A = Q_A diag(d_A) Q_Aᵀ`` and ``G = Q_G diag(d_G) Q_Gᵀ``, for a gradient
+matrix ``∇: [activation_dim, gradient_dim]``
+
+    P = Q_A [(Q_Aᵀ ∇ Q_G) / (outer(d_A, d_G) + λ)] Q_Gᵀ,
+
+which is exactly ``(A ⊗ G + λI)⁻¹ vec(∇)`` reshaped.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kfac_jax.factors.running import LayerFactors
+
+# Decompositions always run in float32, whatever the storage dtypes.
+DECOMPOSITION_DTYPE = jnp.float32
+
+
+class EigenPreconditioner(NamedTuple):
+  """Eigenbases of one layer's factors.
+
+  Attributes:
+    activation_eigenvectors: Q_A, ``[activation_dim, activation_dim]``.
+    activation_eigenvalues: d_A ≥ 0, ``[activation_dim]``.
+    gradient_eigenvectors: Q_G, ``[gradient_dim, gradient_dim]``.
+    gradient_eigenvalues: d_G ≥ 0, ``[gradient_dim]``.
+    damped_inverse: ``1 / (outer(d_A, d_G) + λ)`` frozen at the decomposition,
+      ``[activation_dim, gradient_dim]``; ``None`` when the outer product is
+      formed each step with the current damping.
+  """
+
+  activation_eigenvectors: jax.Array
+  activation_eigenvalues: jax.Array
+  gradient_eigenvectors: jax.Array
+  gradient_eigenvalues: jax.Array
+  damped_inverse: jax.Array | None
+
+
+def _eigh(factor: jax.Array) -> tuple[jax.Array, jax.Array]:
+  eigenvalues, eigenvectors = jnp.linalg.eigh(
+      factor.astype(DECOMPOSITION_DTYPE), symmetrize_input=True)
+  # Round-off can make a PSD factor's smallest eigenvalues slightly negative.
+  return jnp.maximum(eigenvalues, 0.0), eigenvectors
+
+
+def init_eigen(activation_dim: int, gradient_dim: int, dtype: jnp.dtype,
+               precompute_damped_inverse: bool) -> EigenPreconditioner:
+  """The eigenbasis of identity factors (before the first decomposition)."""
+  return EigenPreconditioner(
+      activation_eigenvectors=jnp.eye(activation_dim, dtype=dtype),
+      activation_eigenvalues=jnp.ones((activation_dim,), dtype),
+      gradient_eigenvectors=jnp.eye(gradient_dim, dtype=dtype),
+      gradient_eigenvalues=jnp.ones((gradient_dim,), dtype),
+      damped_inverse=(jnp.ones((activation_dim, gradient_dim), dtype)
+                      if precompute_damped_inverse else None))
+
+
+def _damped_inverse(activation_eigenvalues: jax.Array,
+                    gradient_eigenvalues: jax.Array,
+                    damping: jax.Array) -> jax.Array:
+  outer = (activation_eigenvalues.astype(DECOMPOSITION_DTYPE)[:, None] *
+           gradient_eigenvalues.astype(DECOMPOSITION_DTYPE)[None, :])
+  return 1.0 / (outer + damping)
+
+
+def decompose(factors: LayerFactors, damping: jax.Array, dtype: jnp.dtype,
+              precompute_damped_inverse: bool) -> EigenPreconditioner:
+  """Eigendecomposes A and G (float32) and stores them as ``dtype``."""
+  activation_eigenvalues, activation_eigenvectors = _eigh(
+      factors.activation_factor)
+  gradient_eigenvalues, gradient_eigenvectors = _eigh(factors.gradient_factor)
+  damped_inverse = None
+  if precompute_damped_inverse:
+    damped_inverse = _damped_inverse(activation_eigenvalues,
+                                     gradient_eigenvalues, damping).astype(dtype)
+  return EigenPreconditioner(
+      activation_eigenvectors=activation_eigenvectors.astype(dtype),
+      activation_eigenvalues=activation_eigenvalues.astype(dtype),
+      gradient_eigenvectors=gradient_eigenvectors.astype(dtype),
+      gradient_eigenvalues=gradient_eigenvalues.astype(dtype),
+      damped_inverse=damped_inverse)
+
+
+def precondition(preconditioner: EigenPreconditioner, gradient: jax.Array,
+                 damping: jax.Array) -> jax.Array:
+  """``P = Q_A [(Q_Aᵀ ∇ Q_G) ⊙ 1/(outer(d_A, d_G) + λ)] Q_Gᵀ``, float32."""
+  q_a = preconditioner.activation_eigenvectors.astype(DECOMPOSITION_DTYPE)
+  q_g = preconditioner.gradient_eigenvectors.astype(DECOMPOSITION_DTYPE)
+  matmul = lambda x, y: jnp.matmul(x, y, precision=lax.Precision.HIGHEST)
+  rotated = matmul(matmul(q_a.T, gradient.astype(DECOMPOSITION_DTYPE)), q_g)
+  if preconditioner.damped_inverse is not None:
+    scale = preconditioner.damped_inverse.astype(DECOMPOSITION_DTYPE)
+  else:
+    scale = _damped_inverse(preconditioner.activation_eigenvalues,
+                            preconditioner.gradient_eigenvalues, damping)
+  return matmul(matmul(q_a, rotated * scale), q_g.T)

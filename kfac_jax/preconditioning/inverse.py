@@ -1,0 +1,64 @@
+"""Inverse-method preconditioning: ``P = (A + λI)⁻¹ ∇ (G + λI)⁻¹``."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.scipy.linalg
+
+from kfac_jax.factors.running import LayerFactors
+from kfac_jax.preconditioning.eigen import DECOMPOSITION_DTYPE
+
+
+class InversePreconditioner(NamedTuple):
+  """Damped factor inverses of one layer.
+
+  Attributes:
+    activation_inverse: ``(A + λI)⁻¹``, ``[activation_dim, activation_dim]``.
+    gradient_inverse: ``(G + λI)⁻¹``, ``[gradient_dim, gradient_dim]``.
+  """
+
+  activation_inverse: jax.Array
+  gradient_inverse: jax.Array
+
+
+def init_inverse(activation_dim: int, gradient_dim: int,
+                 dtype: jnp.dtype) -> InversePreconditioner:
+  """The inverses of identity factors, undamped (before the first update)."""
+  return InversePreconditioner(
+      activation_inverse=jnp.eye(activation_dim, dtype=dtype),
+      gradient_inverse=jnp.eye(gradient_dim, dtype=dtype))
+
+
+def _damped_inverse(factor: jax.Array, damping: jax.Array) -> jax.Array:
+  """``(F + λI)⁻¹`` of a symmetric PSD factor via Cholesky, in float32."""
+  factor = factor.astype(DECOMPOSITION_DTYPE)
+  identity = jnp.eye(factor.shape[0], dtype=DECOMPOSITION_DTYPE)
+  damped = (factor + factor.T) / 2 + damping * identity
+  cholesky = jax.scipy.linalg.cho_factor(damped, lower=True)
+  inverse = jax.scipy.linalg.cho_solve(cholesky, identity)
+  return (inverse + inverse.T) / 2
+
+
+def invert(factors: LayerFactors, damping: jax.Array,
+           dtype: jnp.dtype) -> InversePreconditioner:
+  """Damped inverses of A and G, stored as ``dtype``."""
+  return InversePreconditioner(
+      activation_inverse=_damped_inverse(factors.activation_factor,
+                                         damping).astype(dtype),
+      gradient_inverse=_damped_inverse(factors.gradient_factor,
+                                       damping).astype(dtype))
+
+
+def precondition(preconditioner: InversePreconditioner, gradient: jax.Array,
+                 damping: jax.Array) -> jax.Array:
+  """``(A + λI)⁻¹ ∇ (G + λI)⁻¹`` with the damping frozen at inversion; float32."""
+  del damping  # Folded into the inverses when they were computed.
+  matmul = lambda x, y: jnp.matmul(x, y, precision=lax.Precision.HIGHEST)
+  return matmul(
+      matmul(preconditioner.activation_inverse.astype(DECOMPOSITION_DTYPE),
+             gradient.astype(DECOMPOSITION_DTYPE)),
+      preconditioner.gradient_inverse.astype(DECOMPOSITION_DTYPE))

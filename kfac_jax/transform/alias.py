@@ -1,0 +1,46 @@
+"""``kfac``: scale_by_kfac chained with SGD, as optax's aliases are."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+
+from kfac_jax.transform.hyperparameters import ScalarOrSchedule
+from kfac_jax.transform.scale_by_kfac import scale_by_kfac
+
+
+def kfac(learning_rate: ScalarOrSchedule,
+         momentum: float | None = 0.9,
+         weight_decay: float = 0.0,
+         nesterov: bool = False,
+         **kfac_kwargs: Any) -> optax.GradientTransformationExtraArgs:
+  """K-FAC preconditioning followed by SGD with momentum (KAISA's setup).
+
+  ``optax.chain(scale_by_kfac(learning_rate, **kfac_kwargs),
+  add_decayed_weights(weight_decay), sgd(learning_rate, momentum, nesterov))``.
+  As in KAISA (PyTorch SGD after K-FAC), weight decay is added after
+  preconditioning. With ``accumulation_steps=k`` the SGD part is wrapped in
+  ``optax.MultiSteps(every_k_schedule=k, use_grad_mean=False)`` so it steps
+  once per optimizer step.
+
+  Args:
+    learning_rate: constant or schedule, shared by KL clipping and SGD.
+    momentum: SGD momentum (``None`` or 0 for none).
+    weight_decay: decoupled-from-preconditioning L2 coefficient, ≥ 0.
+    nesterov: Nesterov momentum.
+    **kfac_kwargs: any other ``scale_by_kfac`` argument.
+  """
+  if weight_decay < 0:
+    raise ValueError(f"weight_decay must be >= 0; got {weight_decay!r}.")
+  first_order = optax.chain(
+      optax.add_decayed_weights(weight_decay) if weight_decay else
+      optax.identity(),
+      optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov))
+  accumulation_steps = kfac_kwargs.get("accumulation_steps", 1)
+  if isinstance(accumulation_steps, int) and accumulation_steps > 1:
+    first_order = optax.MultiSteps(
+        first_order, every_k_schedule=accumulation_steps,
+        use_grad_mean=False).gradient_transformation()
+  return optax.chain(
+      scale_by_kfac(learning_rate=learning_rate, **kfac_kwargs), first_order)

@@ -1,0 +1,125 @@
+"""Hyper-parameters that are constants or schedules of the step count.
+
+Every scalar hyper-parameter of ``scale_by_kfac`` may be a constant or a
+callable ``step -> value`` (an optax schedule works). Constants are checked at
+construction; schedules are called once at step 0 at construction to check the
+type and range of what they return, since inside ``jit`` their values are
+traced and cannot be checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import numbers
+from collections.abc import Callable
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Schedule = Callable[[jax.Array], jax.typing.ArrayLike]
+ScalarOrSchedule = Union[float, int, Schedule]
+
+
+class ComputeMethod(enum.Enum):
+  """How the preconditioner is formed from the factors."""
+
+  EIGEN = "eigen"
+  INVERSE = "inverse"
+
+  @classmethod
+  def parse(cls, value: "ComputeMethod | str") -> "ComputeMethod":
+    if isinstance(value, cls):
+      return value
+    if isinstance(value, str):
+      try:
+        return cls(value.lower())
+      except ValueError:
+        pass
+    allowed = ", ".join(repr(m.value) for m in cls)
+    raise ValueError(
+        f"compute_method={value!r} is not supported; use one of {allowed} "
+        "(or kfac_jax.ComputeMethod).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyperparameter:
+  """A checked constant or schedule; call it with the step count."""
+
+  name: str
+  value: ScalarOrSchedule
+  integer: bool = False
+
+  def __call__(self, count: jax.Array) -> jax.Array:
+    value = self.value(count) if callable(self.value) else self.value
+    return jnp.asarray(value, jnp.int32 if self.integer else jnp.float32)
+
+
+def hyperparameter(name: str,
+                   value: ScalarOrSchedule,
+                   is_valid: Callable[[float], bool],
+                   requirement: str,
+                   integer: bool = False) -> Hyperparameter:
+  """Validates ``value`` (or a schedule's value at step 0) and wraps it.
+
+  Args:
+    name: the argument name, for messages.
+    value: a number or a callable of the step count.
+    is_valid: predicate on the (step-0) value.
+    requirement: what a valid value is, e.g. ``"> 0"``, for messages.
+    integer: whether the value must be an integer (update intervals).
+
+  Raises:
+    TypeError: the value (or what the schedule returns) is not a real scalar.
+    ValueError: the value is outside its allowed range.
+  """
+  source = "" if not callable(value) else " (the schedule's value at step 0)"
+  sample = value(jnp.asarray(0, jnp.int32)) if callable(value) else value
+  if isinstance(sample, bool) or not isinstance(
+      sample, (numbers.Real, np.ndarray, jax.Array, np.generic)):
+    raise TypeError(
+        f"{name} must be a real number or a callable of the step count "
+        f"returning one; got {sample!r}{source} of type {type(sample).__name__}.")
+  array = np.asarray(sample)
+  kind_ok = (np.issubdtype(array.dtype, np.integer) if integer else
+             np.issubdtype(array.dtype, np.number) and
+             not np.issubdtype(array.dtype, np.complexfloating))
+  if array.shape != () or not kind_ok:
+    expected = "an integer scalar" if integer else "a real scalar"
+    raise TypeError(
+        f"{name} must be {expected}; got {sample!r}{source} with shape "
+        f"{array.shape} and dtype {array.dtype}.")
+  scalar = array.item()
+  if not np.isfinite(scalar) or not is_valid(scalar):
+    raise ValueError(f"{name} must be {requirement}; got {scalar!r}{source}.")
+  return Hyperparameter(name, value, integer)
+
+
+def positive(name: str, value: ScalarOrSchedule) -> Hyperparameter:
+  return hyperparameter(name, value, lambda v: v > 0, "> 0")
+
+
+def positive_integer(name: str, value: ScalarOrSchedule) -> Hyperparameter:
+  return hyperparameter(
+      name, value, lambda v: v >= 1, "a positive integer", integer=True)
+
+
+def decay(name: str, value: ScalarOrSchedule) -> Hyperparameter:
+  return hyperparameter(name, value, lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+def floating_dtype(name: str, dtype: jnp.dtype | None) -> jnp.dtype | None:
+  """Checks that ``dtype`` is a floating dtype (``None`` passes)."""
+  if dtype is None:
+    return None
+  try:
+    resolved = jnp.dtype(dtype)
+  except TypeError as e:
+    raise TypeError(f"{name}={dtype!r} is not a dtype.") from e
+  if not jnp.issubdtype(resolved, jnp.floating):
+    raise ValueError(
+        f"{name} must be a floating dtype such as jnp.float32 or "
+        f"jnp.bfloat16; got {resolved}.")
+  return resolved

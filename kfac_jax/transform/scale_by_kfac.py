@@ -1,0 +1,413 @@
+"""``scale_by_kfac``: K-FAC preconditioning as an optax transformation.
+
+At optimizer step ``t`` (``count``), for every registered layer:
+
+1. if ``t % factor_update_steps == 0``: ``F ← d·F + (1 − d)·F_batch`` for
+   ``F ∈ {A, G}`` (``factors.batch`` gives ``F_batch`` from the captured stats);
+2. if ``t % inv_update_steps == 0``: eigendecompose (or invert) the factors;
+3. ``P = (A ⊗ G + λI)⁻¹ vec(∇)`` (eigen) or ``(A + λI)⁻¹ ∇ (G + λI)⁻¹``
+   (inverse), then KL clipping scales every ``P`` by ``ν``.
+
+Steps 1 and 2 run under ``lax.cond``: a step that does neither pays for
+neither. Gradients of parameters that are not registered layers pass through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import optax
+
+from kfac_jax.capture import layers as layers_lib
+from kfac_jax.capture.layers import LayerInfo
+from kfac_jax.capture.statistics import LayerStatistics
+from kfac_jax.factors import batch as batch_lib
+from kfac_jax.factors.running import LayerFactors, init_factors, update_factors
+from kfac_jax.preconditioning import eigen, inverse
+from kfac_jax.preconditioning.gradient_matrix import from_matrix, to_matrix
+from kfac_jax.preconditioning.kl_clip import kl_clip_scale
+from kfac_jax.transform import hyperparameters as hp
+from kfac_jax.transform.hyperparameters import ComputeMethod, ScalarOrSchedule
+
+Preconditioner = eigen.EigenPreconditioner | inverse.InversePreconditioner
+
+
+class AccumulatorState(NamedTuple):
+  """Sums over the micro-batches of the optimizer step in progress.
+
+  Attributes:
+    micro_step: micro-batches seen in this optimizer step, in
+      ``[0, accumulation_steps)``.
+    gradients: sum of the micro-batch gradients (structure of the params).
+    factors: sum of the micro-batch factors ``{layer: LayerFactors}`` (float32).
+  """
+
+  micro_step: jax.Array
+  gradients: Any
+  factors: dict[str, LayerFactors]
+
+
+class ScaleByKFACState(NamedTuple):
+  """State of ``scale_by_kfac``: arrays only, one entry per registered layer.
+
+  Attributes:
+    count: optimizer steps taken (int32 scalar); schedules are called with it.
+    factors: running ``{layer: LayerFactors(A, G)}``.
+    preconditioners: ``{layer: EigenPreconditioner | InversePreconditioner}``
+      from the last decomposition.
+    accumulator: micro-batch sums when ``accumulation_steps > 1``, else None.
+  """
+
+  count: jax.Array
+  factors: dict[str, LayerFactors]
+  preconditioners: dict[str, Preconditioner]
+  accumulator: AccumulatorState | None
+
+
+def scale_by_kfac(
+    learning_rate: ScalarOrSchedule = 0.1,
+    damping: ScalarOrSchedule = 0.001,
+    factor_decay: ScalarOrSchedule = 0.95,
+    kl_clip: ScalarOrSchedule | None = 0.001,
+    factor_update_steps: ScalarOrSchedule = 1,
+    inv_update_steps: ScalarOrSchedule = 1,
+    compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
+    compute_eigenvalue_outer_product: bool = True,
+    accumulation_steps: int = 1,
+    skip_layers: Sequence[str] | str | None = None,
+    factor_dtype: jnp.dtype | None = None,
+    inv_dtype: jnp.dtype = jnp.float32,
+) -> optax.GradientTransformationExtraArgs:
+  """K-FAC gradient preconditioning (KAISA's algorithm) as an optax transform.
+
+  Chain it before a first-order optimizer::
+
+    tx = optax.chain(kfac_jax.scale_by_kfac(...), optax.sgd(0.1, momentum=0.9))
+    loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+
+  Args:
+    learning_rate: the learning rate of the chained optimizer; only KL clipping
+      uses it (``vg = lr² Σ P ⊙ ∇``). Constant or schedule, > 0.
+    damping: λ in ``(A ⊗ G + λI)⁻¹``. Constant or schedule, > 0.
+    factor_decay: d in ``F ← d·F + (1 − d)·F_batch``. Constant or schedule,
+      in (0, 1].
+    kl_clip: KL-clipping bound, > 0; ``None`` turns clipping off.
+    factor_update_steps: factors update when ``step % factor_update_steps ==
+      0``. Positive integer or schedule.
+    inv_update_steps: eigendecompositions (or inverses) are recomputed when
+      ``step % inv_update_steps == 0``. Positive integer or schedule.
+    compute_method: ``"eigen"`` or ``"inverse"``.
+    compute_eigenvalue_outer_product: eigen method only: store
+      ``1/(outer(d_A, d_G) + λ)`` at each decomposition (λ then stays fixed
+      until the next one) instead of forming it every step.
+    accumulation_steps: k > 1 accumulates k micro-batches per optimizer step:
+      gradients and batch factors are averaged over them, and the
+      preconditioned update is emitted on the k-th call (zeros before). Wrap
+      the rest of the chain in ``optax.MultiSteps(..., every_k_schedule=k,
+      use_grad_mean=False)`` so it steps once per k calls (``kfac`` does).
+    skip_layers: regexes (``re.search``) matched against each layer's module
+      path (joined with ``/``) and its Flax class name; matched layers and all
+      modules under them are left to the chained optimizer. Class-name matches
+      are known only once stats arrive, so such layers still get (unused)
+      state; skip by path to save that memory.
+    factor_dtype: storage dtype of A and G; default the kernel's dtype.
+    inv_dtype: storage dtype of eigenbases/inverses (decompositions always run
+      in float32).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes the
+    keyword argument ``kfac_stats`` (from ``value_grad_and_stats``).
+  """
+  learning_rate_fn = hp.positive("learning_rate", learning_rate)
+  damping_fn = hp.positive("damping", damping)
+  factor_decay_fn = hp.decay("factor_decay", factor_decay)
+  kl_clip_fn = None if kl_clip is None else hp.positive("kl_clip", kl_clip)
+  factor_update_steps_fn = hp.positive_integer("factor_update_steps",
+                                               factor_update_steps)
+  inv_update_steps_fn = hp.positive_integer("inv_update_steps",
+                                            inv_update_steps)
+  method = ComputeMethod.parse(compute_method)
+  if (isinstance(accumulation_steps, bool) or
+      not isinstance(accumulation_steps, int) or accumulation_steps < 1):
+    raise ValueError(
+        f"accumulation_steps must be a positive int; got {accumulation_steps!r}.")
+  skip = layers_lib.compile_patterns(skip_layers)
+  factor_dtype = hp.floating_dtype("factor_dtype", factor_dtype)
+  inv_dtype = hp.floating_dtype("inv_dtype", inv_dtype)
+  precompute = (method is ComputeMethod.EIGEN and
+                compute_eigenvalue_outer_product)
+
+  def init_preconditioner(layer: LayerInfo) -> Preconditioner:
+    if method is ComputeMethod.EIGEN:
+      return eigen.init_eigen(layer.activation_dim, layer.gradient_dim,
+                              inv_dtype, precompute)
+    return inverse.init_inverse(layer.activation_dim, layer.gradient_dim,
+                                inv_dtype)
+
+  def decompose(factors: LayerFactors, damping: jax.Array) -> Preconditioner:
+    if method is ComputeMethod.EIGEN:
+      return eigen.decompose(factors, damping, inv_dtype, precompute)
+    return inverse.invert(factors, damping, inv_dtype)
+
+  precondition = (eigen.precondition if method is ComputeMethod.EIGEN else
+                  inverse.precondition)
+
+  def init_fn(params: Any) -> ScaleByKFACState:
+    layers = layers_lib.find_layers(params, skip)
+    factors = {}
+    for name, layer in layers.items():
+      kernel = layers_lib.get_layer_params(params, layer)[layers_lib.KERNEL]
+      dtype = factor_dtype or kernel.dtype
+      factors[name] = init_factors(layer.activation_dim, layer.gradient_dim,
+                                   dtype)
+    accumulator = None
+    if accumulation_steps > 1:
+      accumulator = AccumulatorState(
+          micro_step=jnp.zeros([], jnp.int32),
+          gradients=optax.tree.zeros_like(params),
+          factors={
+              name: LayerFactors(
+                  jnp.zeros((l.activation_dim,) * 2, jnp.float32),
+                  jnp.zeros((l.gradient_dim,) * 2, jnp.float32))
+              for name, l in layers.items()
+          })
+    return ScaleByKFACState(
+        count=jnp.zeros([], jnp.int32),
+        factors=factors,
+        preconditioners={
+            name: init_preconditioner(layer) for name, layer in layers.items()
+        },
+        accumulator=accumulator)
+
+  def optimizer_step(
+      state: ScaleByKFACState, grads: Any, layers: Mapping[str, LayerInfo],
+      active: Sequence[str],
+      batch_factors: Callable[[], dict[str, LayerFactors]]
+  ) -> tuple[Any, dict[str, LayerFactors], dict[str, Preconditioner]]:
+    """Factor update, decomposition and preconditioning of one optimizer step."""
+    count = state.count
+    damping_value = damping_fn(count)
+
+    def updated_factors() -> dict[str, LayerFactors]:
+      decay_value = factor_decay_fn(count)
+      new = batch_factors()
+      return {
+          name: (update_factors(f, new[name], decay_value)
+                 if name in new else f) for name, f in state.factors.items()
+      }
+
+    factors = lax.cond(count % factor_update_steps_fn(count) == 0,
+                       updated_factors, lambda: state.factors)
+    preconditioners = lax.cond(
+        count % inv_update_steps_fn(count) == 0,
+        lambda: {
+            name: (decompose(factors[name], damping_value)
+                   if name in active else p)
+            for name, p in state.preconditioners.items()
+        },
+        lambda: state.preconditioners)
+
+    gradient_matrices = {}
+    preconditioned = {}
+    for name in active:
+      layer = layers[name]
+      layer_grads = layers_lib.get_layer_params(grads, layer)
+      gradient_matrices[name] = to_matrix(layer_grads, layer, jnp.float32)
+      preconditioned[name] = precondition(preconditioners[name],
+                                          gradient_matrices[name],
+                                          damping_value)
+    if kl_clip_fn is not None and active:
+      nu = kl_clip_scale([preconditioned[n] for n in active],
+                         [gradient_matrices[n] for n in active],
+                         learning_rate_fn(count), kl_clip_fn(count))
+      preconditioned = {n: nu * p for n, p in preconditioned.items()}
+    layer_updates = {
+        name: from_matrix(p, layers[name],
+                          layers_lib.get_layer_params(grads, layers[name]))
+        for name, p in preconditioned.items()
+    }
+    return _replace_layers(grads, layers, layer_updates), factors, preconditioners
+
+  def update_fn(
+      updates: Any,
+      state: ScaleByKFACState,
+      params: Any = None,
+      *,
+      kfac_stats: Mapping[str, LayerStatistics] | None = None,
+      **extra_args: Any,
+  ) -> tuple[Any, ScaleByKFACState]:
+    del params, extra_args
+    layers = layers_lib.find_layers(updates, skip)
+    _check_state(layers, state)
+    active = _check_stats(kfac_stats, layers, skip)
+
+    def stats_factors() -> dict[str, LayerFactors]:
+      return {
+          name: LayerFactors(*batch_lib.batch_factors(kfac_stats[name]))
+          for name in active
+      }
+
+    if accumulation_steps == 1:
+      new_updates, factors, preconditioners = optimizer_step(
+          state, updates, layers, active, stats_factors)
+      return new_updates, ScaleByKFACState(state.count + 1, factors,
+                                           preconditioners, None)
+
+    accumulator = state.accumulator
+    factor_step = state.count % factor_update_steps_fn(state.count) == 0
+    # Off factor steps the sums are not used; adding zeros keeps the factor
+    # computation inside the cond.
+    batch = lax.cond(
+        factor_step, stats_factors,
+        lambda: {n: jax.tree.map(jnp.zeros_like, accumulator.factors[n])
+                 for n in active})
+    factor_sums = {
+        name: (LayerFactors(*(s + b for s, b in zip(sums, batch[name])))
+               if name in active else sums)
+        for name, sums in accumulator.factors.items()
+    }
+    gradient_sums = jax.tree.map(lambda s, g: s + g.astype(s.dtype),
+                                 accumulator.gradients, updates)
+
+    def emit():
+      k = accumulation_steps
+      mean_grads = jax.tree.map(lambda s, g: (s / k).astype(g.dtype),
+                                gradient_sums, updates)
+      mean_factors = {
+          n: LayerFactors(*(f / k for f in factor_sums[n])) for n in active
+      }
+      new_updates, factors, preconditioners = optimizer_step(
+          state, mean_grads, layers, active, lambda: mean_factors)
+      reset = AccumulatorState(
+          micro_step=jnp.zeros([], jnp.int32),
+          gradients=optax.tree.zeros_like(gradient_sums),
+          factors=jax.tree.map(jnp.zeros_like, factor_sums))
+      return new_updates, ScaleByKFACState(state.count + 1, factors,
+                                           preconditioners, reset)
+
+    def hold():
+      held = AccumulatorState(accumulator.micro_step + 1, gradient_sums,
+                              factor_sums)
+      return optax.tree.zeros_like(updates), state._replace(accumulator=held)
+
+    return lax.cond(accumulator.micro_step == accumulation_steps - 1, emit,
+                    hold)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _replace_layers(grads: Any, layers: Mapping[str, LayerInfo],
+                    layer_updates: Mapping[str, Mapping[str, jax.Array]]) -> Any:
+  """``grads`` with each preconditioned layer's kernel/bias swapped in."""
+  by_path = {layers[name].path: values for name, values in layer_updates.items()}
+
+  def replace(path, leaf):
+    keys = tuple(layers_lib.path_key_name(k) for k in path)
+    values = by_path.get(keys[:-1])
+    return leaf if values is None else values.get(keys[-1], leaf)
+
+  return jax.tree_util.tree_map_with_path(replace, grads)
+
+
+def _check_state(layers: Mapping[str, LayerInfo],
+                 state: ScaleByKFACState) -> None:
+  """The state must have been made by ``init`` for these params."""
+  if not isinstance(state, ScaleByKFACState):
+    raise TypeError(
+        "scale_by_kfac.update: expected the state made by its init, got "
+        f"{type(state).__name__}.")
+  missing = sorted(set(layers) - set(state.factors))
+  extra = sorted(set(state.factors) - set(layers))
+  if missing or extra:
+    raise ValueError(
+        "scale_by_kfac: the optimizer state does not match the gradients' "
+        f"layers (in the gradients but not the state: {missing}; in the state "
+        f"but not the gradients: {extra}). Call tx.init with the same params "
+        "(and skip_layers) the gradients come from.")
+  for name, layer in layers.items():
+    a_shape = state.factors[name].activation_factor.shape
+    g_shape = state.factors[name].gradient_factor.shape
+    if a_shape != (layer.activation_dim,) * 2 or g_shape != (
+        layer.gradient_dim,) * 2:
+      raise ValueError(
+          f"Layer {name!r}: state factors A{a_shape}, G{g_shape} do not fit a "
+          f"kernel {layer.kernel_shape} (bias={layer.has_bias}); re-run "
+          "tx.init with the current params.")
+
+
+def _check_stats(stats: Mapping[str, LayerStatistics] | None,
+                 layers: Mapping[str, LayerInfo], skip) -> list[str]:
+  """Validates ``kfac_stats`` against the layers; returns the layers to precondition."""
+  if stats is None:
+    raise ValueError(
+        "scale_by_kfac.update needs kfac_stats=...: compute "
+        "(loss, grads, stats) = kfac_jax.value_grad_and_stats(loss_fn)(params, "
+        "...) and call tx.update(grads, state, params, kfac_stats=stats).")
+  if not isinstance(stats, Mapping) or not all(
+      isinstance(s, LayerStatistics) for s in stats.values()):
+    raise TypeError(
+        "kfac_stats must be the dict of LayerStatistics returned by "
+        f"kfac_jax.value_grad_and_stats; got {type(stats).__name__}.")
+  active = []
+  for name, layer in layers.items():
+    layer_stats = stats.get(name)
+    if layer_stats is None:
+      raise ValueError(
+          f"kfac_stats has no entry for layer {name!r} (kernel "
+          f"{layer.kernel_shape}), which the optimizer state holds. Either the "
+          "layer was not called in the loss (or is not a flax.linen Dense/Conv), "
+          f"or the stats come from another model. Add {name!r} to skip_layers "
+          "to leave it to the chained optimizer.")
+    signature = layer_stats.signature
+    if layers_lib.matches_any(skip, signature.module_type):
+      continue
+    _check_shapes(name, layer, layer_stats)
+    active.append(name)
+  for name, layer_stats in stats.items():
+    if name in layers:
+      continue
+    path = tuple(name.split("/")) if name else ()
+    if layers_lib.is_skipped_path(path, skip) or layers_lib.matches_any(
+        skip, layer_stats.signature.module_type):
+      continue
+    raise ValueError(
+        f"kfac_stats has layer {name!r} ({layer_stats.signature.module_type}) "
+        "but the gradients have no kernel at that path. Pass the stats and "
+        "grads of the same loss call, and init with the same params.")
+  return active
+
+
+def _check_shapes(name: str, layer: LayerInfo, stats: LayerStatistics) -> None:
+  signature = stats.signature
+  conv = signature.conv
+  *window, in_features, out_features = layer.kernel_shape
+  problems = []
+  if signature.has_bias != layer.has_bias:
+    problems.append(f"the captured layer has use_bias={signature.has_bias} but "
+                    f"the params {'have' if layer.has_bias else 'lack'} a bias")
+  if conv is None and window:
+    problems.append(f"a Dense layer needs a 2-D kernel, got {layer.kernel_shape}")
+  if conv is not None:
+    if tuple(window) != conv.window:
+      problems.append(f"conv window {conv.window} != kernel window {tuple(window)}")
+    if conv.feature_group_count != 1:
+      problems.append(
+          f"feature_group_count={conv.feature_group_count} (grouped "
+          "convolutions are not supported yet)")
+  for x in stats.inputs:
+    if x.shape[-1] != in_features:
+      problems.append(f"input features {x.shape[-1]} != kernel in {in_features}")
+  for g in stats.output_cotangents:
+    if g.shape[-1] != out_features:
+      problems.append(
+          f"output features {g.shape[-1]} != kernel out {out_features}")
+  if problems:
+    raise ValueError(
+        f"Layer {name!r}: kfac_stats disagree with the params: "
+        f"{'; '.join(problems)}. Pass stats and grads from the same model, or "
+        f"add {name!r} to skip_layers.")
