@@ -1,0 +1,179 @@
+"""Independent float64 NumPy reference of K-FAC (KAISA's conventions).
+
+Nothing here imports kfac_jax: models are re-implemented in NumPy with
+hand-written backprop, convolutions with explicit loop im2col, and the K-FAC
+algorithm follows the formulas of the issue/README directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+def sym(c: np.ndarray) -> np.ndarray:
+  return (c + c.T) / 2
+
+
+def cov(x: np.ndarray) -> np.ndarray:
+  return sym(x.T @ x / x.shape[0])
+
+
+def im2col(x: np.ndarray, window: tuple[int, int], strides: tuple[int, int],
+           padding: tuple[tuple[int, int], tuple[int, int]]) -> np.ndarray:
+  """Loop im2col of NHWC ``x``: ``[B, Ho, Wo, kh*kw*C]`` in (kh, kw, C) order."""
+  x = np.pad(x, ((0, 0), padding[0], padding[1], (0, 0)))
+  b, h, w, c = x.shape
+  kh, kw = window
+  sh, sw = strides
+  ho = (h - kh) // sh + 1
+  wo = (w - kw) // sw + 1
+  out = np.zeros((b, ho, wo, kh * kw * c))
+  for i in range(ho):
+    for j in range(wo):
+      patch = x[:, i * sh:i * sh + kh, j * sw:j * sw + kw, :]  # [B, kh, kw, C]
+      out[:, i, j, :] = patch.reshape(b, -1)
+  return out
+
+
+def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray):
+  """Mean loss and its gradient w.r.t. the logits."""
+  z = logits - logits.max(axis=1, keepdims=True)
+  p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+  n = logits.shape[0]
+  loss = -np.log(p[np.arange(n), labels]).mean()
+  onehot = np.zeros_like(p)
+  onehot[np.arange(n), labels] = 1
+  return loss, (p - onehot) / n
+
+
+@dataclasses.dataclass
+class LayerTensors:
+  """One layer's reference rows and gradient matrix for one batch."""
+
+  activation_rows: np.ndarray  # [N, dA]
+  gradient_rows: np.ndarray  # [N, dG]
+  gradient: np.ndarray  # [dA, dG]
+
+
+def mlp_forward_backward(params: dict, x: np.ndarray, labels: np.ndarray,
+                         use_bias: bool) -> dict[str, LayerTensors]:
+  """Dense(hidden) -> tanh -> Dense(classes) -> mean softmax CE."""
+  w1 = params["Dense_0"]["kernel"]
+  w2 = params["Dense_1"]["kernel"]
+  b1 = params["Dense_0"]["bias"] if use_bias else 0.0
+  b2 = params["Dense_1"]["bias"] if use_bias else 0.0
+  h = x @ w1 + b1
+  a = np.tanh(h)
+  z = a @ w2 + b2
+  _, dz = softmax_cross_entropy(z, labels)
+  dh = (dz @ w2.T) * (1 - a**2)
+
+  def layer(inputs, cotangent):
+    rows = _with_ones(inputs) if use_bias else inputs
+    return LayerTensors(rows, cotangent, rows.T @ cotangent)
+
+  return {"Dense_0": layer(x, dh), "Dense_1": layer(a, dz)}
+
+
+def cnn_forward_backward(params: dict, x: np.ndarray, labels: np.ndarray,
+                         use_bias: bool, strides: tuple[int, int],
+                         padding: tuple[tuple[int, int], tuple[int, int]]
+                         ) -> dict[str, LayerTensors]:
+  """Conv(3x3) -> relu -> flatten -> Dense(classes) -> mean softmax CE."""
+  kernel = params["Conv_0"]["kernel"]
+  kh, kw, _, features = kernel.shape
+  patches = im2col(x, (kh, kw), strides, padding)
+  b, ho, wo, _ = patches.shape
+  spatial = ho * wo
+  h = patches @ kernel.reshape(-1, features)
+  if use_bias:
+    h = h + params["Conv_0"]["bias"]
+  a = np.maximum(h, 0).reshape(b, -1)
+  w2 = params["Dense_0"]["kernel"]
+  z = a @ w2 + (params["Dense_0"]["bias"] if use_bias else 0.0)
+  _, dz = softmax_cross_entropy(z, labels)
+  dh = (dz @ w2.T).reshape(h.shape) * (h > 0)
+
+  conv_rows = patches.reshape(b * spatial, -1)
+  if use_bias:
+    conv_rows = _with_ones(conv_rows)
+  conv_grad_rows = dh.reshape(b * spatial, features)
+  dense_rows = _with_ones(a) if use_bias else a
+  return {
+      # KAISA: the whole patch matrix (ones column included) and g divided by S.
+      "Conv_0": LayerTensors(conv_rows / spatial, conv_grad_rows / spatial,
+                             conv_rows.T @ conv_grad_rows),
+      "Dense_0": LayerTensors(dense_rows, dz, dense_rows.T @ dz),
+  }
+
+
+def _with_ones(x: np.ndarray) -> np.ndarray:
+  return np.concatenate([x, np.ones((x.shape[0], 1))], axis=1)
+
+
+@dataclasses.dataclass
+class KFACReference:
+  """Float64 K-FAC following the documented algorithm, one layer dict at a time."""
+
+  damping: float
+  factor_decay: float
+  learning_rate: float
+  kl_clip: float | None
+  method: str = "eigen"
+  factor_update_steps: int = 1
+  inv_update_steps: int = 1
+  outer_product: bool = True
+  step: int = 0
+  factors: dict = dataclasses.field(default_factory=dict)
+  decomposition: dict = dataclasses.field(default_factory=dict)
+
+  def update(self, batches: list[dict[str, LayerTensors]]) -> dict[str, np.ndarray]:
+    """One optimizer step over one or more micro-batches; returns P per layer."""
+    names = list(batches[0])
+    for name in names:
+      if name not in self.factors:
+        tensors = batches[0][name]
+        self.factors[name] = (np.eye(tensors.activation_rows.shape[1]),
+                              np.eye(tensors.gradient_rows.shape[1]))
+    d = self.factor_decay
+    if self.step % self.factor_update_steps == 0:
+      for name in names:
+        a_batch = np.mean([cov(b[name].activation_rows) for b in batches], 0)
+        g_batch = np.mean([cov(b[name].gradient_rows) for b in batches], 0)
+        a, g = self.factors[name]
+        self.factors[name] = (d * a + (1 - d) * a_batch,
+                              d * g + (1 - d) * g_batch)
+    if self.step % self.inv_update_steps == 0:
+      for name in names:
+        a, g = self.factors[name]
+        if self.method == "eigen":
+          da, qa = np.linalg.eigh(a)
+          dg, qg = np.linalg.eigh(g)
+          da, dg = np.maximum(da, 0), np.maximum(dg, 0)
+          frozen = 1 / (np.outer(da, dg) + self.damping)
+          self.decomposition[name] = (qa, da, qg, dg, frozen)
+        else:
+          self.decomposition[name] = (
+              np.linalg.inv(a + self.damping * np.eye(len(a))),
+              np.linalg.inv(g + self.damping * np.eye(len(g))))
+    grads = {n: np.mean([b[n].gradient for b in batches], 0) for n in names}
+    out = {}
+    for name in names:
+      grad = grads[name]
+      if self.method == "eigen":
+        qa, da, qg, dg, frozen = self.decomposition[name]
+        scale = frozen if self.outer_product else 1 / (
+            np.outer(da, dg) + self.damping)
+        out[name] = qa @ ((qa.T @ grad @ qg) * scale) @ qg.T
+      else:
+        a_inv, g_inv = self.decomposition[name]
+        out[name] = a_inv @ grad @ g_inv
+    if self.kl_clip is not None:
+      vg = self.learning_rate**2 * sum(
+          np.sum(out[n] * grads[n]) for n in names)
+      nu = 1.0 if vg == 0 else min(1.0, np.sqrt(self.kl_clip / abs(vg)))
+      out = {n: nu * p for n, p in out.items()}
+    self.step += 1
+    return out

@@ -1,0 +1,257 @@
+"""scale_by_kfac against the independent float64 reference (tests/reference.py)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax
+from tests import reference
+
+CONV_STRIDES = (2, 1)
+CONV_PADDING = ((1, 1), (0, 1))
+DAMPING = 0.003
+LEARNING_RATE = 0.1
+
+
+class MLP(nn.Module):
+  use_bias: bool
+
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.tanh(nn.Dense(7, use_bias=self.use_bias)(x))
+    return nn.Dense(4, use_bias=self.use_bias)(x)
+
+
+class CNN(nn.Module):
+  use_bias: bool
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(3, (3, 3), strides=CONV_STRIDES, padding=CONV_PADDING,
+                use_bias=self.use_bias)(x)
+    x = jax.nn.relu(x).reshape(x.shape[0], -1)
+    return nn.Dense(4, use_bias=self.use_bias)(x)
+
+
+def make_problem(kind: str, use_bias: bool, batch: int = 16, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  if kind == "mlp":
+    model = MLP(use_bias)
+    shape = (batch, 5)
+  else:
+    model = CNN(use_bias)
+    shape = (batch, 6, 5, 2)
+  x0 = jnp.asarray(rng.normal(size=shape), jnp.float32)
+  params = model.init(jax.random.PRNGKey(seed), x0)["params"]
+  # Non-zero biases so the bias rows matter.
+  params = jax.tree.map(
+      lambda p: p + 0.1 * jnp.asarray(rng.normal(size=p.shape), p.dtype),
+      params)
+
+  def batches():
+    while True:
+      yield (jnp.asarray(rng.normal(size=shape), jnp.float32),
+             jnp.asarray(rng.integers(0, 4, size=shape[0]), jnp.int32))
+
+  def loss_fn(params, x, y):
+    logits = model.apply({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  def reference_tensors(params, x, y):
+    numpy_params = jax.tree.map(lambda p: np.asarray(p, np.float64), params)
+    x, y = np.asarray(x, np.float64), np.asarray(y)
+    if kind == "mlp":
+      return reference.mlp_forward_backward(numpy_params, x, y, use_bias)
+    return reference.cnn_forward_backward(numpy_params, x, y, use_bias,
+                                          CONV_STRIDES, CONV_PADDING)
+
+  return params, batches(), loss_fn, reference_tensors
+
+
+def as_matrix(layer_tree) -> np.ndarray:
+  kernel = np.asarray(layer_tree["kernel"], np.float64)
+  matrix = kernel.reshape(-1, kernel.shape[-1])
+  if "bias" in layer_tree:
+    matrix = np.concatenate([matrix, np.asarray(layer_tree["bias"])[None]])
+  return matrix
+
+
+def run_and_compare(kind, use_bias, steps=3, accumulation_steps=1, **kwargs):
+  """Runs scale_by_kfac and the reference side by side; checks every step."""
+  params, batches, loss_fn, reference_tensors = make_problem(kind, use_bias)
+  tx = kfac_jax.scale_by_kfac(learning_rate=LEARNING_RATE, damping=DAMPING,
+                              accumulation_steps=accumulation_steps, **kwargs)
+  ref = reference.KFACReference(
+      damping=DAMPING,
+      factor_decay=kwargs.get("factor_decay", 0.95),
+      learning_rate=LEARNING_RATE,
+      kl_clip=kwargs.get("kl_clip", 0.001),
+      method=kwargs.get("compute_method", "eigen"),
+      factor_update_steps=kwargs.get("factor_update_steps", 1),
+      inv_update_steps=kwargs.get("inv_update_steps", 1),
+      outer_product=kwargs.get("compute_eigenvalue_outer_product", True))
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, x, y):
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+    return tx.update(grads, state, params, kfac_stats=stats)
+
+  for _ in range(steps):
+    micro = [next(batches) for _ in range(accumulation_steps)]
+    for i, (x, y) in enumerate(micro):
+      updates, state = step(params, state, x, y)
+      if i < accumulation_steps - 1:
+        assert all(not np.any(u) for u in jax.tree.leaves(updates))
+    expected = ref.update([reference_tensors(params, x, y) for x, y in micro])
+    for name, p_ref in expected.items():
+      np.testing.assert_allclose(as_matrix(updates[name]), p_ref, rtol=2e-4,
+                                 atol=1e-6 * np.abs(p_ref).max(),
+                                 err_msg=f"{name} at step {ref.step}")
+      a_ref, g_ref = ref.factors[name]
+      np.testing.assert_allclose(state.factors[name].activation_factor, a_ref,
+                                 rtol=1e-5, atol=1e-7)
+      np.testing.assert_allclose(state.factors[name].gradient_factor, g_ref,
+                                 rtol=1e-5, atol=1e-9)
+      if ref.method == "eigen":
+        _, da, _, dg, _ = ref.decomposition[name]
+        precond = state.preconditioners[name]
+        np.testing.assert_allclose(precond.activation_eigenvalues, da,
+                                   rtol=1e-4, atol=1e-6 * da.max())
+        np.testing.assert_allclose(precond.gradient_eigenvalues, dg,
+                                   rtol=1e-4, atol=1e-6 * dg.max())
+    # Move the params so the next step sees new activations.
+    params = optax.apply_updates(
+        params, jax.tree.map(lambda u: -LEARNING_RATE * u, updates))
+  assert int(state.count) == steps
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("compute_method", ["eigen", "inverse"])
+@pytest.mark.parametrize("kl_clip", [0.001, None])
+def test_matches_reference(kind, use_bias, compute_method, kl_clip):
+  run_and_compare(kind, use_bias, compute_method=compute_method,
+                  kl_clip=kl_clip)
+
+
+@pytest.mark.parametrize("compute_method", ["eigen", "inverse"])
+def test_update_intervals(compute_method):
+  run_and_compare("cnn", True, steps=6, compute_method=compute_method,
+                  factor_update_steps=2, inv_update_steps=3, factor_decay=0.8)
+
+
+def test_eigenvalue_outer_product_formed_each_step():
+  run_and_compare("mlp", True, steps=4, inv_update_steps=2,
+                  compute_eigenvalue_outer_product=False)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_accumulation(kind):
+  run_and_compare(kind, True, steps=2, accumulation_steps=3,
+                  inv_update_steps=2)
+
+
+def test_schedules_are_called_with_the_step():
+  damping = optax.linear_schedule(0.01, 0.001, 4)
+  params, batches, loss_fn, reference_tensors = make_problem("mlp", True)
+  tx = kfac_jax.scale_by_kfac(damping=damping, kl_clip=None,
+                              compute_method="inverse")
+  state = tx.init(params)
+  for step in range(3):
+    x, y = next(batches)
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+  a = np.asarray(state.factors["Dense_0"].activation_factor, np.float64)
+  expected = np.linalg.inv(a + float(damping(2)) * np.eye(len(a)))
+  np.testing.assert_allclose(
+      state.preconditioners["Dense_0"].activation_inverse, expected, rtol=1e-4)
+
+
+def test_dense_layer_equals_explicit_kronecker_solve():
+  """P = solve(kron(A, G) + λI, vec(∇)) with the explicit Kronecker matrix."""
+  params, batches, loss_fn, reference_tensors = make_problem("mlp", True)
+  tx = kfac_jax.scale_by_kfac(damping=DAMPING, kl_clip=None, factor_decay=0.5)
+  state = tx.init(params)
+  x, y = next(batches)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+  updates, state = tx.update(grads, state, params, kfac_stats=stats)
+  tensors = reference_tensors(params, x, y)
+  for name in ("Dense_0", "Dense_1"):
+    a = 0.5 * np.eye(tensors[name].activation_rows.shape[1]) + 0.5 * reference.cov(
+        tensors[name].activation_rows)
+    g = 0.5 * np.eye(tensors[name].gradient_rows.shape[1]) + 0.5 * reference.cov(
+        tensors[name].gradient_rows)
+    grad = tensors[name].gradient
+    kron = np.kron(a, g) + DAMPING * np.eye(a.shape[0] * g.shape[0])
+    expected = np.linalg.solve(kron, grad.reshape(-1)).reshape(grad.shape)
+    np.testing.assert_allclose(as_matrix(updates[name]), expected, rtol=2e-4,
+                               atol=1e-6 * np.abs(expected).max())
+
+
+def test_unregistered_gradients_pass_through_and_skip_layers():
+  class WithNorm(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      x = nn.LayerNorm()(nn.Dense(6, name="encoder")(x))
+      return nn.Dense(3, name="head")(x)
+
+  model = WithNorm()
+  x = jnp.ones((4, 5))
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+
+  def loss_fn(params):
+    return jnp.sum(model.apply({"params": params}, x)**2)
+
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  for skip, preconditioned in [(None, {"encoder", "head"}),
+                               (["^head$"], {"encoder"}),
+                               (["Dense"], set())]:
+    tx = kfac_jax.scale_by_kfac(skip_layers=skip)
+    state = tx.init(params)
+    updates, _ = tx.update(grads, state, params, kfac_stats=stats)
+    for name in ("encoder", "head", "LayerNorm_0"):
+      same = all(
+          np.array_equal(u, g)
+          for u, g in zip(jax.tree.leaves(updates[name]),
+                          jax.tree.leaves(grads[name])))
+      assert same == (name not in preconditioned), (skip, name)
+
+
+def test_kfac_alias_with_accumulation_matches_manual_chain():
+  params, batches, loss_fn, _ = make_problem("mlp", True)
+  micro = [next(batches) for _ in range(4)]
+  kwargs = dict(damping=DAMPING, inv_update_steps=2, accumulation_steps=2)
+  alias = kfac_jax.kfac(LEARNING_RATE, momentum=0.9, weight_decay=1e-3,
+                        **kwargs)
+  plain = kfac_jax.scale_by_kfac(learning_rate=LEARNING_RATE, **kwargs)
+  sgd = optax.chain(optax.add_decayed_weights(1e-3),
+                    optax.sgd(LEARNING_RATE, momentum=0.9))
+
+  def run_alias(params):
+    state = alias.init(params)
+    for x, y in micro:
+      _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+      updates, state = alias.update(grads, state, params, kfac_stats=stats)
+      params = optax.apply_updates(params, updates)
+    return params
+
+  def run_manual(params):
+    state, sgd_state = plain.init(params), sgd.init(params)
+    for x, y in micro:
+      _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+      pre, state = plain.update(grads, state, params, kfac_stats=stats)
+      if int(state.accumulator.micro_step) == 0:  # an optimizer step ended
+        updates, sgd_state = sgd.update(pre, sgd_state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+  for a, b in zip(jax.tree.leaves(run_alias(params)),
+                  jax.tree.leaves(run_manual(params))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
