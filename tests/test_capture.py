@@ -1,0 +1,104 @@
+"""value_grad_and_stats: gradients, inputs and output cotangents of each call."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kfac_jax
+from kfac_jax.factors.batch import batch_factors
+from tests import reference
+
+
+class SharedLayer(nn.Module):
+  """One Dense called twice, inside a named sub-module."""
+
+  @nn.compact
+  def __call__(self, x1, x2):
+    dense = nn.Dense(3, name="shared")
+    return dense(x1) + 2.0 * dense(x2)
+
+
+class Outer(nn.Module):
+
+  @nn.compact
+  def __call__(self, x1, x2):
+    return SharedLayer(name="block")(x1, x2)
+
+
+def test_each_call_is_captured_with_its_cotangent():
+  model = Outer()
+  rng = np.random.default_rng(0)
+  x1 = jnp.asarray(rng.normal(size=(4, 5)), jnp.float32)
+  x2 = jnp.asarray(rng.normal(size=(4, 5)), jnp.float32)
+  params = model.init(jax.random.PRNGKey(0), x1, x2)["params"]
+
+  def loss_fn(params):
+    y = model.apply({"params": params}, x1, x2)
+    return jnp.sum(y**2), y
+
+  (loss, y), grads, stats = kfac_jax.value_grad_and_stats(
+      loss_fn, has_aux=True)(params)
+  (expected_loss, _), expected_grads = jax.value_and_grad(
+      loss_fn, has_aux=True)(params)
+  np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+  assert list(stats) == ["block/shared"]
+  layer = stats["block/shared"]
+  assert layer.signature.module_type == "Dense" and layer.signature.has_bias
+  np.testing.assert_array_equal(layer.inputs[0], x1)
+  np.testing.assert_array_equal(layer.inputs[1], x2)
+  # dL/d(out_1) = 2y and dL/d(out_2) = 2 * 2y, from L = sum((out_1 + 2 out_2)^2).
+  np.testing.assert_allclose(layer.output_cotangents[0], 2 * y, rtol=1e-6)
+  np.testing.assert_allclose(layer.output_cotangents[1], 4 * y, rtol=1e-6)
+
+  # The layer's batch factors are the sum of its calls' factors.
+  a, g = batch_factors(layer)
+  ones = np.ones((4, 1))
+  a1 = np.concatenate([np.asarray(x1, np.float64), ones], 1)
+  a2 = np.concatenate([np.asarray(x2, np.float64), ones], 1)
+  y64 = np.asarray(y, np.float64)
+  np.testing.assert_allclose(a, reference.cov(a1) + reference.cov(a2),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(g, reference.cov(2 * y64) + reference.cov(4 * y64),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_extra_arguments_and_jit():
+  model = nn.Dense(2)
+  x = jnp.ones((3, 4))
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+
+  def loss_fn(params, x, scale):
+    return scale * jnp.sum(model.apply({"params": params}, x))
+
+  fn = jax.jit(kfac_jax.value_grad_and_stats(loss_fn))
+  loss, grads, stats = fn(params, x, 3.0)
+  # Root module: its path is empty, as is the params path of its kernel.
+  assert list(stats) == [""]
+  np.testing.assert_allclose(grads["bias"], 3.0 * 3 * np.ones(2))
+  np.testing.assert_allclose(stats[""].output_cotangents[0], 3.0 * np.ones(
+      (3, 2)))
+
+
+def test_non_scalar_loss_is_rejected():
+  model = nn.Dense(2)
+  x = jnp.ones((3, 4))
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  with pytest.raises(ValueError, match="scalar loss"):
+    kfac_jax.value_grad_and_stats(
+        lambda p: model.apply({"params": p}, x))(params)
+
+
+def test_has_aux_requires_a_pair():
+  model = nn.Dense(2)
+  x = jnp.ones((3, 4))
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  with pytest.raises(ValueError, match=r"\(loss, aux\)"):
+    kfac_jax.value_grad_and_stats(
+        lambda p: jnp.sum(model.apply({"params": p}, x)), has_aux=True)(params)

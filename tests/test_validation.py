@@ -1,0 +1,131 @@
+"""Bad configuration and mismatched inputs raise early, naming what to fix."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(compute_method="cholesky"), ValueError, "compute_method='cholesky'"),
+    (dict(damping=0.0), ValueError, "damping must be > 0"),
+    (dict(damping=-1e-3), ValueError, "damping must be > 0"),
+    (dict(factor_decay=0.0), ValueError, r"factor_decay must be in \(0, 1\]"),
+    (dict(factor_decay=1.5), ValueError, r"factor_decay must be in \(0, 1\]"),
+    (dict(factor_update_steps=0), ValueError, "factor_update_steps must be a positive"),
+    (dict(inv_update_steps=-2), ValueError, "inv_update_steps must be a positive"),
+    (dict(inv_update_steps=2.5), TypeError, "inv_update_steps must be an integer"),
+    (dict(kl_clip=-1.0), ValueError, "kl_clip must be > 0"),
+    (dict(learning_rate=float("nan")), ValueError, "learning_rate must be > 0"),
+    (dict(damping="big"), TypeError, "damping must be a real number"),
+    (dict(damping=lambda step: jnp.ones(2)), TypeError, r"damping must be a real scalar.*step 0"),
+    (dict(damping=optax.linear_schedule(-1.0, 1.0, 10)), ValueError, "step 0"),
+    (dict(accumulation_steps=0), ValueError, "accumulation_steps"),
+    (dict(skip_layers=["(unclosed"]), ValueError, "invalid regex"),
+    (dict(factor_dtype=jnp.int32), ValueError, "factor_dtype must be a floating"),
+])
+def test_bad_configuration(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    kfac_jax.scale_by_kfac(**kwargs)
+
+
+def test_schedules_are_accepted():
+  kfac_jax.scale_by_kfac(
+      damping=optax.exponential_decay(1e-2, 100, 0.5),
+      learning_rate=optax.cosine_decay_schedule(0.1, 1000),
+      inv_update_steps=lambda step: jnp.where(step < 100, 1, 10))
+
+
+class TwoLayers(nn.Module):
+  hidden: int = 6
+
+  @nn.compact
+  def __call__(self, x, use_second=True):
+    x = nn.Dense(self.hidden)(x)
+    return nn.Dense(3)(x) if use_second else x[:, :3]
+
+
+def _setup(hidden=6):
+  model = TwoLayers(hidden)
+  x = jnp.ones((4, 5))
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  return model, x, params
+
+
+def _stats(model, params, x, **kwargs):
+  return kfac_jax.value_grad_and_stats(
+      lambda p: jnp.sum(model.apply({"params": p}, x, **kwargs)**2))(params)
+
+
+def test_missing_stats_argument():
+  model, x, params = _setup()
+  tx = kfac_jax.scale_by_kfac()
+  _, grads, _ = _stats(model, params, x)
+  with pytest.raises(ValueError, match="kfac_stats"):
+    tx.update(grads, tx.init(params), params)
+
+
+def test_stats_missing_a_layer_name_it_and_suggest_skip_layers():
+  model, x, params = _setup()
+  tx = kfac_jax.scale_by_kfac()
+  _, grads, stats = _stats(model, params, x, use_second=False)
+  with pytest.raises(ValueError, match="'Dense_1'.*skip_layers"):
+    tx.update(grads, tx.init(params), params, kfac_stats=stats)
+  # The suggested fix works.
+  tx = kfac_jax.scale_by_kfac(skip_layers=["Dense_1"])
+  tx.update(grads, tx.init(params), params, kfac_stats=stats)
+
+
+def test_stats_with_a_layer_the_state_lacks():
+  model, x, params = _setup()
+  _, grads, stats = _stats(model, params, x)
+  only_first = {"Dense_0": params["Dense_0"]}
+  tx = kfac_jax.scale_by_kfac()
+  with pytest.raises(ValueError, match="'Dense_1'.*no kernel"):
+    tx.update({"Dense_0": grads["Dense_0"]}, tx.init(only_first), only_first,
+              kfac_stats=stats)
+
+
+def test_stats_shapes_disagree_with_params():
+  model, x, params = _setup(hidden=6)
+  other_model, _, other_params = _setup(hidden=8)
+  _, grads, _ = _stats(model, params, x)
+  _, _, other_stats = _stats(other_model, other_params, x)
+  tx = kfac_jax.scale_by_kfac()
+  with pytest.raises(ValueError, match="'Dense_0'.*output features 8 != kernel out 6"):
+    tx.update(grads, tx.init(params), params, kfac_stats=other_stats)
+
+
+def test_state_from_other_params():
+  model, x, params = _setup(hidden=6)
+  _, _, other_params = _setup(hidden=8)
+  _, grads, stats = _stats(model, params, x)
+  tx = kfac_jax.scale_by_kfac()
+  with pytest.raises(ValueError, match="'Dense_0'.*re-run tx.init"):
+    tx.update(grads, tx.init(other_params), params, kfac_stats=stats)
+
+
+def test_errors_raise_at_trace_time_under_jit():
+  model, x, params = _setup()
+  tx = kfac_jax.scale_by_kfac()
+  _, grads, stats = _stats(model, params, x, use_second=False)
+  step = jax.jit(lambda g, s, st: tx.update(g, s, kfac_stats=st))
+  with pytest.raises(ValueError, match="Dense_1"):
+    step(grads, tx.init(params), stats)
+
+
+def test_unsupported_conv_names_the_layer():
+  model = nn.Conv(4, (3, 3), feature_group_count=2)
+  x = jnp.ones((2, 5, 5, 4))
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  _, grads, stats = kfac_jax.value_grad_and_stats(
+      lambda p: jnp.sum(model.apply({"params": p}, x)))(params)
+  tx = kfac_jax.scale_by_kfac()
+  with pytest.raises(ValueError, match="feature_group_count=2.*skip_layers"):
+    tx.update(grads, tx.init(params), params, kfac_stats=stats)
