@@ -60,12 +60,18 @@ class ScaleByKFACState(NamedTuple):
     preconditioners: ``{layer: EigenPreconditioner | InversePreconditioner}``
       from the last decomposition.
     accumulator: micro-batch sums when ``accumulation_steps > 1``, else None.
+    skipped_factor_updates: factor updates skipped because the batch factors
+      or the gradients held NaN/Inf (int32 scalar).
+    rejected_decompositions: per-layer decompositions that came out non-finite
+      and were discarded, keeping the previous one (int32 scalar).
   """
 
   count: jax.Array
   factors: dict[str, LayerFactors]
   preconditioners: dict[str, Preconditioner]
   accumulator: AccumulatorState | None
+  skipped_factor_updates: jax.Array
+  rejected_decompositions: jax.Array
 
 
 def scale_by_kfac(
@@ -182,35 +188,59 @@ def scale_by_kfac(
         preconditioners={
             name: init_preconditioner(layer) for name, layer in layers.items()
         },
-        accumulator=accumulator)
+        accumulator=accumulator,
+        skipped_factor_updates=jnp.zeros([], jnp.int32),
+        rejected_decompositions=jnp.zeros([], jnp.int32))
 
   def optimizer_step(
       state: ScaleByKFACState, grads: Any, layers: Mapping[str, LayerInfo],
       active: Sequence[str],
       batch_factors: Callable[[], dict[str, LayerFactors]]
-  ) -> tuple[Any, dict[str, LayerFactors], dict[str, Preconditioner]]:
-    """Factor update, decomposition and preconditioning of one optimizer step."""
+  ) -> tuple[Any, ScaleByKFACState]:
+    """Factor update, decomposition and preconditioning of one optimizer step.
+
+    Returns the updates and the state after the step (accumulator untouched).
+    """
     count = state.count
     damping_value = damping_fn(count)
 
-    def updated_factors() -> dict[str, LayerFactors]:
-      decay_value = factor_decay_fn(count)
+    def updated_factors():
+      # A batch with NaN/Inf statistics or gradients never enters the factors;
+      # a running factor that is itself non-finite (e.g. a corrupted restore)
+      # restarts from the identity with this batch.
       new = batch_factors()
-      return {
-          name: (update_factors(f, new[name], decay_value)
-                 if name in new else f) for name, f in state.factors.items()
-      }
+      finite = _all_finite((new, grads))
+      decay_value = factor_decay_fn(count)
+      factors = dict(state.factors)
+      for name, batch in new.items():
+        old = state.factors[name]
+        averaged = update_factors(old, batch, decay_value)
+        restarted = update_factors(
+            jax.tree.map(lambda f: jnp.eye(f.shape[0], dtype=f.dtype), old),
+            batch, decay_value)
+        healthy = _select(_all_finite(averaged), averaged, restarted)
+        factors[name] = _select(finite, healthy, old)
+      return factors, state.skipped_factor_updates + (~finite).astype(jnp.int32)
 
-    factors = lax.cond(count % factor_update_steps_fn(count) == 0,
-                       updated_factors, lambda: state.factors)
-    preconditioners = lax.cond(
-        count % inv_update_steps_fn(count) == 0,
-        lambda: {
-            name: (decompose(factors[name], damping_value)
-                   if name in active else p)
-            for name, p in state.preconditioners.items()
-        },
-        lambda: state.preconditioners)
+    factors, skipped = lax.cond(
+        count % factor_update_steps_fn(count) == 0, updated_factors,
+        lambda: (state.factors, state.skipped_factor_updates))
+
+    def decomposed():
+      # A decomposition that comes out non-finite keeps the previous one.
+      preconditioners = dict(state.preconditioners)
+      rejected = state.rejected_decompositions
+      for name in active:
+        candidate = decompose(factors[name], damping_value)
+        finite = _all_finite(candidate)
+        preconditioners[name] = _select(finite, candidate,
+                                        state.preconditioners[name])
+        rejected = rejected + (~finite).astype(jnp.int32)
+      return preconditioners, rejected
+
+    preconditioners, rejected = lax.cond(
+        count % inv_update_steps_fn(count) == 0, decomposed,
+        lambda: (state.preconditioners, state.rejected_decompositions))
 
     gradient_matrices = {}
     preconditioned = {}
@@ -231,7 +261,13 @@ def scale_by_kfac(
                           layers_lib.get_layer_params(grads, layers[name]))
         for name, p in preconditioned.items()
     }
-    return _replace_layers(grads, layers, layer_updates), factors, preconditioners
+    new_state = state._replace(
+        count=count + 1,
+        factors=factors,
+        preconditioners=preconditioners,
+        skipped_factor_updates=skipped,
+        rejected_decompositions=rejected)
+    return _replace_layers(grads, layers, layer_updates), new_state
 
   def update_fn(
       updates: Any,
@@ -253,10 +289,7 @@ def scale_by_kfac(
       }
 
     if accumulation_steps == 1:
-      new_updates, factors, preconditioners = optimizer_step(
-          state, updates, layers, active, stats_factors)
-      return new_updates, ScaleByKFACState(state.count + 1, factors,
-                                           preconditioners, None)
+      return optimizer_step(state, updates, layers, active, stats_factors)
 
     accumulator = state.accumulator
     factor_step = state.count % factor_update_steps_fn(state.count) == 0
@@ -281,14 +314,13 @@ def scale_by_kfac(
       mean_factors = {
           n: LayerFactors(*(f / k for f in factor_sums[n])) for n in active
       }
-      new_updates, factors, preconditioners = optimizer_step(
-          state, mean_grads, layers, active, lambda: mean_factors)
+      new_updates, new_state = optimizer_step(state, mean_grads, layers,
+                                              active, lambda: mean_factors)
       reset = AccumulatorState(
           micro_step=jnp.zeros([], jnp.int32),
           gradients=optax.tree.zeros_like(gradient_sums),
           factors=jax.tree.map(jnp.zeros_like, factor_sums))
-      return new_updates, ScaleByKFACState(state.count + 1, factors,
-                                           preconditioners, reset)
+      return new_updates, new_state._replace(accumulator=reset)
 
     def hold():
       held = AccumulatorState(accumulator.micro_step + 1, gradient_sums,
@@ -299,6 +331,20 @@ def scale_by_kfac(
                     hold)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+  """Whether every element of every floating leaf is finite (bool scalar)."""
+  leaves = [
+      jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+      if jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _select(predicate: jax.Array, on_true: Any, on_false: Any) -> Any:
+  return jax.tree.map(lambda t, f: jnp.where(predicate, t, f), on_true,
+                      on_false)
 
 
 def _replace_layers(grads: Any, layers: Mapping[str, LayerInfo],
