@@ -214,12 +214,11 @@ def scale_by_kfac(
       factors = dict(state.factors)
       for name, batch in new.items():
         old = state.factors[name]
-        averaged = update_factors(old, batch, decay_value)
-        restarted = update_factors(
-            jax.tree.map(lambda f: jnp.eye(f.shape[0], dtype=f.dtype), old),
-            batch, decay_value)
-        healthy = _select(_all_finite(averaged), averaged, restarted)
-        factors[name] = _select(finite, healthy, old)
+        start = _select(
+            _all_finite(old), old,
+            jax.tree.map(lambda f: jnp.eye(f.shape[0], dtype=f.dtype), old))
+        factors[name] = _select(finite,
+                                update_factors(start, batch, decay_value), old)
       return factors, state.skipped_factor_updates + (~finite).astype(jnp.int32)
 
     factors, skipped = lax.cond(
