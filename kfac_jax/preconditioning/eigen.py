@@ -42,7 +42,13 @@ class EigenPreconditioner(NamedTuple):
   damped_inverse: jax.Array | None
 
 
-def _eigh(factor: jax.Array) -> tuple[jax.Array, jax.Array]:
+def eigh_factor(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(d, Q)`` of one symmetric factor ``[d, d]`` in float32, ``d`` clamped ≥ 0.
+
+  ``damping`` is unused (the eigenbasis does not depend on it); it keeps the
+  signature of ``inverse.damped_inverse`` so both batch the same way.
+  """
+  del damping
   eigenvalues, eigenvectors = jnp.linalg.eigh(
       factor.astype(DECOMPOSITION_DTYPE), symmetrize_input=True)
   # Round-off can make a PSD factor's smallest eigenvalues slightly negative.
@@ -69,12 +75,13 @@ def _damped_inverse(activation_eigenvalues: jax.Array,
   return 1.0 / (outer + damping)
 
 
-def decompose(factors: LayerFactors, damping: jax.Array, dtype: jnp.dtype,
-              precompute_damped_inverse: bool) -> EigenPreconditioner:
-  """Eigendecomposes A and G (float32) and stores them as ``dtype``."""
-  activation_eigenvalues, activation_eigenvectors = _eigh(
-      factors.activation_factor)
-  gradient_eigenvalues, gradient_eigenvectors = _eigh(factors.gradient_factor)
+def assemble(activation: tuple[jax.Array, jax.Array],
+             gradient: tuple[jax.Array, jax.Array], damping: jax.Array,
+             dtype: jnp.dtype,
+             precompute_damped_inverse: bool) -> EigenPreconditioner:
+  """A layer's preconditioner from ``eigh_factor`` of A and of G, as ``dtype``."""
+  (activation_eigenvalues, activation_eigenvectors) = activation
+  (gradient_eigenvalues, gradient_eigenvectors) = gradient
   damped_inverse = None
   if precompute_damped_inverse:
     damped_inverse = _damped_inverse(activation_eigenvalues,
@@ -85,6 +92,14 @@ def decompose(factors: LayerFactors, damping: jax.Array, dtype: jnp.dtype,
       gradient_eigenvectors=gradient_eigenvectors.astype(dtype),
       gradient_eigenvalues=gradient_eigenvalues.astype(dtype),
       damped_inverse=damped_inverse)
+
+
+def decompose(factors: LayerFactors, damping: jax.Array, dtype: jnp.dtype,
+              precompute_damped_inverse: bool) -> EigenPreconditioner:
+  """Eigendecomposes one layer's A and G (float32), stored as ``dtype``."""
+  return assemble(eigh_factor(factors.activation_factor, damping),
+                  eigh_factor(factors.gradient_factor, damping), damping,
+                  dtype, precompute_damped_inverse)
 
 
 def precondition(preconditioner: EigenPreconditioner, gradient: jax.Array,

@@ -33,24 +33,31 @@ def init_inverse(activation_dim: int, gradient_dim: int,
       gradient_inverse=jnp.eye(gradient_dim, dtype=dtype))
 
 
-def _damped_inverse(factor: jax.Array, damping: jax.Array) -> jax.Array:
-  """``(F + λI)⁻¹`` of a symmetric PSD factor via Cholesky, in float32."""
+def damped_inverse(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array]:
+  """``((F + λI)⁻¹,)`` of one symmetric PSD factor via Cholesky, in float32."""
   factor = factor.astype(DECOMPOSITION_DTYPE)
   identity = jnp.eye(factor.shape[0], dtype=DECOMPOSITION_DTYPE)
   damped = (factor + factor.T) / 2 + damping * identity
   cholesky = jax.scipy.linalg.cho_factor(damped, lower=True)
   inverse = jax.scipy.linalg.cho_solve(cholesky, identity)
-  return (inverse + inverse.T) / 2
+  return ((inverse + inverse.T) / 2,)
+
+
+def assemble(activation: tuple[jax.Array], gradient: tuple[jax.Array],
+             damping: jax.Array, dtype: jnp.dtype) -> InversePreconditioner:
+  """A layer's preconditioner from ``damped_inverse`` of A and of G."""
+  del damping  # Already folded into the inverses.
+  return InversePreconditioner(
+      activation_inverse=activation[0].astype(dtype),
+      gradient_inverse=gradient[0].astype(dtype))
 
 
 def invert(factors: LayerFactors, damping: jax.Array,
            dtype: jnp.dtype) -> InversePreconditioner:
-  """Damped inverses of A and G, stored as ``dtype``."""
-  return InversePreconditioner(
-      activation_inverse=_damped_inverse(factors.activation_factor,
-                                         damping).astype(dtype),
-      gradient_inverse=_damped_inverse(factors.gradient_factor,
-                                       damping).astype(dtype))
+  """Damped inverses of one layer's A and G, stored as ``dtype``."""
+  return assemble(damped_inverse(factors.activation_factor, damping),
+                  damped_inverse(factors.gradient_factor, damping), damping,
+                  dtype)
 
 
 def precondition(preconditioner: InversePreconditioner, gradient: jax.Array,

@@ -14,6 +14,7 @@ neither. Gradients of parameters that are not registered layers pass through.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -27,7 +28,7 @@ from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.factors import batch as batch_lib
 from kfac_jax.factors.running import LayerFactors, init_factors, update_factors
-from kfac_jax.preconditioning import eigen, inverse
+from kfac_jax.preconditioning import batched, eigen, inverse
 from kfac_jax.preconditioning.gradient_matrix import from_matrix, to_matrix
 from kfac_jax.preconditioning.kl_clip import kl_clip_scale
 from kfac_jax.transform import hyperparameters as hp
@@ -155,10 +156,13 @@ def scale_by_kfac(
     return inverse.init_inverse(layer.activation_dim, layer.gradient_dim,
                                 inv_dtype)
 
-  def decompose(factors: LayerFactors, damping: jax.Array) -> Preconditioner:
-    if method is ComputeMethod.EIGEN:
-      return eigen.decompose(factors, damping, inv_dtype, precompute)
-    return inverse.invert(factors, damping, inv_dtype)
+  if method is ComputeMethod.EIGEN:
+    factor_fn = eigen.eigh_factor
+    assemble = functools.partial(
+        eigen.assemble, dtype=inv_dtype, precompute_damped_inverse=precompute)
+  else:
+    factor_fn = inverse.damped_inverse
+    assemble = functools.partial(inverse.assemble, dtype=inv_dtype)
 
   precondition = (eigen.precondition if method is ComputeMethod.EIGEN else
                   inverse.precondition)
@@ -229,8 +233,10 @@ def scale_by_kfac(
       # A decomposition that comes out non-finite keeps the previous one.
       preconditioners = dict(state.preconditioners)
       rejected = state.rejected_decompositions
+      decomposed_factors = batched.decompose_layers(
+          {name: factors[name] for name in active}, factor_fn, damping_value)
       for name in active:
-        candidate = decompose(factors[name], damping_value)
+        candidate = assemble(*decomposed_factors[name], damping_value)
         finite = _all_finite(candidate)
         preconditioners[name] = _select(finite, candidate,
                                         state.preconditioners[name])

@@ -1,0 +1,225 @@
+"""Checkpoints of K-FAC optimizer states with ``orbax.checkpoint``.
+
+``save(directory, tree)`` writes any pytree that holds ``ScaleByKFACState``s
+(the state alone, an optax chain's state, or a whole
+``{"params": ..., "opt_state": ...}``) to a new directory;
+``restore(directory, target)`` reads it back bit for bit, placing every array
+with the sharding of the matching ``target`` leaf. The target is abstract, so a
+state saved on one mesh restores onto another mesh or onto one device::
+
+  abstract = jax.eval_shape(lambda: {"params": params,
+                                     "opt_state": tx.init(params)})
+  replicated = NamedSharding(mesh, PartitionSpec())
+  target = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+      abstract)
+  restored = kfac_jax.checkpoint.restore(path, target)
+
+``save(..., include_preconditioners=False)`` leaves the eigenbases/inverses
+out: they are a function of the factors, and for a layer with ``dA`` inputs and
+``dG`` outputs they take ``dA² + dG² (+ dA·dG)`` numbers beside the factors'
+``dA² + dG²``. ``restore`` then returns every K-FAC state with
+``preconditioners=None``; ``recompute_preconditioners`` decomposes the restored
+factors again before the next update (what KAISA does on load).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from kfac_jax.capture.layers import path_key_name
+from kfac_jax.preconditioning import eigen, inverse
+from kfac_jax.transform import hyperparameters as hp
+from kfac_jax.transform.hyperparameters import ComputeMethod, ScalarOrSchedule
+from kfac_jax.transform.scale_by_kfac import ScaleByKFACState
+
+_KeyPath = tuple[str, ...]
+
+
+def _is_kfac_state(node: Any) -> bool:
+  return isinstance(node, ScaleByKFACState)
+
+
+def _map_kfac_states(fn: Callable[[_KeyPath, ScaleByKFACState], Any],
+                     tree: Any) -> Any:
+  """Replaces every ``ScaleByKFACState`` in ``tree`` by ``fn(path, state)``."""
+
+  def visit(path: Sequence[Any], node: Any) -> Any:
+    if not _is_kfac_state(node):
+      return node
+    return fn(tuple(path_key_name(k) for k in path), node)
+
+  return jax.tree_util.tree_map_with_path(visit, tree, is_leaf=_is_kfac_state)
+
+
+def save(directory: str | os.PathLike[str],
+         tree: Any,
+         *,
+         include_preconditioners: bool = True) -> None:
+  """Writes ``tree`` to ``directory`` (which must not exist yet) and waits.
+
+  Args:
+    directory: the checkpoint directory; made absolute, as Orbax requires.
+    tree: a pytree of arrays holding any number of ``ScaleByKFACState``s.
+    include_preconditioners: ``False`` stores each K-FAC state with
+      ``preconditioners=None``; restore it with ``recompute_preconditioners``.
+  """
+  if not include_preconditioners:
+    tree = _map_kfac_states(lambda _, s: s._replace(preconditioners=None),
+                            tree)
+  # Leaving the context waits for the (asynchronous) save to be committed.
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(os.path.abspath(directory), tree)
+
+
+def restore(directory: str | os.PathLike[str], target: Any) -> Any:
+  """Reads the tree saved in ``directory`` onto the structure of ``target``.
+
+  Args:
+    directory: a directory written by ``save``.
+    target: the tree to restore into, e.g. ``jax.eval_shape`` of the saved
+      tree, with the same structure, shapes and layers. Its leaves are
+      ``jax.ShapeDtypeStruct``s or arrays; each restored array gets the leaf's
+      sharding (a leaf without one goes to the default device) and dtype.
+
+  Returns:
+    The restored tree. K-FAC states saved without preconditioners come back
+    with ``preconditioners=None``.
+
+  Raises:
+    ValueError: a K-FAC state of ``target`` registers other layers than the
+      saved one at the same place (the message lists both differences), or
+      the shapes disagree.
+  """
+  directory = os.path.abspath(directory)
+  with ocp.StandardCheckpointer() as checkpointer:
+    saved = checkpointer.metadata(directory).item_metadata.tree
+
+    def match_saved(path: _KeyPath,
+                    state: ScaleByKFACState) -> ScaleByKFACState:
+      saved_state = _saved_node(saved, path, directory)
+      _check_layers(path, set(state.factors),
+                    set(saved_state["factors"] or {}), directory)
+      # A state saved without preconditioners has None there; Orbax restores
+      # only onto a target of the saved structure.
+      if saved_state["preconditioners"] is None:
+        return state._replace(preconditioners=None)
+      return state
+
+    target = _map_kfac_states(match_saved, target)
+    return checkpointer.restore(directory, jax.tree.map(_abstract, target))
+
+
+def recompute_preconditioners(
+    tree: Any,
+    damping: ScalarOrSchedule,
+    compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
+    compute_eigenvalue_outer_product: bool = True,
+    inv_dtype: jnp.dtype = jnp.float32,
+) -> Any:
+  """Decomposes the factors of every K-FAC state in ``tree`` again.
+
+  Each layer gets ``eigen.decompose(factors, λ)`` (or ``inverse.invert``), as
+  ``update`` does on a decomposition step, with ``λ = damping(state.count)``:
+  the decomposition the next update would make if it were a decomposition
+  step, without its factor update. Pass the arguments given to
+  ``scale_by_kfac`` so the preconditioners have the structure and dtypes its
+  ``update`` expects. As in ``update``, a decomposition that comes out
+  non-finite is discarded and counted in ``rejected_decompositions``; with no
+  previous one to keep, the layer gets the preconditioner of identity factors
+  that ``init`` makes.
+
+  Args:
+    tree: a pytree holding ``ScaleByKFACState``s, e.g. from ``restore``; their
+      ``preconditioners`` may be ``None``.
+    damping: λ, constant or schedule of the step count, > 0.
+    compute_method: ``"eigen"`` or ``"inverse"``.
+    compute_eigenvalue_outer_product: eigen only, as in ``scale_by_kfac``.
+    inv_dtype: storage dtype of the preconditioners, as in ``scale_by_kfac``.
+
+  Returns:
+    ``tree`` with every K-FAC state's ``preconditioners`` (and
+    ``rejected_decompositions``) replaced.
+  """
+  damping_fn = hp.positive("damping", damping)
+  method = ComputeMethod.parse(compute_method)
+  inv_dtype = hp.floating_dtype("inv_dtype", inv_dtype)
+  precompute = (method is ComputeMethod.EIGEN and
+                bool(compute_eigenvalue_outer_product))
+
+  @jax.jit
+  def decompose_all(state: ScaleByKFACState) -> ScaleByKFACState:
+    damping_value = damping_fn(state.count)
+    preconditioners = {}
+    rejected = state.rejected_decompositions
+    for name, factors in state.factors.items():
+      dims = (factors.activation_factor.shape[0],
+              factors.gradient_factor.shape[0])
+      if method is ComputeMethod.EIGEN:
+        candidate = eigen.decompose(factors, damping_value, inv_dtype,
+                                    precompute)
+        fallback = eigen.init_eigen(*dims, inv_dtype, precompute)
+      else:
+        candidate = inverse.invert(factors, damping_value, inv_dtype)
+        fallback = inverse.init_inverse(*dims, inv_dtype)
+      finite = jnp.all(jnp.stack(
+          [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(candidate)]))
+      preconditioners[name] = jax.tree.map(
+          lambda c, f: jnp.where(finite, c, f), candidate, fallback)
+      rejected = rejected + (~finite).astype(rejected.dtype)
+    return state._replace(preconditioners=preconditioners,
+                          rejected_decompositions=rejected)
+
+  return _map_kfac_states(lambda _, state: decompose_all(state), tree)
+
+
+def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
+  """The restore spec of one target leaf; unsharded leaves go to one device."""
+  sharding = getattr(leaf, "sharding", None)
+  if sharding is None:
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+
+
+def _saved_node(saved: Any, path: _KeyPath, directory: str) -> Any:
+  """The node of the saved metadata tree at ``path`` (dicts and lists)."""
+  node = saved
+  for key in path:
+    if isinstance(node, dict) and key in node:
+      node = node[key]
+    elif isinstance(node, (list, tuple)) and key.isdigit() and int(key) < len(
+        node):
+      node = node[int(key)]
+    else:
+      raise ValueError(
+          f"The checkpoint at {directory} has no K-FAC state at "
+          f"{_describe(path)}, where the target has one.")
+  if not isinstance(node, dict) or not {"factors", "preconditioners"} <= set(
+      node):
+    raise ValueError(
+        f"The checkpoint at {directory} holds no K-FAC state at "
+        f"{_describe(path)}, where the target has one.")
+  return node
+
+
+def _check_layers(path: _KeyPath, target_layers: set[str],
+                  saved_layers: set[str], directory: str) -> None:
+  missing = sorted(target_layers - saved_layers)
+  extra = sorted(saved_layers - target_layers)
+  if missing or extra:
+    raise ValueError(
+        f"The K-FAC state at {_describe(path)} in {directory} registers other "
+        f"layers than the target: missing from the checkpoint: {missing}; in "
+        f"the checkpoint but not the target: {extra}. Restore onto a target "
+        "made by tx.init with the params (and skip_layers) of the saved run.")
+
+
+def _describe(path: _KeyPath) -> str:
+  return "/".join(path) if path else "the root"
