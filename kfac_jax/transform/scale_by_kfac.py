@@ -14,7 +14,6 @@ neither. Gradients of parameters that are not registered layers pass through.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -28,14 +27,12 @@ from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.factors import batch as batch_lib
 from kfac_jax.factors.running import LayerFactors, init_factors, update_factors
-from kfac_jax.preconditioning import batched, eigen, inverse
+from kfac_jax.preconditioning import batched
 from kfac_jax.preconditioning.gradient_matrix import from_matrix, to_matrix
+from kfac_jax.preconditioning.methods import Preconditioner, make_method
 from kfac_jax.preconditioning.kl_clip import kl_clip_scale
 from kfac_jax.transform import hyperparameters as hp
 from kfac_jax.transform.hyperparameters import ComputeMethod, ScalarOrSchedule
-
-Preconditioner = eigen.EigenPreconditioner | inverse.InversePreconditioner
-
 
 class AccumulatorState(NamedTuple):
   """Sums over the micro-batches of the optimizer step in progress.
@@ -146,26 +143,10 @@ def scale_by_kfac(
   skip = layers_lib.compile_patterns(skip_layers)
   factor_dtype = hp.floating_dtype("factor_dtype", factor_dtype)
   inv_dtype = hp.floating_dtype("inv_dtype", inv_dtype)
-  precompute = (method is ComputeMethod.EIGEN and
-                compute_eigenvalue_outer_product)
-
-  def init_preconditioner(layer: LayerInfo) -> Preconditioner:
-    if method is ComputeMethod.EIGEN:
-      return eigen.init_eigen(layer.activation_dim, layer.gradient_dim,
-                              inv_dtype, precompute)
-    return inverse.init_inverse(layer.activation_dim, layer.gradient_dim,
-                                inv_dtype)
-
-  if method is ComputeMethod.EIGEN:
-    factor_fn = eigen.eigh_factor
-    assemble = functools.partial(
-        eigen.assemble, dtype=inv_dtype, precompute_damped_inverse=precompute)
-  else:
-    factor_fn = inverse.damped_inverse
-    assemble = functools.partial(inverse.assemble, dtype=inv_dtype)
-
-  precondition = (eigen.precondition if method is ComputeMethod.EIGEN else
-                  inverse.precondition)
+  preconditioner_method = make_method(
+      use_eigen=method is ComputeMethod.EIGEN,
+      dtype=inv_dtype,
+      precompute_damped_inverse=compute_eigenvalue_outer_product)
 
   def init_fn(params: Any) -> ScaleByKFACState:
     layers = layers_lib.find_layers(params, skip)
@@ -190,7 +171,9 @@ def scale_by_kfac(
         count=jnp.zeros([], jnp.int32),
         factors=factors,
         preconditioners={
-            name: init_preconditioner(layer) for name, layer in layers.items()
+            name: preconditioner_method.init(layer.activation_dim,
+                                             layer.gradient_dim)
+            for name, layer in layers.items()
         },
         accumulator=accumulator,
         skipped_factor_updates=jnp.zeros([], jnp.int32),
@@ -234,9 +217,10 @@ def scale_by_kfac(
       preconditioners = dict(state.preconditioners)
       rejected = state.rejected_decompositions
       decomposed_factors = batched.decompose_layers(
-          {name: factors[name] for name in active}, factor_fn, damping_value)
+          {name: factors[name] for name in active},
+          preconditioner_method.factor_fn, damping_value)
       for name in active:
-        candidate = assemble(*decomposed_factors[name], damping_value)
+        candidate = preconditioner_method.assemble(*decomposed_factors[name], damping_value)
         finite = _all_finite(candidate)
         preconditioners[name] = _select(finite, candidate,
                                         state.preconditioners[name])
@@ -253,7 +237,7 @@ def scale_by_kfac(
       layer = layers[name]
       layer_grads = layers_lib.get_layer_params(grads, layer)
       gradient_matrices[name] = to_matrix(layer_grads, layer, jnp.float32)
-      preconditioned[name] = precondition(preconditioners[name],
+      preconditioned[name] = preconditioner_method.precondition(preconditioners[name],
                                           gradient_matrices[name],
                                           damping_value)
     if kl_clip_fn is not None and active:

@@ -1,0 +1,53 @@
+"""The eigen and inverse methods behind one interface."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax.preconditioning import eigen, inverse
+from kfac_jax.preconditioning.batched import FactorFn, Results
+
+Preconditioner = eigen.EigenPreconditioner | inverse.InversePreconditioner
+
+
+class Method(NamedTuple):
+  """How a layer's preconditioner is made and applied.
+
+  Attributes:
+    init: ``(activation_dim, gradient_dim) -> Preconditioner`` of identity
+      factors.
+    factor_fn: decomposition of one factor ``[d, d]`` (batched by
+      ``batched.decompose_layers``).
+    assemble: ``(factor_fn(A), factor_fn(G), λ) -> Preconditioner``.
+    precondition: ``(Preconditioner, ∇ [dA, dG], λ) -> P [dA, dG]``.
+  """
+
+  init: Callable[[int, int], Preconditioner]
+  factor_fn: FactorFn
+  assemble: Callable[[Results, Results, jax.Array], Preconditioner]
+  precondition: Callable[[Preconditioner, jax.Array, jax.Array], jax.Array]
+
+
+def make_method(use_eigen: bool, dtype: jnp.dtype,
+                precompute_damped_inverse: bool) -> Method:
+  """The eigen (``use_eigen``) or inverse method, storing results as ``dtype``."""
+  if use_eigen:
+    return Method(
+        init=functools.partial(
+            eigen.init_eigen, dtype=dtype,
+            precompute_damped_inverse=precompute_damped_inverse),
+        factor_fn=eigen.eigh_factor,
+        assemble=functools.partial(
+            eigen.assemble, dtype=dtype,
+            precompute_damped_inverse=precompute_damped_inverse),
+        precondition=eigen.precondition)
+  return Method(
+      init=functools.partial(inverse.init_inverse, dtype=dtype),
+      factor_fn=inverse.damped_inverse,
+      assemble=functools.partial(inverse.assemble, dtype=dtype),
+      precondition=inverse.precondition)
