@@ -87,16 +87,19 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
     target: the tree to restore into, e.g. ``jax.eval_shape`` of the saved
       tree, with the same structure, shapes and layers. Its leaves are
       ``jax.ShapeDtypeStruct``s or arrays; each restored array gets the leaf's
-      sharding (a leaf without one goes to the default device) and dtype.
+      sharding (a leaf without one goes to the default device) and dtype
+      (values are cast when it is not the saved dtype; with the saved dtypes
+      the restore is bit for bit).
 
   Returns:
     The restored tree. K-FAC states saved without preconditioners come back
     with ``preconditioners=None``.
 
   Raises:
-    ValueError: a K-FAC state of ``target`` registers other layers than the
-      saved one at the same place (the message lists both differences), or
-      the shapes disagree.
+    ValueError: a K-FAC state of ``target`` has no saved counterpart at the
+      same place, or registers other layers than it (the message lists the
+      missing and the extra ones); Orbax's own ValueError when shapes or the
+      rest of the structure disagree.
   """
   directory = os.path.abspath(directory)
   with ocp.StandardCheckpointer() as checkpointer:
@@ -188,23 +191,25 @@ def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
 
 
-def _saved_node(saved: Any, path: _KeyPath, directory: str) -> Any:
-  """The node of the saved metadata tree at ``path`` (dicts and lists)."""
+def _saved_node(saved: Any, path: _KeyPath, directory: str) -> dict[str, Any]:
+  """The saved K-FAC state at ``path`` in Orbax's metadata tree.
+
+  The metadata tree has dicts for mappings and NamedTuples (keyed by field
+  name) and lists for sequences.
+  """
   node = saved
   for key in path:
-    if isinstance(node, dict) and key in node:
-      node = node[key]
+    if isinstance(node, dict):
+      node = node.get(key)
     elif isinstance(node, (list, tuple)) and key.isdigit() and int(key) < len(
         node):
       node = node[int(key)]
     else:
-      raise ValueError(
-          f"The checkpoint at {directory} has no K-FAC state at "
-          f"{_describe(path)}, where the target has one.")
+      node = None
   if not isinstance(node, dict) or not {"factors", "preconditioners"} <= set(
       node):
     raise ValueError(
-        f"The checkpoint at {directory} holds no K-FAC state at "
+        f"The checkpoint at {directory} has no K-FAC state at "
         f"{_describe(path)}, where the target has one.")
   return node
 

@@ -220,7 +220,8 @@ def scale_by_kfac(
           {name: factors[name] for name in active},
           preconditioner_method.factor_fn, damping_value)
       for name in active:
-        candidate = preconditioner_method.assemble(*decomposed_factors[name], damping_value)
+        candidate = preconditioner_method.assemble(*decomposed_factors[name],
+                                                   damping_value)
         finite = _all_finite(candidate)
         preconditioners[name] = _select(finite, candidate,
                                         state.preconditioners[name])
@@ -237,9 +238,8 @@ def scale_by_kfac(
       layer = layers[name]
       layer_grads = layers_lib.get_layer_params(grads, layer)
       gradient_matrices[name] = to_matrix(layer_grads, layer, jnp.float32)
-      preconditioned[name] = preconditioner_method.precondition(preconditioners[name],
-                                          gradient_matrices[name],
-                                          damping_value)
+      preconditioned[name] = preconditioner_method.precondition(
+          preconditioners[name], gradient_matrices[name], damping_value)
     if kl_clip_fn is not None and active:
       nu = kl_clip_scale([preconditioned[n] for n in active],
                          [gradient_matrices[n] for n in active],
