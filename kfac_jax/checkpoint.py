@@ -35,7 +35,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from kfac_jax.capture.layers import path_key_name
-from kfac_jax.preconditioning import eigen, inverse
+from kfac_jax.preconditioning import batched
+from kfac_jax.preconditioning.methods import make_method
 from kfac_jax.transform import hyperparameters as hp
 from kfac_jax.transform.hyperparameters import ComputeMethod, ScalarOrSchedule
 from kfac_jax.transform.scale_by_kfac import ScaleByKFACState
@@ -54,7 +55,7 @@ def _map_kfac_states(fn: Callable[[_KeyPath, ScaleByKFACState], Any],
   def visit(path: Sequence[Any], node: Any) -> Any:
     if not _is_kfac_state(node):
       return node
-    return fn(tuple(path_key_name(k) for k in path), node)
+    return fn(_key_path(path), node)
 
   return jax.tree_util.tree_map_with_path(visit, tree, is_leaf=_is_kfac_state)
 
@@ -98,8 +99,9 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
   Raises:
     ValueError: a K-FAC state of ``target`` has no saved counterpart at the
       same place, or registers other layers than it (the message lists the
-      missing and the extra ones); Orbax's own ValueError when shapes or the
-      rest of the structure disagree.
+      missing and the extra ones); an array has another shape than the saved
+      one (the message lists them); Orbax's own ValueError when the rest of
+      the structure disagrees.
   """
   directory = os.path.abspath(directory)
   with ocp.StandardCheckpointer() as checkpointer:
@@ -117,6 +119,9 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
       return state
 
     target = _map_kfac_states(match_saved, target)
+    # Checked here: Orbax notices a wrong shape only while reading, and leaves
+    # its unfinished reads to be garbage-collected.
+    _check_shapes(saved, target, directory)
     return checkpointer.restore(directory, jax.tree.map(_abstract, target))
 
 
@@ -129,15 +134,15 @@ def recompute_preconditioners(
 ) -> Any:
   """Decomposes the factors of every K-FAC state in ``tree`` again.
 
-  Each layer gets ``eigen.decompose(factors, λ)`` (or ``inverse.invert``), as
-  ``update`` does on a decomposition step, with ``λ = damping(state.count)``:
-  the decomposition the next update would make if it were a decomposition
-  step, without its factor update. Pass the arguments given to
-  ``scale_by_kfac`` so the preconditioners have the structure and dtypes its
-  ``update`` expects. As in ``update``, a decomposition that comes out
-  non-finite is discarded and counted in ``rejected_decompositions``; with no
-  previous one to keep, the layer gets the preconditioner of identity factors
-  that ``init`` makes.
+  Each state's factors go through the decomposition ``update`` makes on a
+  decomposition step (``batched.decompose_layers`` with the method's factor
+  function, then its ``assemble``), with ``λ = damping(state.count)``: the
+  preconditioners the next update would make if it were a decomposition step,
+  without its factor update. Pass the arguments given to ``scale_by_kfac`` so
+  they have the structure and dtypes its ``update`` expects. As in ``update``,
+  a decomposition that comes out non-finite is discarded and counted in
+  ``rejected_decompositions``; with no previous one to keep, the layer gets
+  the preconditioner of identity factors that ``init`` makes.
 
   Args:
     tree: a pytree holding ``ScaleByKFACState``s, e.g. from ``restore``; their
@@ -152,26 +157,22 @@ def recompute_preconditioners(
     ``rejected_decompositions``) replaced.
   """
   damping_fn = hp.positive("damping", damping)
-  method = ComputeMethod.parse(compute_method)
-  inv_dtype = hp.floating_dtype("inv_dtype", inv_dtype)
-  precompute = (method is ComputeMethod.EIGEN and
-                bool(compute_eigenvalue_outer_product))
+  method = make_method(
+      use_eigen=ComputeMethod.parse(compute_method) is ComputeMethod.EIGEN,
+      dtype=hp.floating_dtype("inv_dtype", inv_dtype),
+      precompute_damped_inverse=compute_eigenvalue_outer_product)
 
   @jax.jit
   def decompose_all(state: ScaleByKFACState) -> ScaleByKFACState:
     damping_value = damping_fn(state.count)
+    decomposed = batched.decompose_layers(state.factors, method.factor_fn,
+                                          damping_value)
     preconditioners = {}
     rejected = state.rejected_decompositions
     for name, factors in state.factors.items():
-      dims = (factors.activation_factor.shape[0],
-              factors.gradient_factor.shape[0])
-      if method is ComputeMethod.EIGEN:
-        candidate = eigen.decompose(factors, damping_value, inv_dtype,
-                                    precompute)
-        fallback = eigen.init_eigen(*dims, inv_dtype, precompute)
-      else:
-        candidate = inverse.invert(factors, damping_value, inv_dtype)
-        fallback = inverse.init_inverse(*dims, inv_dtype)
+      candidate = method.assemble(*decomposed[name], damping_value)
+      fallback = method.init(factors.activation_factor.shape[0],
+                             factors.gradient_factor.shape[0])
       finite = jnp.all(jnp.stack(
           [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(candidate)]))
       preconditioners[name] = jax.tree.map(
@@ -224,6 +225,30 @@ def _check_layers(path: _KeyPath, target_layers: set[str],
         f"layers than the target: missing from the checkpoint: {missing}; in "
         f"the checkpoint but not the target: {extra}. Restore onto a target "
         "made by tx.init with the params (and skip_layers) of the saved run.")
+
+
+def _check_shapes(saved: Any, target: Any, directory: str) -> None:
+  """Every target leaf with a saved counterpart must have its shape."""
+  saved_shapes = {
+      _key_path(path): tuple(leaf.shape)
+      for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]
+      if getattr(leaf, "shape", None) is not None
+  }
+  mismatched = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+    key = _key_path(path)
+    shape = saved_shapes.get(key)
+    if shape is not None and shape != tuple(np.shape(leaf)):
+      mismatched.append(
+          f"{_describe(key)}: saved {shape}, target {tuple(np.shape(leaf))}")
+  if mismatched:
+    raise ValueError(
+        f"The checkpoint at {directory} has other shapes than the target: "
+        f"{'; '.join(mismatched)}.")
+
+
+def _key_path(path: Sequence[Any]) -> _KeyPath:
+  return tuple(path_key_name(k) for k in path)
 
 
 def _describe(path: _KeyPath) -> str:

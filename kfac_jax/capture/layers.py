@@ -69,6 +69,10 @@ def compile_patterns(skip_layers: Sequence[str] | str | None) -> tuple[re.Patter
     return ()
   if isinstance(skip_layers, str):
     skip_layers = (skip_layers,)
+  if not isinstance(skip_layers, (list, tuple)):
+    raise TypeError(
+        "skip_layers must be a regex string or a list/tuple of them; got "
+        f"{skip_layers!r} ({type(skip_layers).__name__}).")
   compiled = []
   for pattern in skip_layers:
     if not isinstance(pattern, str):
@@ -84,9 +88,10 @@ def compile_patterns(skip_layers: Sequence[str] | str | None) -> tuple[re.Patter
 
 def is_skipped_path(path: tuple[str, ...],
                      skip: Sequence[re.Pattern[str]]) -> bool:
-  # A skipped module hides everything under it: test every prefix of the path.
-  return any(
-      matches_any(skip, layer_name(path[:i])) for i in range(1, len(path) + 1))
+  # A skipped module hides everything under it: test every prefix of the path
+  # (the root layer's path is empty: test its empty name).
+  prefixes = [path[:i] for i in range(1, len(path) + 1)] or [()]
+  return any(matches_any(skip, layer_name(prefix)) for prefix in prefixes)
 
 
 def find_layers(params: Any,

@@ -20,6 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
 from kfac_jax.factors.patches import conv_patches
@@ -31,7 +32,11 @@ COMPUTE_DTYPE = jnp.float32
 def covariance(rows: jax.Array) -> jax.Array:
   """``sym(rowsᵀ rows / N)`` for ``rows: [N, d]``; returns ``[d, d]`` float32."""
   rows = rows.astype(COMPUTE_DTYPE)
-  product = jnp.matmul(rows.T, rows, precision=lax.Precision.HIGHEST)
+  # On a mesh with Explicit axes and a batch-sharded `rows`, the contraction
+  # over the batch must say where the (replicated) result lives.
+  replicated = jax.typeof(rows).sharding.update(spec=PartitionSpec())
+  product = jnp.matmul(rows.T, rows, precision=lax.Precision.HIGHEST,
+                       out_sharding=replicated)
   product = product / rows.shape[0]
   return (product + product.T) / 2
 

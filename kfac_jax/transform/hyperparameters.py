@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import numbers
+import operator
 from collections.abc import Callable
 from typing import Union
 
@@ -76,7 +77,10 @@ def hyperparameter(name: str,
     ValueError: the value is outside its allowed range.
   """
   source = "" if not callable(value) else " (the schedule's value at step 0)"
-  sample = value(jnp.asarray(0, jnp.int32)) if callable(value) else value
+  if callable(value):
+    sample = _call_schedule(name, value)
+  else:
+    sample = value
   if isinstance(sample, bool) or not isinstance(
       sample, (numbers.Real, np.ndarray, jax.Array, np.generic)):
     raise TypeError(
@@ -92,9 +96,47 @@ def hyperparameter(name: str,
         f"{name} must be {expected}; got {sample!r}{source} with shape "
         f"{array.shape} and dtype {array.dtype}.")
   scalar = array.item()
-  if not np.isfinite(scalar) or not is_valid(scalar):
-    raise ValueError(f"{name} must be {requirement}; got {scalar!r}{source}.")
+  # Checked as update will use it: int32 for intervals, float32 otherwise.
+  if integer:
+    representable = scalar <= np.iinfo(np.int32).max
+  else:
+    with np.errstate(over="ignore", under="ignore"):
+      scalar = np.float32(scalar).item()
+    representable = np.isfinite(scalar)
+  if not representable or not is_valid(scalar):
+    raise ValueError(
+        f"{name} must be {requirement} (as {'int32' if integer else 'float32'}); "
+        f"got {array.item()!r}{source}.")
   return Hyperparameter(name, value, integer)
+
+
+def _call_schedule(name: str, schedule: Schedule) -> jax.typing.ArrayLike:
+  """Calls ``schedule`` at step 0, concretely and traced, naming ``name`` on error."""
+  step = jnp.asarray(0, jnp.int32)
+  try:
+    sample = schedule(step)
+    jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
+  except Exception as e:  # pylint: disable=broad-except
+    raise TypeError(
+        f"{name}: the schedule must be a function of the step count alone that "
+        "jax can trace (use jnp.where, not Python if, on the step); calling it "
+        f"failed with {type(e).__name__}: {e}") from e
+  return sample
+
+
+def static_positive_integer(name: str, value: object) -> int:
+  """A Python-side positive integer (NumPy integers accepted, bools not)."""
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a positive integer; got {value!r}.")
+  try:
+    integer = operator.index(value)
+  except TypeError as e:
+    raise TypeError(
+        f"{name} must be a positive integer; got {value!r} "
+        f"({type(value).__name__}).") from e
+  if integer < 1:
+    raise ValueError(f"{name} must be a positive integer; got {value!r}.")
+  return integer
 
 
 def positive(name: str, value: ScalarOrSchedule) -> Hyperparameter:

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 import optax
 
 from kfac_jax.capture import layers as layers_lib
@@ -136,10 +137,12 @@ def scale_by_kfac(
   inv_update_steps_fn = hp.positive_integer("inv_update_steps",
                                             inv_update_steps)
   method = ComputeMethod.parse(compute_method)
-  if (isinstance(accumulation_steps, bool) or
-      not isinstance(accumulation_steps, int) or accumulation_steps < 1):
-    raise ValueError(
-        f"accumulation_steps must be a positive int; got {accumulation_steps!r}.")
+  accumulation_steps = hp.static_positive_integer("accumulation_steps",
+                                                  accumulation_steps)
+  if not isinstance(compute_eigenvalue_outer_product, (bool, np.bool_)):
+    raise TypeError(
+        "compute_eigenvalue_outer_product must be a bool; got "
+        f"{compute_eigenvalue_outer_product!r}.")
   skip = layers_lib.compile_patterns(skip_layers)
   factor_dtype = hp.floating_dtype("factor_dtype", factor_dtype)
   inv_dtype = hp.floating_dtype("inv_dtype", inv_dtype)
@@ -323,12 +326,16 @@ def scale_by_kfac(
 
 
 def _all_finite(tree: Any) -> jax.Array:
-  """Whether every element of every floating leaf is finite (bool scalar)."""
-  leaves = [
-      jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-      if jnp.issubdtype(x.dtype, jnp.inexact)
-  ]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+  """Whether every element of every floating leaf is finite (bool scalar).
+
+  ``sum(x * 0)`` is 0 for finite ``x`` and NaN as soon as one element is NaN
+  or ±Inf, so one fused reduction per leaf suffices (no overflow, and a far
+  smaller program than ``all(isfinite(x))`` chains).
+  """
+  total = sum(
+      jnp.sum(x * 0, dtype=jnp.float32) for x in jax.tree.leaves(tree)
+      if jnp.issubdtype(x.dtype, jnp.inexact))
+  return jnp.isfinite(total) if not isinstance(total, int) else jnp.array(True)
 
 
 def _select(predicate: jax.Array, on_true: Any, on_false: Any) -> Any:

@@ -1,0 +1,290 @@
+"""kfac_jax.checkpoint: Orbax round trips, left-out preconditioners, meshes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax
+from kfac_jax import checkpoint
+
+DAMPING = 3e-3
+BATCH = 16
+
+
+class MLP(nn.Module):
+  hidden: int = 8
+  head: str = "head"
+
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.tanh(nn.Dense(self.hidden, name="hidden")(x))
+    return nn.Dense(3, name=self.head)(x)
+
+
+def loss_fn(model, params, x, y):
+  logits = model.apply({"params": params}, x)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def batches(seed=0):
+  rng = np.random.default_rng(seed)
+  while True:
+    yield (rng.normal(size=(BATCH, 5)).astype(np.float32),
+           rng.integers(0, 3, size=BATCH).astype(np.int32))
+
+
+def make_training(model=MLP(), **kfac_kwargs):
+  """(params, tx, jitted step) for a K-FAC + SGD-momentum chain."""
+  params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 5)))["params"]
+  tx = optax.chain(
+      kfac_jax.scale_by_kfac(learning_rate=0.1, damping=DAMPING,
+                             **kfac_kwargs),
+      optax.sgd(0.1, momentum=0.9))
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    _, grads, stats = kfac_jax.value_grad_and_stats(
+        lambda p: loss_fn(model, p, x, y))(params)
+    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), opt_state
+
+  return params, tx, step
+
+
+def train(step, params, opt_state, data, steps):
+  for _ in range(steps):
+    params, opt_state = step(params, opt_state, *next(data))
+  return params, opt_state
+
+
+def assert_bit_exact(actual, expected):
+  """Same structure, and every leaf the same shape, dtype and bytes."""
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert (a.shape, a.dtype) == (b.shape, b.dtype)
+    assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("kfac_kwargs", [
+    dict(compute_method="eigen", inv_update_steps=2),
+    # Saved mid-accumulation (micro_step 1 of 2) with bfloat16 factors.
+    dict(compute_method="inverse", accumulation_steps=2,
+         factor_dtype=jnp.bfloat16),
+], ids=["eigen", "inverse-accumulating-bf16"])
+def test_round_trip_is_bit_exact_and_training_continues(tmp_path, kfac_kwargs):
+  params, tx, step = make_training(**kfac_kwargs)
+  data = batches()
+  params, opt_state = train(step, params, tx.init(params), data, 3)
+  if opt_state[0].accumulator is not None:
+    assert int(opt_state[0].accumulator.micro_step) == 1
+  saved = {"params": params, "opt_state": opt_state}
+  checkpoint.save(tmp_path / "ckpt", saved)
+  restored = checkpoint.restore(tmp_path / "ckpt",
+                                jax.eval_shape(lambda: saved))
+  assert_bit_exact(restored, saved)
+
+  # Training goes on from the restored tree exactly as without the break.
+  later = [next(data) for _ in range(3)]
+  uninterrupted = train(step, params, opt_state, iter(later), 3)
+  resumed = train(step, restored["params"], restored["opt_state"], iter(later),
+                  3)
+  assert_bit_exact(resumed, uninterrupted)
+
+
+def test_round_trip_of_the_bare_state(tmp_path):
+  params, _, _ = make_training()
+  tx = kfac_jax.scale_by_kfac(compute_eigenvalue_outer_product=False)
+  state = tx.init(params)
+  checkpoint.save(tmp_path / "ckpt", state)
+  restored = checkpoint.restore(tmp_path / "ckpt", jax.eval_shape(tx.init,
+                                                                  params))
+  assert isinstance(restored, kfac_jax.ScaleByKFACState)
+  assert_bit_exact(restored, state)
+
+
+@pytest.mark.parametrize("compute_method, outer_product", [
+    ("eigen", True), ("eigen", False), ("inverse", True)])
+def test_left_out_preconditioners_are_recomputed_from_the_factors(
+    tmp_path, compute_method, outer_product):
+  config = dict(compute_method=compute_method,
+                compute_eigenvalue_outer_product=outer_product)
+  # With inv_update_steps=1 every saved preconditioner was decomposed by the
+  # update from the saved factors: the reference for the recomputed ones.
+  params, tx, step = make_training(inv_update_steps=1, **config)
+  data = batches()
+  params, opt_state = train(step, params, tx.init(params), data, 2)
+  saved = {"params": params, "opt_state": opt_state}
+  checkpoint.save(tmp_path / "ckpt", saved, include_preconditioners=False)
+  restored = checkpoint.restore(tmp_path / "ckpt",
+                                jax.eval_shape(lambda: saved))
+  assert restored["opt_state"][0].preconditioners is None
+  assert_bit_exact(restored["opt_state"][0].factors, opt_state[0].factors)
+
+  restored = checkpoint.recompute_preconditioners(restored, DAMPING, **config)
+  state = restored["opt_state"][0]
+  assert int(state.rejected_decompositions) == 0
+  assert jax.tree.structure(state) == jax.tree.structure(opt_state[0])
+  for a, b in zip(jax.tree.leaves(state.preconditioners),
+                  jax.tree.leaves(opt_state[0].preconditioners)):
+    assert a.dtype == b.dtype
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+  # The next update decomposes before it preconditions, so the run resumes
+  # bit for bit.
+  later = [next(data) for _ in range(2)]
+  assert_bit_exact(
+      train(step, restored["params"], restored["opt_state"], iter(later), 2),
+      train(step, params, opt_state, iter(later), 2))
+
+
+@pytest.mark.parametrize("compute_method", ["eigen", "inverse"])
+def test_non_finite_recomputed_decomposition_falls_back_to_init(
+    compute_method):
+  params, _, _ = make_training()
+  tx = kfac_jax.scale_by_kfac(compute_method=compute_method)
+  state = tx.init(params)
+  factors = dict(state.factors)
+  factors["head"] = factors["head"]._replace(
+      gradient_factor=jnp.full((3, 3), jnp.nan))
+  recomputed = checkpoint.recompute_preconditioners(
+      state._replace(factors=factors, preconditioners=None), DAMPING,
+      compute_method=compute_method)
+  assert int(recomputed.rejected_decompositions) == 1
+  assert_bit_exact(recomputed.preconditioners["head"],
+                   state.preconditioners["head"])
+  assert all(np.all(np.isfinite(x))
+             for x in jax.tree.leaves(recomputed.preconditioners["hidden"]))
+
+
+def test_recompute_validates_its_configuration():
+  with pytest.raises(ValueError, match="damping must be > 0"):
+    checkpoint.recompute_preconditioners({}, 0.0)
+  with pytest.raises(ValueError, match="compute_method='svd'"):
+    checkpoint.recompute_preconditioners({}, 1e-3, compute_method="svd")
+  with pytest.raises(ValueError, match="inv_dtype must be a floating"):
+    checkpoint.recompute_preconditioners({}, 1e-3, inv_dtype=jnp.int8)
+
+
+def test_restoring_other_layers_lists_missing_and_extra(tmp_path):
+  params, tx, _ = make_training()
+  saved = {"params": params, "opt_state": tx.init(params)}
+  checkpoint.save(tmp_path / "ckpt", saved)
+  other_params, other_tx, _ = make_training(MLP(head="classifier"))
+  target = jax.eval_shape(lambda: {"params": other_params,
+                                   "opt_state": other_tx.init(other_params)})
+  with pytest.raises(ValueError) as error:
+    checkpoint.restore(tmp_path / "ckpt", target)
+  message = str(error.value)
+  assert "opt_state/0" in message
+  assert "missing from the checkpoint: ['classifier']" in message
+  assert "in the checkpoint but not the target: ['head']" in message
+
+  # Same layers, other shapes.
+  narrower_params, narrower_tx, _ = make_training(MLP(hidden=4))
+  target = jax.eval_shape(lambda: {
+      "params": narrower_params,
+      "opt_state": narrower_tx.init(narrower_params)})
+  with pytest.raises(ValueError) as error:
+    checkpoint.restore(tmp_path / "ckpt", target)
+  message = str(error.value)
+  assert "params/hidden/kernel: saved (5, 8), target (5, 4)" in message
+  assert ("opt_state/0/factors/head/activation_factor: saved (9, 9), target "
+          "(5, 5)") in message
+
+
+def test_restoring_without_a_saved_kfac_state_is_a_value_error(tmp_path):
+  params, tx, _ = make_training()
+  checkpoint.save(tmp_path / "ckpt", {"params": params})
+  target = jax.eval_shape(lambda: {"params": params,
+                                   "opt_state": tx.init(params)})
+  with pytest.raises(ValueError, match="no K-FAC state at opt_state/0"):
+    checkpoint.restore(tmp_path / "ckpt", target)
+
+
+MULTIDEVICE_PROGRAM = textwrap.dedent("""
+    import sys
+
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+    from jax.sharding import SingleDeviceSharding
+
+    from kfac_jax import checkpoint
+    from tests.test_checkpoint import assert_bit_exact, batches, make_training
+
+    directory, axis_type = sys.argv[1], getattr(AxisType, sys.argv[2])
+    assert jax.device_count() == 8, jax.devices()
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+
+    params, tx, step = make_training(inv_update_steps=2)
+    params = jax.device_put(params, replicated)
+    opt_state = jax.device_put(tx.init(params), replicated)
+    data = batches()
+    for _ in range(2):
+      x, y = jax.device_put(next(data), batch_sharding)
+      assert len(x.addressable_shards) == 8
+      params, opt_state = step(params, opt_state, x, y)
+    trained = {"params": params, "opt_state": opt_state}
+    for leaf in jax.tree.leaves(trained):
+      assert leaf.sharding.is_fully_replicated and len(leaf.devices()) == 8
+    checkpoint.save(directory + "/ckpt", trained)
+    np.savez(directory + "/expected.npz",
+             *[np.asarray(leaf) for leaf in jax.tree.leaves(trained)])
+
+    four = NamedSharding(
+        jax.make_mesh((4,), ("data",), axis_types=(axis_type,),
+                      devices=jax.devices()[4:]),
+        PartitionSpec())
+    one = SingleDeviceSharding(jax.devices()[3])
+    abstract = jax.eval_shape(lambda: trained)
+    for sharding in (four, one):
+      target = jax.tree.map(
+          lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+          abstract)
+      restored = checkpoint.restore(directory + "/ckpt", target)
+      assert_bit_exact(restored, trained)
+      for leaf in jax.tree.leaves(restored):
+        assert leaf.sharding == sharding, (leaf.sharding, sharding)
+    print("ok")
+""")
+
+
+@pytest.mark.multidevice
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_saved_on_eight_devices_restores_on_four_and_on_one(tmp_path,
+                                                             axis_type):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run(
+      [sys.executable, "-c", MULTIDEVICE_PROGRAM, str(tmp_path), axis_type],
+      env=env, cwd=root, capture_output=True, text=True, timeout=240)
+  assert result.returncode == 0, result.stderr[-5000:]
+  assert result.stdout.strip().endswith("ok")
+
+  # And in this (single-device) process, onto the default device.
+  params, tx, _ = make_training(inv_update_steps=2)
+  target = jax.eval_shape(lambda: {"params": params,
+                                   "opt_state": tx.init(params)})
+  restored = checkpoint.restore(tmp_path / "ckpt", target)
+  expected = np.load(tmp_path / "expected.npz")
+  leaves = jax.tree.leaves(restored)
+  assert len(leaves) == len(expected.files)
+  for i, leaf in enumerate(leaves):
+    assert leaf.sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    reference = expected[f"arr_{i}"]
+    assert (leaf.dtype, leaf.shape) == (reference.dtype, reference.shape)
+    assert np.asarray(leaf).tobytes() == reference.tobytes()

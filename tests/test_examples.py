@@ -1,0 +1,61 @@
+"""Smoke tests of the MNIST examples: each runs end to end in a subprocess.
+
+Tiny settings (3 steps of batch 64, evaluation on 500 images) keep them fast;
+they check the exit code, the written PNG and the results table, not the
+numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = REPO_ROOT / "examples"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_example(script: str, out: pathlib.Path,
+                *extra: str) -> subprocess.CompletedProcess[str]:
+  env = dict(os.environ, MPLBACKEND="Agg", TQDM_MININTERVAL="5")
+  return subprocess.run(
+      [sys.executable, str(EXAMPLES / script), "--steps", "3", "--batch-size",
+       "64", "--eval-size", "500", "--out", str(out), *extra],
+      cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240,
+      check=False)
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+  """``{optimizer: cells}`` of the Markdown results table in ``stdout``."""
+  rows = {}
+  for line in stdout.splitlines():
+    if line.startswith("|") and not line.startswith("|:"):
+      cells = [c.strip() for c in line.strip().strip("|").split("|")]
+      rows[cells[0]] = cells[1:]
+  return rows
+
+
+@pytest.mark.parametrize("script, stem", [
+    ("mnist_classifier.py", "mnist_classifier"),
+    ("mnist_autoencoder.py", "mnist_autoencoder"),
+])
+def test_example_runs(script: str, stem: str, tmp_path: pathlib.Path) -> None:
+  result = run_example(script, tmp_path)
+  assert result.returncode == 0, (
+      f"{script} failed:\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
+
+  png = tmp_path / f"{stem}.png"
+  assert png.is_file(), f"{png} was not written; stdout:\n{result.stdout}"
+  assert png.read_bytes()[:8] == PNG_MAGIC
+  assert (tmp_path / f"{stem}.md").is_file()
+
+  rows = table_rows(result.stdout)
+  assert "optimizer" in rows, f"no results table in:\n{result.stdout}"
+  for name in ("K-FAC", "SGD", "Adam"):
+    assert name in rows, f"{name} missing from the table:\n{result.stdout}"
+    steps = rows[name][rows["optimizer"].index("steps")]
+    assert steps == "3"
