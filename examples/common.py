@@ -356,7 +356,8 @@ def base_parser(description: str, *, epochs: int, batch_size: int,
   parser.add_argument("--batch-size", type=int, default=batch_size,
                       help="examples per step (all optimizers)")
   parser.add_argument("--steps", type=int, default=None,
-                      help="cap on the number of steps (smoke runs)")
+                      help="cap on the number of steps, for smoke runs "
+                      "(None: epochs × steps per epoch)")
   parser.add_argument("--seed", type=int, default=0,
                       help="seed of the initialization and the shuffling")
   parser.add_argument("--out", type=pathlib.Path,
@@ -364,7 +365,7 @@ def base_parser(description: str, *, epochs: int, batch_size: int,
                       help="folder for the loss-curve PNG and the table")
   parser.add_argument("--eval-size", type=int, default=None,
                       help="evaluate on the first N training and test images "
-                      "only (default: all; for quick runs)")
+                      "only, for quick runs (None: all)")
   parser.add_argument("--optimizers", default="kfac,sgd,adam",
                       help="comma-separated subset of kfac,sgd,adam")
   group = parser.add_argument_group("K-FAC (scale_by_kfac + SGD momentum 0.9)")
@@ -379,7 +380,8 @@ def base_parser(description: str, *, epochs: int, batch_size: int,
   group.add_argument("--kl-clip", type=float, default=kl_clip,
                      help="KL-clipping bound (<= 0 turns it off)")
   group.add_argument("--inv-update-steps", type=int, default=inv_update_steps,
-                     help="steps between eigendecompositions")
+                     help="steps between recomputing the eigendecompositions "
+                     "or inverses")
   group.add_argument("--factor-decay", type=float, default=factor_decay,
                      help="running-average decay of the Kronecker factors")
   group = parser.add_argument_group("baselines")

@@ -12,10 +12,10 @@ Run from the repository root::
   python examples/mnist_classifier.py --steps 20  # smoke run
   python examples/mnist_classifier.py --help
 
-K-FAC here is ``kfac_jax.kfac``: ``scale_by_kfac`` (eigen method, factors
-updated every step, eigendecompositions every ``--inv-update-steps`` steps, KL
-clipping) chained with SGD with momentum 0.9. See ``DEFAULTS`` for the
-hyper-parameters and why they were chosen.
+K-FAC here is ``kfac_jax.kfac``: ``scale_by_kfac`` (factors updated every
+step, inverses recomputed every ``--inv-update-steps`` steps, KL clipping)
+chained with SGD with momentum 0.9. See ``DEFAULTS`` for the hyper-parameters
+and why they were chosen.
 """
 
 from __future__ import annotations
@@ -33,20 +33,33 @@ import optax
 import common  # pylint: disable=g-import-not-at-top
 import datasets  # pylint: disable=g-import-not-at-top
 
-# Defaults, picked on 2 CPU cores with a small sweep (see the project README):
-# * batch 256, 5 epochs: 1,170 steps, a few minutes for all three optimizers;
-# * SGD lr 0.1 / momentum 0.9 and Adam lr 1e-3 are the usual good settings for
-#   this MLP;
-# * K-FAC lr 0.1, damping 0.003, kl_clip 0.001, eigendecompositions every 10
-#   steps, factor decay 0.95 (KAISA-style settings).
+# Defaults, picked on 2 CPU cores by short sweeps (1 epoch, then 5 epochs):
+# * batch 256, 5 epochs: 1,170 steps, a few minutes for all three optimizers.
+# * SGD lr 0.1 with momentum 0.9 and Adam lr 1e-3: the usual good settings for
+#   this MLP (both reach ~97.7% test accuracy here).
+# * K-FAC: the inverse method with damping 0.3 and kl_clip 1e-3 (lr 0.1,
+#   eigendecompositions/inverses every 10 steps, factor decay 0.95).
+#   Why not the KAISA-style eigen method with damping ~0.003 and kl_clip
+#   0.001-0.01? kfac_jax's G factor is the covariance of the cotangents of the
+#   *mean* loss, so its eigenvalues scale as 1/batch² (~1e-6 here) and the
+#   damping dominates A⊗G: the eigen method then behaves like normalized SGD
+#   whose step length sqrt(kl_clip / damping) ignores the learning rate.
+#   Damping 0.003 with kl_clip 1e-3 (step 0.58) stalls at a train loss ~0.3
+#   after one epoch; kl_clip 3e-5 (step 0.1) gives 0.095 (SGD: 0.112, Adam:
+#   0.125); damping <= 1e-4 diverges whatever the clip. The inverse method
+#   damps A and G separately, so (A + λI)⁻¹ still whitens the layer inputs:
+#   damping 0.1-0.3 with kl_clip 3e-4-3e-3 gives 0.071-0.079 after one epoch,
+#   0.0065 after five (SGD 0.034, Adam 0.034), at half the eigen method's cost
+#   per step.
 DEFAULTS = dict(
     epochs=5,
     batch_size=256,
     kfac_lr=0.1,
     sgd_lr=0.1,
     adam_lr=1e-3,
-    damping=0.003,
-    kl_clip=0.001,
+    compute_method="inverse",
+    damping=0.3,
+    kl_clip=1e-3,
     inv_update_steps=10,
     factor_decay=0.95,
 )
