@@ -205,6 +205,25 @@ def run_interleaved(contestants: Sequence[Contestant], rounds: int,
   return meta
 
 
+def run_with_progress(contestants: Sequence[Contestant], args: Any,
+                      desc: str) -> tuple[Any, dict[str, Any]]:
+  """``run_interleaved`` under a tqdm bar, then ``summarize``.
+
+  ``args`` supplies ``rounds``, ``steps_per_round``, ``warmup_steps`` and
+  ``no_progress``. Returns ``(run metadata, summary)``.
+  """
+  from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+  total = len(contestants) * (1 + args.warmup_steps +
+                              args.rounds * args.steps_per_round)
+  bar = tqdm(total=total, desc=desc, unit="step", disable=args.no_progress,
+             dynamic_ncols=True)
+  with bar:
+    meta = run_interleaved(contestants, args.rounds, args.steps_per_round,
+                           args.warmup_steps, progress=bar.set_postfix_str,
+                           bar=bar)
+  return meta, summarize(contestants)
+
+
 def _median(xs: Sequence[float]) -> float:
   return float(statistics.median(xs)) if xs else float("nan")
 

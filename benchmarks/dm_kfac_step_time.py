@@ -30,7 +30,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import optax
-from tqdm.auto import tqdm
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -167,15 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       notes=dict(init_s=init_s, curvature_blocks=blocks))
 
   contestants = [sgd_contestant, kfac_contestant]
-  total = len(contestants) * (1 + args.warmup_steps +
-                              args.rounds * args.steps_per_round)
-  bar = tqdm(total=total, desc=f"DeepMind kfac-jax b={args.batch_size}",
-             unit="step", disable=args.no_progress, dynamic_ncols=True)
-  with bar:
-    meta = bench_common.run_interleaved(
-        contestants, args.rounds, args.steps_per_round, args.warmup_steps,
-        progress=bar.set_postfix_str, bar=bar)
-  summary = bench_common.summarize(contestants)
+  meta, summary = bench_common.run_with_progress(
+      contestants, args, f"DeepMind kfac-jax b={args.batch_size}")
   for c in contestants:
     summary[c.name]["final_loss"] = float(c.carry[2])
   record = dict(

@@ -51,7 +51,6 @@ if __name__ == "__main__":
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import kfac_jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -366,15 +365,8 @@ def flop_floor(shapes: Sequence[dict[str, int]], method: str, period: int,
 
 def run_config(config: Config, args: argparse.Namespace) -> dict[str, Any]:
   contestants = [make_contestant(v, config, args) for v in args.variants]
-  total = len(contestants) * (1 + args.warmup_steps +
-                              args.rounds * args.steps_per_round)
-  bar = tqdm(total=total, desc=f"{config.name} b={config.batch}",
-             unit="step", disable=args.no_progress, dynamic_ncols=True)
-  with bar:
-    meta = bench_common.run_interleaved(
-        contestants, args.rounds, args.steps_per_round, args.warmup_steps,
-        progress=bar.set_postfix_str, bar=bar)
-  summary = bench_common.summarize(contestants)
+  meta, summary = bench_common.run_with_progress(
+      contestants, args, f"{config.name} b={config.batch}")
   shapes = layer_shapes(config)
   for c in contestants:
     s = summary[c.name]
