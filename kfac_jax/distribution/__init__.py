@@ -1,0 +1,1 @@
+"""Spreading the second-order work over a device mesh (KAISA's strategies)."""

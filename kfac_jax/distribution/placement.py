@@ -1,0 +1,302 @@
+"""Where preconditioners are computed and kept: one device, or a mesh.
+
+A ``Placement`` is the part of ``scale_by_kfac`` that changes with the
+distribution strategy: the preconditioner state's layout, the decomposition
+step and the preconditioning of every step.
+
+* ``local_placement``: ``{layer: Preconditioner}``; every decomposition runs
+  where the program runs, batched by factor size (``batched``).
+* ``mesh_placement``: KAISA's strategies on the mesh set with
+  ``jax.set_mesh``. The state is ``ShardedPreconditioners(rows [n, g·S])``
+  sharded over the K-FAC mesh axes (``layout``). Inside ``shard_map`` each
+  device decomposes only the layers assigned to it (a ``lax.switch`` on its
+  index), and the results reach the other ``g − 1`` devices of its group by
+  one ``all_gather`` at decomposition steps. Each step, with ``g = n`` every
+  device preconditions every layer from its own row (no second-order
+  communication); with ``g < n`` each layer's owner preconditions it and the
+  preconditioned gradients are all-gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from kfac_jax import finite
+from kfac_jax.distribution import layout as layout_lib
+from kfac_jax.distribution.layout import Dims, ShardedLayout
+from kfac_jax.distribution.strategy import DistributionConfig, group_size
+from kfac_jax.factors.running import LayerFactors
+from kfac_jax.preconditioning import batched
+from kfac_jax.preconditioning.methods import Method, Preconditioner
+
+
+class ShardedPreconditioners(NamedTuple):
+  """All layers' preconditioners packed per device (see ``layout``).
+
+  Attributes:
+    rows: ``[n, g·S]`` in the storage dtype; row ``d`` lives on device ``d``
+      of the K-FAC mesh axes.
+  """
+
+  rows: jax.Array
+
+
+class Placement(NamedTuple):
+  """How the preconditioner state is laid out, computed and applied.
+
+  Attributes:
+    init: ``dims -> state`` of identity factors' preconditioners.
+    decompose: ``(dims, factors, previous, λ) -> (state, rejected)``:
+      decomposes ``factors`` (a subset of the layers), keeps ``previous`` for
+      the others and for any decomposition that comes out non-finite;
+      ``rejected`` counts those (int32).
+    precondition: ``(dims, state, {layer: ∇ [dA, dG]}, λ) -> {layer: P}``,
+      float32, replicated.
+    per_layer: ``(dims, state) -> {layer: Preconditioner}`` for inspection.
+    partition_specs: ``dims -> PartitionSpec`` tree of the state.
+  """
+
+  init: Callable[[Dims], Any]
+  decompose: Callable[[Dims, Mapping[str, LayerFactors], Any, jax.Array],
+                      tuple[Any, jax.Array]]
+  precondition: Callable[[Dims, Any, Mapping[str, jax.Array], jax.Array],
+                         dict[str, jax.Array]]
+  per_layer: Callable[[Dims, Any], dict[str, Preconditioner]]
+  partition_specs: Callable[[Dims], Any]
+
+
+def decompose_checked(
+    method: Method, factors: Mapping[str, LayerFactors],
+    previous: Mapping[str, Preconditioner], damping: jax.Array
+) -> tuple[dict[str, Preconditioner], jax.Array]:
+  """Decomposes ``factors`` (batched by size); non-finite results keep ``previous``."""
+  decomposed = batched.decompose_layers(factors, method.factor_fn, damping)
+  new, rejected = {}, jnp.zeros([], jnp.int32)
+  for name, (activation, gradient) in decomposed.items():
+    candidate = method.assemble(activation, gradient, damping)
+    ok = finite.all_finite(candidate)
+    new[name] = finite.select(ok, candidate, previous[name])
+    rejected = rejected + (~ok).astype(jnp.int32)
+  return new, rejected
+
+
+def local_placement(method: Method) -> Placement:
+  """Every preconditioner computed and kept where the program runs."""
+
+  def init(dims: Dims) -> dict[str, Preconditioner]:
+    return {name: method.init(*d) for name, d in dims.items()}
+
+  def decompose(dims, factors, previous, damping):
+    del dims
+    new, rejected = decompose_checked(method, factors, previous, damping)
+    return {**previous, **new}, rejected
+
+  def precondition(dims, preconditioners, gradients, damping):
+    del dims
+    return {
+        name: method.precondition(preconditioners[name], gradient, damping)
+        for name, gradient in gradients.items()
+    }
+
+  def partition_specs(dims: Dims) -> Any:
+    return jax.tree.map(lambda _: PartitionSpec(),
+                        jax.eval_shape(lambda: init(dims)))
+
+  return Placement(init, decompose, precondition,
+                   per_layer=lambda dims, state: dict(state),
+                   partition_specs=partition_specs)
+
+
+def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
+  """KAISA's strategies over ``config.mesh_axes`` of the mesh in context."""
+  axes = config.mesh_axes
+  rows_spec = PartitionSpec(axes, None)
+
+  def layout(dims: Dims) -> ShardedLayout:
+    n, g = group_size(config, context_mesh(axes))
+    return layout_lib.make_layout(dims, method.init, n, g, config.assignment)
+
+  def init(dims: Dims) -> ShardedPreconditioners:
+    plan = layout(dims)
+    dtype = _dtype(plan)
+    segments = [
+        layout_lib.fill_segment(
+            [layout_lib.pack(method.init(*dims[name]))
+             for name in plan.owned(device)], plan.segment_size, dtype)
+        for device in range(plan.num_devices)
+    ]
+    g = plan.group_size
+    rows = jnp.stack([
+        jnp.concatenate(segments[d // g * g:d // g * g + g])
+        for d in range(plan.num_devices)
+    ])
+    return ShardedPreconditioners(constrain(rows, rows_spec, axes))
+
+  def decompose(dims, factors, previous, damping):
+    plan = layout(dims)
+    n, g, size = plan.num_devices, plan.group_size, plan.segment_size
+
+    def device_branch(device: int):
+      names = [name for name in plan.owned(device) if name in factors]
+
+      def branch(factors, row, damping):
+        base = device % g * size
+        old = {
+            name: _read(row, base + plan.offset[name], plan, name)
+            for name in plan.owned(device)
+        }
+        new, rejected = decompose_checked(
+            method, {name: factors[name] for name in names}, old, damping)
+        pieces = [layout_lib.pack(new.get(name, old[name]))
+                  for name in plan.owned(device)]
+        return layout_lib.fill_segment(pieces, size, row.dtype), rejected
+
+      return branch
+
+    def body(factors, rows, damping):
+      row = rows[0]
+      device = lax.axis_index(axes)
+      segment, rejected = lax.switch(
+          device, [device_branch(d) for d in range(n)], factors, row, damping)
+      rejected = lax.psum(rejected, axes)
+      if g > 1:
+        # The group's g segments, side by side, from one gather.
+        gathered = lax.all_gather(segment, axes, tiled=True)
+        segment = gathered if g == n else lax.dynamic_slice_in_dim(
+            gathered, device // g * g * size, g * size)
+      return segment[None], rejected
+
+    # check_vma=False: rows are replicated within groups by construction,
+    # which the replication checker cannot see through lax.switch.
+    rows, rejected = jax.shard_map(
+        body, in_specs=(PartitionSpec(), rows_spec, PartitionSpec()),
+        out_specs=(rows_spec, PartitionSpec()), axis_names=set(axes),
+        check_vma=False)(dict(factors), previous.rows, damping)
+    return ShardedPreconditioners(rows), rejected
+
+  def precondition(dims, preconditioners, gradients, damping):
+    plan = layout(dims)
+    n, g = plan.num_devices, plan.group_size
+    gradient_size = plan.gradient_segment_size
+
+    def apply(row, name, gradient, base, damping):
+      return method.precondition(
+          _read(row, base + plan.offset[name], plan, name), gradient, damping)
+
+    def device_branch(device: int):
+      names = [name for name in plan.owned(device) if name in gradients]
+
+      def branch(row, gradients, damping):
+        base = device % g * plan.segment_size
+        pieces = [apply(row, name, gradients[name], base, damping).ravel()
+                  for name in names]
+        return layout_lib.fill_segment(pieces, gradient_size, jnp.float32)
+
+      return branch
+
+    def body(rows, gradients, damping):
+      row = rows[0]
+      if g == n:  # COMM_OPT: every device holds every layer.
+        return {name: apply(row, name, gradient,
+                            plan.owner[name] * plan.segment_size, damping)
+                for name, gradient in gradients.items()}
+      segment = lax.switch(lax.axis_index(axes),
+                           [device_branch(d) for d in range(n)], row, gradients,
+                           damping)
+      gathered = lax.all_gather(segment, axes, tiled=True)
+      return {
+          name: gathered[plan.owner[name] * gradient_size +
+                         plan.gradient_offset[name]:][:gradient.size].reshape(
+                             gradient.shape)
+          for name, gradient in gradients.items()
+      }
+
+    return jax.shard_map(
+        body, in_specs=(rows_spec, PartitionSpec(), PartitionSpec()),
+        out_specs=PartitionSpec(), axis_names=set(axes),
+        check_vma=False)(preconditioners.rows, dict(gradients), damping)
+
+  def per_layer(dims, preconditioners):
+    plan = layout(dims)
+    return {
+        name: _read(preconditioners.rows[plan.first_of_group(name)],
+                    plan.row_offset(name), plan, name)
+        for name in dims
+    }
+
+  def partition_specs(dims: Dims) -> ShardedPreconditioners:
+    layout(dims)  # Validates the axes and the fraction against the mesh.
+    return ShardedPreconditioners(rows_spec)
+
+  return Placement(init, decompose, precondition, per_layer, partition_specs)
+
+
+def context_mesh(axes: tuple[str, ...]) -> jax.sharding.AbstractMesh:
+  """The mesh of ``jax.set_mesh``; a clear error when there is none."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    raise ValueError(
+        f"scale_by_kfac(mesh_axes={list(axes)}) needs a mesh: call init, "
+        "update and get_opt_state_partition_specs inside "
+        "`with jax.set_mesh(mesh):` (mesh = jax.make_mesh(...)).")
+  return mesh
+
+
+def constrain(x: jax.Array, spec: PartitionSpec,
+              axes: tuple[str, ...]) -> jax.Array:
+  """Places ``x`` as ``spec`` on the context mesh, Explicit or Auto axes.
+
+  On Explicit axes the sharding is part of the type and ``reshard`` moves the
+  data; on Auto axes ``with_sharding_constraint`` does.
+  """
+  mesh = context_mesh(axes)
+  if all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return jax.sharding.reshard(x, spec)
+  return lax.with_sharding_constraint(x, spec)
+
+
+def constrain_like_params(tree: Any, params_specs: Any) -> Any:
+  """Each leaf of a params-shaped ``tree`` placed as its params spec."""
+  specs = check_params_specs(tree, params_specs)
+  return jax.tree.map(lambda x, spec: constrain(x, spec, ()), tree, specs,
+                      is_leaf=lambda x: x is None)
+
+
+def check_params_specs(params: Any, params_specs: Any) -> Any:
+  """``params_specs`` with ``None`` leaves as ``P()``; must fit ``params``."""
+  is_spec = lambda x: isinstance(x, PartitionSpec) or x is None
+  spec_structure = jax.tree.structure(params_specs, is_leaf=is_spec)
+  params_structure = jax.tree.structure(params)
+  if spec_structure != params_structure:
+    raise ValueError(
+        "params_partition_specs must have the structure of the params, with "
+        f"a PartitionSpec (or None) per array; got {spec_structure} for "
+        f"params {params_structure}.")
+  specs = jax.tree.map(lambda s: PartitionSpec() if s is None else s,
+                       params_specs, is_leaf=is_spec)
+  for (path, leaf), spec in zip(
+      jax.tree_util.tree_flatten_with_path(params)[0],
+      jax.tree.leaves(specs, is_leaf=is_spec)):
+    if len(spec) > jnp.ndim(leaf):
+      raise ValueError(
+          f"params_partition_specs at {jax.tree_util.keystr(path)}: {spec} "
+          f"has more entries than the array's {jnp.ndim(leaf)} dimensions.")
+  return specs
+
+
+def _read(row: jax.Array, start: int, plan: ShardedLayout,
+          name: str) -> Preconditioner:
+  return layout_lib.unpack(row[start:start + plan.size[name]],
+                           plan.templates[name])
+
+
+def _dtype(plan: ShardedLayout) -> jnp.dtype:
+  dtypes = {leaf.dtype for t in plan.templates.values()
+            for leaf in jax.tree.leaves(t)}
+  return dtypes.pop() if len(dtypes) == 1 else jnp.float32
