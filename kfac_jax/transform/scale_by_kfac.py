@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
 import numpy as np
 import optax
 
@@ -168,15 +169,9 @@ def scale_by_kfac(
   skip = layers_lib.compile_patterns(skip_layers)
   factor_dtype = hp.floating_dtype("factor_dtype", factor_dtype)
   inv_dtype = hp.floating_dtype("inv_dtype", inv_dtype)
-  preconditioner_method = make_method(
-      use_eigen=method is ComputeMethod.EIGEN,
-      dtype=inv_dtype,
-      precompute_damped_inverse=compute_eigenvalue_outer_product)
-  distribution = strategy.make_config(mesh_axes, grad_worker_fraction,
-                                      assignment_strategy)
-  placement = (placement_lib.local_placement(preconditioner_method)
-               if distribution is None else placement_lib.mesh_placement(
-                   preconditioner_method, distribution))
+  placement = make_placement(method, compute_eigenvalue_outer_product,
+                             inv_dtype, mesh_axes, grad_worker_fraction,
+                             assignment_strategy)
 
   def constrain_to_params(tree: Any) -> Any:
     if params_partition_specs is None:
@@ -343,6 +338,51 @@ def scale_by_kfac(
                     hold)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def make_placement(
+    compute_method: ComputeMethod | str,
+    compute_eigenvalue_outer_product: bool,
+    inv_dtype: jnp.dtype,
+    mesh_axes: str | Sequence[str] | None,
+    grad_worker_fraction: DistributedStrategy | float,
+    assignment_strategy: AssignmentStrategy | str,
+) -> placement_lib.Placement:
+  """Where ``scale_by_kfac``'s preconditioners are computed and kept."""
+  method = make_method(
+      use_eigen=ComputeMethod.parse(compute_method) is ComputeMethod.EIGEN,
+      dtype=hp.floating_dtype("inv_dtype", inv_dtype),
+      precompute_damped_inverse=compute_eigenvalue_outer_product)
+  distribution = strategy.make_config(mesh_axes, grad_worker_fraction,
+                                      assignment_strategy)
+  if distribution is None:
+    return placement_lib.local_placement(method)
+  return placement_lib.mesh_placement(method, distribution)
+
+
+def state_partition_specs(state: ScaleByKFACState,
+                          placement: placement_lib.Placement,
+                          params_specs: Any) -> ScaleByKFACState:
+  """``PartitionSpec``s of a state (or of its ``eval_shape``).
+
+  Factors and counters are replicated; the preconditioners are laid out by
+  ``placement``; accumulated gradients follow ``params_specs``.
+  """
+  replicated = lambda tree: jax.tree.map(lambda _: PartitionSpec(), tree)
+  dims = {name: (f.activation_factor.shape[0], f.gradient_factor.shape[0])
+          for name, f in state.factors.items()}
+  accumulator = state.accumulator
+  if accumulator is not None:
+    accumulator = AccumulatorState(
+        micro_step=PartitionSpec(), gradients=params_specs,
+        factors=replicated(accumulator.factors))
+  return ScaleByKFACState(
+      count=PartitionSpec(),
+      factors=replicated(state.factors),
+      preconditioners=placement.partition_specs(dims),
+      accumulator=accumulator,
+      skipped_factor_updates=PartitionSpec(),
+      rejected_decompositions=PartitionSpec())
 
 
 def _dims(layers: Mapping[str, LayerInfo]) -> dict[str, tuple[int, int]]:

@@ -1,0 +1,84 @@
+"""``get_opt_state_partition_specs``: shardings of the optimizer state."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+import optax
+
+from kfac_jax.distribution.placement import check_params_specs
+from kfac_jax.transform import scale_by_kfac as scale_by_kfac_lib
+from kfac_jax.transform.scale_by_kfac import ScaleByKFACState, scale_by_kfac
+
+_PLACEMENT_ARGS = ("compute_method", "compute_eigenvalue_outer_product",
+                   "inv_dtype", "mesh_axes", "grad_worker_fraction",
+                   "assignment_strategy")
+
+
+def get_opt_state_partition_specs(
+    params: Any,
+    chain_with: optax.GradientTransformation | None = None,
+    **kwargs: Any,
+) -> Any:
+  """``PartitionSpec``s of ``tx.init(params)``, computed without allocating.
+
+  ``tx`` is ``scale_by_kfac(**kwargs)``, or ``optax.chain(scale_by_kfac(
+  **kwargs), chain_with)`` when the rest of the chain is given (as
+  distributed_kron's helper covers its whole chain). Call it under the same
+  ``jax.set_mesh`` as ``init`` and ``update``::
+
+    specs = kfac_jax.get_opt_state_partition_specs(
+        params, chain_with=optax.sgd(0.1, momentum=0.9), **kfac_kwargs)
+    opt_state = jax.jit(tx.init, out_shardings=specs)(params)
+
+  (on Auto axes, wrap the specs in ``NamedSharding(mesh, spec)``).
+
+  K-FAC factors and counters are replicated; the preconditioners follow the
+  distribution strategy (``ShardedPreconditioners.rows`` over ``mesh_axes``);
+  every params-shaped part of the state (accumulated gradients, momentum,
+  Adam moments, ...) follows ``params_partition_specs`` (replicated when not
+  given); any other array is replicated.
+
+  Args:
+    params: the params, or their ``jax.eval_shape``.
+    chain_with: the transformation chained after ``scale_by_kfac``.
+    **kwargs: the ``scale_by_kfac`` arguments.
+
+  Raises:
+    ValueError: as ``scale_by_kfac`` and its ``init``, e.g. a mesh axis not
+      in the mesh, or a ``grad_worker_fraction`` that does not divide it.
+  """
+  kfac_tx = scale_by_kfac(**kwargs)
+  tx = kfac_tx if chain_with is None else optax.chain(kfac_tx, chain_with)
+  arguments = inspect.signature(scale_by_kfac).bind(**kwargs)
+  arguments.apply_defaults()
+  placement = scale_by_kfac_lib.make_placement(
+      *(arguments.arguments[name] for name in _PLACEMENT_ARGS))
+  params_specs = arguments.arguments["params_partition_specs"]
+  params_specs = check_params_specs(
+      params, jax.tree.map(lambda _: None, params)
+      if params_specs is None else params_specs)
+
+  shapes = jax.eval_shape(tx.init, params)
+  params_structure = jax.tree.structure(params)
+  params_shapes = [leaf.shape for leaf in jax.tree.leaves(params)]
+
+  def params_like(node: Any) -> bool:
+    return (jax.tree.structure(node) == params_structure and
+            [leaf.shape for leaf in jax.tree.leaves(node)] == params_shapes)
+
+  def spec_of(node: Any) -> Any:
+    if isinstance(node, ScaleByKFACState):
+      return scale_by_kfac_lib.state_partition_specs(node, placement,
+                                                     params_specs)
+    if params_like(node):
+      return params_specs
+    return PartitionSpec()
+
+  return jax.tree.map(
+      spec_of, shapes,
+      is_leaf=lambda node: isinstance(node, ScaleByKFACState) or (
+          node is not None and params_like(node)))
