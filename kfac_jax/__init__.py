@@ -2,11 +2,15 @@
 
 from kfac_jax.capture.flax_linen import value_grad_and_stats
 from kfac_jax.capture.statistics import LayerStatistics
+from kfac_jax.distribution.placement import ShardedPreconditioners
+from kfac_jax.distribution.strategy import AssignmentStrategy
+from kfac_jax.distribution.strategy import DistributedStrategy
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning.eigen import EigenPreconditioner
 from kfac_jax.preconditioning.inverse import InversePreconditioner
 from kfac_jax.transform.alias import kfac
 from kfac_jax.transform.hyperparameters import ComputeMethod
+from kfac_jax.transform.partition_specs import get_opt_state_partition_specs
 from kfac_jax.transform.scale_by_kfac import AccumulatorState
 from kfac_jax.transform.scale_by_kfac import ScaleByKFACState
 from kfac_jax.transform.scale_by_kfac import scale_by_kfac
@@ -15,12 +19,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccumulatorState",
+    "AssignmentStrategy",
     "ComputeMethod",
+    "DistributedStrategy",
     "EigenPreconditioner",
     "InversePreconditioner",
     "LayerFactors",
     "LayerStatistics",
     "ScaleByKFACState",
+    "ShardedPreconditioners",
+    "get_opt_state_partition_specs",
     "kfac",
     "scale_by_kfac",
     "value_grad_and_stats",

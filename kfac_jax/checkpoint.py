@@ -35,11 +35,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from kfac_jax.capture.layers import path_key_name
-from kfac_jax.preconditioning import batched
-from kfac_jax.preconditioning.methods import make_method
+from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
 from kfac_jax.transform import hyperparameters as hp
 from kfac_jax.transform.hyperparameters import ComputeMethod, ScalarOrSchedule
-from kfac_jax.transform.scale_by_kfac import ScaleByKFACState
+from kfac_jax.transform.scale_by_kfac import ScaleByKFACState, make_placement
 
 _KeyPath = tuple[str, ...]
 
@@ -131,18 +130,25 @@ def recompute_preconditioners(
     compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
     compute_eigenvalue_outer_product: bool = True,
     inv_dtype: jnp.dtype = jnp.float32,
+    mesh_axes: str | Sequence[str] | None = None,
+    grad_worker_fraction: DistributedStrategy | float = (
+        DistributedStrategy.COMM_OPT),
+    assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
 ) -> Any:
   """Decomposes the factors of every K-FAC state in ``tree`` again.
 
   Each state's factors go through the decomposition ``update`` makes on a
-  decomposition step (``batched.decompose_layers`` with the method's factor
-  function, then its ``assemble``), with ``λ = damping(state.count)``: the
-  preconditioners the next update would make if it were a decomposition step,
-  without its factor update. Pass the arguments given to ``scale_by_kfac`` so
-  they have the structure and dtypes its ``update`` expects. As in ``update``,
-  a decomposition that comes out non-finite is discarded and counted in
-  ``rejected_decompositions``; with no previous one to keep, the layer gets
-  the preconditioner of identity factors that ``init`` makes.
+  decomposition step (the same placement: one device, or spread over
+  ``mesh_axes`` of the mesh set by ``jax.set_mesh``), with
+  ``λ = damping(state.count)``: the preconditioners the next update would make
+  if it were a decomposition step, without its factor update. Pass the
+  arguments given to ``scale_by_kfac`` so they have the structure, layout and
+  dtypes its ``update`` expects; since they do not depend on the saved
+  layout, this is also how a state moves to another strategy or device
+  count. As in ``update``, a decomposition that comes out non-finite is
+  discarded and counted in ``rejected_decompositions``; with no previous one
+  to keep, the layer gets the preconditioner of identity factors that
+  ``init`` makes.
 
   Args:
     tree: a pytree holding ``ScaleByKFACState``s, e.g. from ``restore``; their
@@ -151,35 +157,28 @@ def recompute_preconditioners(
     compute_method: ``"eigen"`` or ``"inverse"``.
     compute_eigenvalue_outer_product: eigen only, as in ``scale_by_kfac``.
     inv_dtype: storage dtype of the preconditioners, as in ``scale_by_kfac``.
+    mesh_axes: as in ``scale_by_kfac``.
+    grad_worker_fraction: as in ``scale_by_kfac``.
+    assignment_strategy: as in ``scale_by_kfac``.
 
   Returns:
     ``tree`` with every K-FAC state's ``preconditioners`` (and
     ``rejected_decompositions``) replaced.
   """
   damping_fn = hp.positive("damping", damping)
-  method = make_method(
-      use_eigen=ComputeMethod.parse(compute_method) is ComputeMethod.EIGEN,
-      dtype=hp.floating_dtype("inv_dtype", inv_dtype),
-      precompute_damped_inverse=compute_eigenvalue_outer_product)
+  placement = make_placement(compute_method, compute_eigenvalue_outer_product,
+                             inv_dtype, mesh_axes, grad_worker_fraction,
+                             assignment_strategy)
 
   @jax.jit
   def decompose_all(state: ScaleByKFACState) -> ScaleByKFACState:
-    damping_value = damping_fn(state.count)
-    decomposed = batched.decompose_layers(state.factors, method.factor_fn,
-                                          damping_value)
-    preconditioners = {}
-    rejected = state.rejected_decompositions
-    for name, factors in state.factors.items():
-      candidate = method.assemble(*decomposed[name], damping_value)
-      fallback = method.init(factors.activation_factor.shape[0],
-                             factors.gradient_factor.shape[0])
-      finite = jnp.all(jnp.stack(
-          [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(candidate)]))
-      preconditioners[name] = jax.tree.map(
-          lambda c, f: jnp.where(finite, c, f), candidate, fallback)
-      rejected = rejected + (~finite).astype(rejected.dtype)
-    return state._replace(preconditioners=preconditioners,
-                          rejected_decompositions=rejected)
+    dims = {name: (f.activation_factor.shape[0], f.gradient_factor.shape[0])
+            for name, f in state.factors.items()}
+    preconditioners, rejected = placement.decompose(
+        dims, state.factors, placement.init(dims), damping_fn(state.count))
+    return state._replace(
+        preconditioners=preconditioners,
+        rejected_decompositions=state.rejected_decompositions + rejected)
 
   return _map_kfac_states(lambda _, state: decompose_all(state), tree)
 

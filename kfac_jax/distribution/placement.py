@@ -58,7 +58,8 @@ class Placement(NamedTuple):
       ``rejected`` counts those (int32).
     precondition: ``(dims, state, {layer: ∇ [dA, dG]}, λ) -> {layer: P}``,
       float32, replicated.
-    per_layer: ``(dims, state) -> {layer: Preconditioner}`` for inspection.
+    per_layer: ``(dims, state) -> {layer: Preconditioner}``: inspection of
+      a concrete state (host arrays for a sharded one).
     partition_specs: ``dims -> PartitionSpec`` tree of the state.
   """
 
@@ -224,8 +225,9 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
 
   def per_layer(dims, preconditioners):
     plan = layout(dims)
+    rows = jax.device_get(preconditioners.rows)  # Inspection of a concrete state.
     return {
-        name: _read(preconditioners.rows[plan.first_of_group(name)],
+        name: _read(rows[plan.first_of_group(name)],
                     plan.row_offset(name), plan, name)
         for name in dims
     }

@@ -52,8 +52,8 @@ def activation_rows(inputs: jax.Array, signature: LayerSignature) -> jax.Array:
     rows = patches.reshape(-1, patches.shape[-1])
   rows = rows.astype(COMPUTE_DTYPE)
   if signature.has_bias:
-    rows = jnp.concatenate([rows, jnp.ones((rows.shape[0], 1), rows.dtype)],
-                           axis=1)
+    # ones_like keeps the rows' sharding (needed on Explicit mesh axes).
+    rows = jnp.concatenate([rows, jnp.ones_like(rows[:, :1])], axis=1)
   return rows / scale if scale != 1 else rows
 
 

@@ -1,0 +1,295 @@
+"""Programs for 8 simulated CPU devices, run by ``test_distribution.py``.
+
+``python -m tests.multidevice <program> <axis type>`` with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set by the caller so
+the single-device tests of the main process keep one device). Each program
+asserts and prints ``ok``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import kfac_jax
+from benchmarks.hlo_cost import per_device_costs
+from kfac_jax.transform.scale_by_kfac import make_placement
+
+MESHES = (((8,), ("devices",)), ((2, 4), ("data", "fsdp")),
+          ((4, 2), ("data", "fsdp")))
+STRATEGIES = (kfac_jax.DistributedStrategy.COMM_OPT,
+              kfac_jax.DistributedStrategy.HYBRID_OPT,
+              kfac_jax.DistributedStrategy.MEM_OPT)
+STEPS = 4
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+class ConvNet(nn.Module):
+  """Layers of unequal sizes (and a conv) so the packing is not uniform."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.tanh(nn.Conv(4, (3, 3))(x))
+    x = x.reshape(x.shape[0], -1)
+    for width in (12, 8):
+      x = jnp.tanh(nn.Dense(width)(x))
+    return nn.Dense(3, use_bias=False)(x)
+
+
+class EqualMLP(nn.Module):
+  """Eight equal 16 → 16 layers: balanced decomposition work."""
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(8):
+      x = jnp.tanh(nn.Dense(16)(x))
+    return x
+
+
+def conv_problem():
+  model = ConvNet()
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (STEPS, 16, 6, 6, 2))
+  y = jax.random.randint(keys[1], (STEPS, 16), 0, 3)
+  params = model.init(keys[2], x[0])["params"]
+
+  def loss_fn(params, x, y):
+    logits = model.apply({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  return params, loss_fn, (x, y)
+
+
+def train(params, loss_fn, batches, kwargs, mesh=None, batch_spec=None,
+          params_sharding=None):
+  """``STEPS`` steps of K-FAC + SGD; returns (updates per step, K-FAC state, tx)."""
+  tx = optax.chain(
+      kfac_jax.scale_by_kfac(damping=0.01, inv_update_steps=2, **kwargs),
+      optax.sgd(0.1, momentum=0.9))
+
+  @jax.jit
+  def step(params, state, x, y):
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state, updates
+
+  if mesh is not None:  # Explicit axes need the params placed on the mesh.
+    params = jax.device_put(
+        params, params_sharding or NamedSharding(mesh, PartitionSpec()))
+  state = jax.jit(tx.init)(params)
+  all_updates = []
+  for i in range(STEPS):
+    x, y = (b[i] for b in batches)
+    if mesh is not None:
+      x, y = (jax.device_put(b, NamedSharding(mesh, batch_spec)) for b in (x, y))
+    params, state, updates = step(params, state, x, y)
+    all_updates.append(updates)
+  return all_updates, state[0], tx
+
+
+def comparable(preconditioner) -> list[np.ndarray]:
+  """Arrays that do not depend on the sign/rotation freedom of eigenvectors."""
+  if isinstance(preconditioner, kfac_jax.InversePreconditioner):
+    return [np.asarray(x) for x in preconditioner]
+  out = []
+  for vectors, values in ((preconditioner.activation_eigenvectors,
+                           preconditioner.activation_eigenvalues),
+                          (preconditioner.gradient_eigenvectors,
+                           preconditioner.gradient_eigenvalues)):
+    vectors, values = np.asarray(vectors), np.asarray(values)
+    out += [values, (vectors * values) @ vectors.T, vectors @ vectors.T]
+  if preconditioner.damped_inverse is not None:
+    out.append(np.asarray(preconditioner.damped_inverse))
+  return out
+
+
+def per_layer(state, kwargs):
+  placement = make_placement(
+      kwargs.get("compute_method", "eigen"), True, jnp.float32,
+      kwargs.get("mesh_axes"), kwargs.get("grad_worker_fraction", "comm_opt"),
+      "compute")
+  dims = {n: (f.activation_factor.shape[0], f.gradient_factor.shape[0])
+          for n, f in state.factors.items()}
+  return placement.per_layer(dims, state.preconditioners)
+
+
+def assert_same_run(run, reference, kwargs, reference_kwargs, label):
+  (updates, state, _), (ref_updates, ref_state, _) = run, reference
+  for step, (a, b) in enumerate(zip(updates, ref_updates)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOLERANCE,
+                                 err_msg=f"{label}: updates of step {step}")
+  for x, y in zip(jax.tree.leaves(state.factors),
+                  jax.tree.leaves(ref_state.factors)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOLERANCE,
+                               err_msg=f"{label}: factors")
+  layers, ref_layers = per_layer(state, kwargs), per_layer(ref_state,
+                                                           reference_kwargs)
+  assert set(layers) == set(ref_layers)
+  for name in layers:
+    for x, y in zip(comparable(layers[name]), comparable(ref_layers[name])):
+      np.testing.assert_allclose(x, y, **TOLERANCE,
+                                 err_msg=f"{label}: preconditioner {name}")
+  for field in ("count", "skipped_factor_updates", "rejected_decompositions"):
+    assert int(getattr(state, field)) == int(getattr(ref_state, field)), field
+
+
+def equality(axis_type: AxisType) -> None:
+  """Every strategy on every mesh trains as one device does."""
+  params, loss_fn, batches = conv_problem()
+  for method in ("eigen", "inverse"):
+    reference = train(params, loss_fn, batches, {"compute_method": method})
+    meshes = MESHES if method == "eigen" else MESHES[1:2]
+    for shape, names in meshes:
+      mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+      for strategy in STRATEGIES:
+        kwargs = dict(compute_method=method, mesh_axes=names,
+                      grad_worker_fraction=strategy)
+        with jax.set_mesh(mesh):
+          run = train(params, loss_fn, batches, kwargs, mesh,
+                      PartitionSpec(names))
+          rows = run[1].preconditioners.rows
+          assert rows.sharding.is_equivalent_to(
+              NamedSharding(mesh, PartitionSpec(names)), rows.ndim)
+          assert_same_run(run, reference, kwargs, {"compute_method": method},
+                          f"{method} {strategy.name} on {shape}")
+
+
+def fsdp(axis_type: AxisType) -> None:
+  """Kernels sharded over 'fsdp': same training, updates keep their specs."""
+  params, loss_fn, batches = conv_problem()
+  reference = train(params, loss_fn, batches, {})
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
+  specs = jax.tree.map(
+      lambda p: PartitionSpec(*([None] * (p.ndim - 1)), "fsdp")
+      if p.ndim >= 2 and p.shape[-1] % 4 == 0 else PartitionSpec(), params)
+  sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  for strategy in STRATEGIES:
+    kwargs = dict(mesh_axes=("data", "fsdp"), grad_worker_fraction=strategy,
+                  params_partition_specs=specs)
+    with jax.set_mesh(mesh):
+      run = train(params, loss_fn, batches, kwargs, mesh,
+                  PartitionSpec("data"), sharding)
+      assert_same_run(run, reference, kwargs, {}, f"FSDP {strategy.name}")
+    for update, expected in zip(jax.tree.leaves(run[0][-1]),
+                                jax.tree.leaves(sharding)):
+      assert update.sharding.is_equivalent_to(expected, update.ndim), (
+          update.sharding, expected)
+
+
+def compiled_step(tx, params, loss_fn, x, mesh):
+  """The compiled ``update`` of one step, under ``mesh``."""
+
+  def step(params, state, x):
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x)
+    return tx.update(grads, state, params, kfac_stats=stats)
+
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init)(params)
+    return jax.jit(step).lower(params, state, x).compile(), state
+
+
+def division(axis_type: AxisType) -> None:
+  """The compiled program divides decompositions and (MEM_OPT) memory by n."""
+  model = EqualMLP()
+  x = jax.random.normal(jax.random.key(0), (16, 16))
+  params = model.init(jax.random.key(1), x)["params"]
+  loss_fn = lambda p, x: jnp.mean(model.apply({"params": p}, x)**2)
+  # hlo_cost's counts: eigh 9·d³; Cholesky d³/3 plus two triangular solves.
+  for method, flops_per_layer in (("eigen", 9 * (17**3 + 16**3)),
+                                  ("inverse", 7 / 3 * (17**3 + 16**3))):
+    local_state = kfac_jax.scale_by_kfac(compute_method=method).init(params)
+    total_bytes = sum(x.nbytes for x in jax.tree.leaves(
+        local_state.preconditioners))
+    for shape, names in MESHES[:2]:
+      n = int(np.prod(shape))
+      mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+      for strategy, group in zip(STRATEGIES, (n, n // 2, 1)):
+        label = f"{method} {strategy.name} on {shape}"
+        tx = kfac_jax.scale_by_kfac(compute_method=method, mesh_axes=names,
+                                    grad_worker_fraction=strategy)
+        compiled, state = compiled_step(tx, params, loss_fn, x, mesh)
+        costs = per_device_costs(compiled.as_text(), n, path="max")
+        flops = [c.decomposition_flops for c in costs]
+        # Every decomposition exactly once on the mesh, evenly divided.
+        np.testing.assert_allclose(sum(flops), 8 * flops_per_layer,
+                                   err_msg=label)
+        assert max(flops) <= 1.25 / n * sum(flops), (label, flops)
+        rows = state.preconditioners.rows
+        device_bytes = max(
+            s.data.nbytes for s in rows.addressable_shards)
+        assert device_bytes <= 1.25 * group / n * total_bytes, (
+            label, device_bytes, total_bytes)
+        plain = per_device_costs(compiled.as_text(), n, path="min")
+        if group == n:  # COMM_OPT: no second-order traffic between updates.
+          assert all(c.collective_bytes == 0 for c in plain), (label, plain)
+        else:  # The preconditioned gradients are gathered every step.
+          gradient_bytes = 8 * 17 * 16 * 4
+          assert all(c.collective_bytes == gradient_bytes for c in plain), (
+              label, plain)
+
+
+def specs(axis_type: AxisType) -> None:
+  """get_opt_state_partition_specs is what jit(tx.init) produces."""
+  params, _, _ = conv_problem()
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
+  params_specs = jax.tree.map(
+      lambda p: PartitionSpec("fsdp") if p.shape[0] % 4 == 0 else
+      PartitionSpec(), params)
+  params = jax.device_put(
+      params, jax.tree.map(lambda s: NamedSharding(mesh, s), params_specs))
+  chains = [None]
+  if axis_type == AxisType.Explicit:  # optax's own states follow the params.
+    chains.append(optax.sgd(0.1, momentum=0.9))
+  with jax.set_mesh(mesh):
+    for strategy in STRATEGIES + (0.25,):
+      for method in ("eigen", "inverse"):
+        for chain_with in chains:
+          kwargs = dict(mesh_axes=("data", "fsdp"),
+                        grad_worker_fraction=strategy, compute_method=method,
+                        params_partition_specs=params_specs,
+                        accumulation_steps=2)
+          tx = kfac_jax.scale_by_kfac(**kwargs)
+          if chain_with is not None:
+            tx = optax.chain(tx, chain_with)
+          expected = kfac_jax.get_opt_state_partition_specs(
+              params, chain_with=chain_with, **kwargs)
+          state = jax.jit(tx.init)(params)
+          assert (jax.tree.structure(state) == jax.tree.structure(
+              expected, is_leaf=lambda s: isinstance(s, PartitionSpec)))
+          for leaf, spec in zip(jax.tree.leaves(state), jax.tree.leaves(
+              expected, is_leaf=lambda s: isinstance(s, PartitionSpec))):
+            assert leaf.sharding.is_equivalent_to(
+                NamedSharding(mesh, spec), leaf.ndim), (
+                    strategy, method, leaf.shape, leaf.sharding, spec)
+          placed = jax.jit(tx.init, out_shardings=jax.tree.map(
+              lambda s: NamedSharding(mesh, s), expected,
+              is_leaf=lambda s: isinstance(s, PartitionSpec)))(params)
+          assert jax.tree.structure(placed) == jax.tree.structure(state)
+    for bad, message in (
+        (dict(mesh_axes=("data", "model")), "'model'"),
+        (dict(mesh_axes="data", grad_worker_fraction=0.3), "grad_worker_fraction"),
+        (dict(mesh_axes=("data", "fsdp"), grad_worker_fraction=3 / 8),
+         "whole divisor of 8"),
+    ):
+      try:
+        kfac_jax.get_opt_state_partition_specs(params, **bad)
+      except ValueError as error:
+        assert message in str(error), (bad, error)
+      else:
+        raise AssertionError(f"no ValueError for {bad}")
+
+
+PROGRAMS = {f.__name__: f for f in (equality, fsdp, division, specs)}
+
+if __name__ == "__main__":
+  assert jax.device_count() == 8, jax.devices()
+  PROGRAMS[sys.argv[1]](getattr(AxisType, sys.argv[2]))
+  print("ok")

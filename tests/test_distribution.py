@@ -1,0 +1,214 @@
+"""Distributed K-FAC: strategies, assignment, layout and partition specs.
+
+The multi-device checks run ``tests/multidevice.py`` in a subprocess with 8
+simulated CPU devices (marker ``multidevice``); the rest runs here on one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec
+
+import kfac_jax
+from benchmarks.hlo_cost import per_device_costs
+from kfac_jax.distribution import layout as layout_lib
+from kfac_jax.distribution import strategy as strategy_lib
+from kfac_jax.distribution.assignment import assign_layers, layer_cost
+from kfac_jax.preconditioning.methods import make_method
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_on_eight_devices(program: str, axis_type: str) -> None:
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+      [sys.executable, "-m", "tests.multidevice", program, axis_type],
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
+  assert result.returncode == 0, result.stderr[-6000:]
+  assert result.stdout.strip().endswith("ok")
+
+
+@pytest.mark.multidevice
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_every_strategy_on_every_mesh_equals_one_device(axis_type):
+  """COMM/HYBRID/MEM on (8,), (2,4), (4,2): updates and states within 1e-5."""
+  run_on_eight_devices("equality", axis_type)
+
+
+@pytest.mark.multidevice
+def test_fsdp_sharded_kernels_train_as_one_device_and_keep_their_specs():
+  # Auto axes: on Explicit axes a Flax linen model with sharded kernels needs
+  # sharding annotations of its own before it runs at all.
+  run_on_eight_devices("fsdp", "Auto")
+
+
+@pytest.mark.multidevice
+def test_compiled_program_divides_decompositions_and_memory():
+  """Per-device eigh/Cholesky FLOPs ≤ 1.25/n; MEM_OPT bytes ≤ 1.25/n."""
+  run_on_eight_devices("division", "Auto")
+
+
+@pytest.mark.multidevice
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_partition_specs_match_the_shardings_of_init(axis_type):
+  run_on_eight_devices("specs", axis_type)
+
+
+# ---------------------------------------------------------------- one device
+
+
+def test_greedy_assignment_is_largest_first_to_least_loaded():
+  # 10 → 0; 7 → 1; 5 → 1 (7 < 10); 3 → 0 (10 < 12); 3 → 1 (12 < 13).
+  owner = assign_layers({"a": 10, "b": 7, "c": 5, "d": 3, "e": 3}, 2)
+  assert owner == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 1}
+  assert layer_cost(3, 2, strategy_lib.AssignmentStrategy.COMPUTE) == 35
+  assert layer_cost(3, 2, strategy_lib.AssignmentStrategy.MEMORY) == 13
+
+
+def test_greedy_assignment_balances_the_autoencoder_within_kaisa_bound():
+  dims = [(785, 1000), (1001, 500), (501, 250), (251, 30), (31, 250),
+          (251, 500), (501, 1000), (1001, 784)]
+  costs = {str(i): layer_cost(*d, strategy_lib.AssignmentStrategy.COMPUTE)
+           for i, d in enumerate(dims)}
+  for n in (2, 4):
+    owner = assign_layers(costs, n)
+    loads = [sum(c for name, c in costs.items() if owner[name] == d)
+             for d in range(n)]
+    # Greedy LPT: the largest load exceeds the mean by at most one layer.
+    assert max(loads) <= sum(loads) / n + max(costs.values())
+    assert sorted(set(owner.values())) == list(range(n))
+
+
+@pytest.mark.parametrize("fraction, expected", [
+    (kfac_jax.DistributedStrategy.COMM_OPT, 8),
+    (kfac_jax.DistributedStrategy.HYBRID_OPT, 4),
+    (kfac_jax.DistributedStrategy.MEM_OPT, 1),
+    ("hybrid_opt", 4), (0.25, 2), (1.0, 8), (1 / 8, 1),
+])
+def test_group_size_of_each_fraction(fraction, expected):
+  mesh = AbstractMesh((2, 4), ("data", "fsdp"))
+  config = strategy_lib.make_config(("data", "fsdp"), fraction, "compute")
+  assert strategy_lib.group_size(config, mesh) == (8, expected)
+
+
+def test_group_size_over_a_subset_of_the_mesh_axes():
+  mesh = AbstractMesh((2, 4), ("data", "fsdp"))
+  config = strategy_lib.make_config("fsdp", "mem_opt", "memory")
+  assert strategy_lib.group_size(config, mesh) == (4, 1)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(mesh_axes=("data", "model")), ValueError, "'model'"),
+    (dict(mesh_axes="data", grad_worker_fraction=0.3), ValueError,
+     "whole divisor of 2"),
+    (dict(mesh_axes=("data", "fsdp"), grad_worker_fraction=3 / 8), ValueError,
+     "f in {1/8, 2/8, 4/8, 8/8}"),
+    (dict(mesh_axes="fsdp", grad_worker_fraction=0.0), ValueError,
+     "grad_worker_fraction"),
+    (dict(mesh_axes="fsdp", grad_worker_fraction="fast"), ValueError,
+     "grad_worker_fraction='fast'"),
+    (dict(mesh_axes="fsdp", assignment_strategy="time"), ValueError,
+     "assignment_strategy"),
+    (dict(mesh_axes=()), TypeError, "mesh_axes"),
+    (dict(mesh_axes=("data", "data")), TypeError, "distinct"),
+    (dict(mesh_axes=[1]), TypeError, "mesh_axes"),
+])
+def test_bad_distribution_arguments_are_named(kwargs, error, message):
+  mesh = AbstractMesh((2, 4), ("data", "fsdp"))
+  with pytest.raises(error, match=None) as raised:
+    config = strategy_lib.make_config(
+        kwargs.get("mesh_axes"),
+        kwargs.get("grad_worker_fraction", "comm_opt"),
+        kwargs.get("assignment_strategy", "compute"))
+    strategy_lib.group_size(config, mesh)
+  assert message in str(raised.value)
+
+
+def test_mesh_axes_without_a_mesh_is_a_clear_error():
+  params = {"Dense_0": {"kernel": jnp.ones((3, 2)), "bias": jnp.ones(2)}}
+  with pytest.raises(ValueError, match="jax.set_mesh"):
+    kfac_jax.scale_by_kfac(mesh_axes="data").init(params)
+
+
+@pytest.mark.parametrize("use_eigen", [True, False])
+def test_layout_packs_disjoint_segments_and_round_trips(use_eigen):
+  method = make_method(use_eigen, jnp.float32, precompute_damped_inverse=True)
+  dims = {"a": (5, 3), "b": (4, 4), "c": (2, 6), "d": (7, 1), "e": (3, 3)}
+  plan = layout_lib.make_layout(dims, method.init, 4, 2,
+                                strategy_lib.AssignmentStrategy.MEMORY)
+  for device in range(4):
+    end = 0
+    for name in plan.owned(device):
+      assert plan.offset[name] == end
+      end += plan.size[name]
+    assert end <= plan.segment_size
+  assert plan.segment_size == max(
+      sum(plan.size[n] for n in plan.owned(d)) for d in range(4))
+  for name, (activation_dim, gradient_dim) in dims.items():
+    preconditioner = method.init(activation_dim, gradient_dim)
+    preconditioner = jax.tree.map(
+        lambda x: x + jnp.arange(x.size, dtype=x.dtype).reshape(x.shape),
+        preconditioner)
+    vector = layout_lib.pack(preconditioner)
+    assert vector.shape == (plan.size[name],)
+    back = layout_lib.unpack(vector, plan.templates[name])
+    for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(preconditioner)):
+      np.testing.assert_array_equal(x, y)
+
+
+class TwoLayers(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3)(jnp.tanh(nn.Dense(5)(x)))
+
+
+@pytest.mark.parametrize("strategy", list(kfac_jax.DistributedStrategy))
+def test_a_one_device_mesh_trains_as_the_local_placement(strategy):
+  model = TwoLayers()
+  x = jax.random.normal(jax.random.key(0), (8, 4))
+  params = model.init(jax.random.key(1), x)["params"]
+  loss_fn = lambda p: jnp.mean(model.apply({"params": p}, x)**2)
+
+  def run(**kwargs):
+    tx = optax.chain(kfac_jax.scale_by_kfac(damping=0.01, **kwargs),
+                     optax.sgd(0.1))
+    state = tx.init(params)
+    p = params
+    for _ in range(3):
+      _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(p)
+      updates, state = jax.jit(tx.update)(grads, state, p, kfac_stats=stats)
+      p = optax.apply_updates(p, updates)
+    return p, state[0]
+
+  expected, local_state = run()
+  with jax.set_mesh(jax.make_mesh((1,), ("devices",))):
+    actual, state = run(mesh_axes="devices", grad_worker_fraction=strategy)
+    specs = kfac_jax.get_opt_state_partition_specs(
+        params, mesh_axes="devices", grad_worker_fraction=strategy)
+  assert isinstance(state.preconditioners, kfac_jax.ShardedPreconditioners)
+  assert specs.preconditioners.rows == PartitionSpec(("devices",), None)
+  for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  # One device: the row is every layer's packed preconditioner, in layout order.
+  assert state.preconditioners.rows.shape == (1, sum(
+      x.size for x in jax.tree.leaves(local_state.preconditioners)))
+
+
+def test_hlo_reader_counts_a_vmapped_eigh_and_a_cholesky():
+  stack = jnp.broadcast_to(jnp.eye(5), (3, 5, 5))
+  eigh_text = jax.jit(jax.vmap(jnp.linalg.eigh)).lower(stack).compile().as_text()
+  assert per_device_costs(eigh_text, 1)[0].decomposition_flops == 3 * 9 * 125
+  cholesky_text = jax.jit(jnp.linalg.cholesky).lower(
+      jnp.eye(6)).compile().as_text()
+  assert per_device_costs(cholesky_text, 1)[0].decomposition_flops == 216 / 3
