@@ -182,6 +182,44 @@ def fsdp(axis_type: AxisType) -> None:
                                 jax.tree.leaves(sharding)):
       assert update.sharding.is_equivalent_to(expected, update.ndim), (
           update.sharding, expected)
+  assert_no_full_gradient_copies(params, specs, mesh)
+
+
+def assert_no_full_gradient_copies(params, specs, mesh) -> None:
+  """The compiled update never forms a sharded kernel's whole gradient.
+
+  Reads the program of ``tx.update`` alone (the model's own FSDP forward
+  gathers kernels, which is not K-FAC's doing), inverse method (the eigen
+  method's state holds a replicated ``[dA, dG]`` scale of the same shape).
+  """
+  for strategy in STRATEGIES:
+    tx = kfac_jax.scale_by_kfac(
+        compute_method="inverse", mesh_axes=("data", "fsdp"),
+        grad_worker_fraction=strategy, params_partition_specs=specs)
+    _, loss_fn, (x, y) = conv_problem()
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    with jax.set_mesh(mesh):
+      placed = jax.device_put(params, shardings)
+      state = jax.jit(tx.init)(placed)
+      batch = [jax.device_put(b[0], NamedSharding(mesh, PartitionSpec("data")))
+               for b in (x, y)]
+      _, grads, stats = jax.jit(kfac_jax.value_grad_and_stats(loss_fn))(
+          placed, *batch)
+      grads = jax.device_put(grads, shardings)
+      text = jax.jit(lambda g, s, st: tx.update(g, s, kfac_stats=st)).lower(
+          grads, state, stats).compile().as_text()
+    forbidden = []
+    for layer, values in params.items():
+      kernel_spec = specs[layer]["kernel"]
+      if all(entry is None for entry in kernel_spec):
+        continue
+      kernel = values["kernel"]
+      rows = int(np.prod(kernel.shape[:-1])) + int("bias" in values)
+      for shape in (kernel.shape, (rows, kernel.shape[-1])):
+        forbidden.append("f32[" + ",".join(map(str, shape)) + "]")
+    assert forbidden
+    found = [shape for shape in forbidden if shape in text]
+    assert not found, (strategy, found)
 
 
 def compiled_step(tx, params, loss_fn, x, mesh):

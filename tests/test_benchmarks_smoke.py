@@ -21,3 +21,20 @@ def test_step_time_smoke(tmp_path):
   assert results  # a non-empty record of the run
   for variant in ("sgd", "kfac-eigen", "kfac-inverse"):
     assert variant in result.stdout
+
+
+def test_scaling_smoke(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "benchmarks/scaling.py", "--smoke", "--no-progress",
+       "--out", str(tmp_path)],
+      cwd=REPO, capture_output=True, text=True, timeout=240)
+  assert result.returncode == 0, result.stderr[-3000:]
+  (results_file,) = tmp_path.glob("scaling_*.json")
+  rows = json.loads(results_file.read_text())["rows"]
+  strategies = {(r["model"], r["devices"], r["strategy"]) for r in rows}
+  assert ("balanced", 2, "mem_opt") in strategies
+  for row in rows:
+    if row["devices"] == 2 and row["strategy"] != "sgd":
+      # Two devices share the decompositions (the smoke layers are balanced
+      # to within one layer).
+      assert row["decomposition_share"] < 0.75, row

@@ -154,6 +154,16 @@ def test_layout_packs_disjoint_segments_and_round_trips(use_eigen):
     assert end <= plan.segment_size
   assert plan.segment_size == max(
       sum(plan.size[n] for n in plan.owned(d)) for d in range(4))
+  # A group's row is its two members' layers back to back, unpadded.
+  assert plan.row_size == max(
+      sum(plan.size[n] for d in (2 * j, 2 * j + 1) for n in plan.owned(d))
+      for j in range(2))
+  everything = layout_lib.make_layout(dims, method.init, 4, 4,
+                                      strategy_lib.AssignmentStrategy.MEMORY)
+  assert everything.row_size == sum(plan.size.values())
+  starts = sorted((everything.row_offset(n), n) for n in dims)
+  for (start, name), (next_start, _) in zip(starts, starts[1:]):
+    assert start + plan.size[name] == next_start
   for name, (activation_dim, gradient_dim) in dims.items():
     preconditioner = method.init(activation_dim, gradient_dim)
     preconditioner = jax.tree.map(

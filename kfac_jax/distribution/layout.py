@@ -1,19 +1,19 @@
 """Where each layer's preconditioner lives on the mesh: a static packing.
 
 Layers of different sizes cannot share one stacked array, so every device
-holds one flat *row* of the preconditioner state, ``[n, g·S]`` sharded over the
+holds one flat *row* of the preconditioner state, ``[n, R]`` sharded over the
 mesh axes (row ``d`` on device ``d``). A layer's preconditioner (every leaf of
-its ``EigenPreconditioner``/``InversePreconditioner``, raveled) sits in the
-*segment* ``[S]`` of the device that decomposes it, and the row of every
-device of a group is its ``g`` members' segments side by side::
+its ``EigenPreconditioner``/``InversePreconditioner``, raveled) is computed
+into the *segment* ``[S]`` of the device that owns it (S = the largest
+device load), and kept in the row of every device of the owner's group
+(devices ``j·g … j·g + g − 1``, ``j = owner // g``). A group's row holds its
+members' layers back to back, member by member, with no padding between
+them, so ``R`` is the largest group load: every layer for COMM_OPT (``g =
+n``, exactly the replicated size), the device's own layers for MEM_OPT.
 
-  row of device d = segment[j·g] ‖ segment[j·g + 1] ‖ … ‖ segment[j·g + g − 1],
-  j = d // g.
-
-So a layer owned by device ``c`` is found in the row of every device of group
-``c // g`` at ``(c % g)·S + offset``. Everything here is Python-side and
-depends only on the layers' sizes and ``(n, g)``, so ``init``, ``update`` and
-``get_opt_state_partition_specs`` agree on it without storing it.
+Everything here is Python-side and depends only on the layers' sizes and
+``(n, g)``, so ``init``, ``update`` and ``get_opt_state_partition_specs`` agree
+on it without storing it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -46,7 +46,9 @@ class ShardedLayout:
     offset: ``{layer: start}`` of its packed preconditioner in its owner's
       segment.
     size: ``{layer: elements}`` of its packed preconditioner.
+    load: elements each device owns, ``[n]``.
     segment_size: S, elements of one device's segment (the largest load).
+    row_size: R, elements of one row (the largest group load).
     gradient_offset: ``{layer: start}`` of its preconditioned gradient in its
       owner's gradient segment (used when ``g < n``).
     gradient_segment_size: elements of one device's gradient segment.
@@ -58,23 +60,29 @@ class ShardedLayout:
   owner: Mapping[str, int]
   offset: Mapping[str, int]
   size: Mapping[str, int]
+  load: tuple[int, ...]
   segment_size: int
+  row_size: int
   gradient_offset: Mapping[str, int]
   gradient_segment_size: int
   templates: Mapping[str, Any]
-
-  @property
-  def row_size(self) -> int:
-    return self.group_size * self.segment_size
 
   def owned(self, device: int) -> list[str]:
     """The layers ``device`` decomposes, in segment order."""
     return sorted((n for n, d in self.owner.items() if d == device),
                   key=self.offset.__getitem__)
 
+  def members(self, group: int) -> range:
+    return range(group * self.group_size, (group + 1) * self.group_size)
+
+  def member_start(self, device: int) -> int:
+    """Where ``device``'s layers start in its group's row."""
+    first = device // self.group_size * self.group_size
+    return sum(self.load[first:device])
+
   def row_offset(self, name: str) -> int:
-    """Start of ``name`` in the row of any device of its group."""
-    return (self.owner[name] % self.group_size) * self.segment_size + self.offset[name]
+    """Start of ``name`` in the row of every device of its group."""
+    return self.member_start(self.owner[name]) + self.offset[name]
 
   def first_of_group(self, name: str) -> int:
     """The lowest device whose row holds ``name``."""
@@ -112,23 +120,37 @@ def _make_layout(dims: tuple[tuple[str, tuple[int, int]], ...],
       name: sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(t))
       for name, t in templates.items()
   }
-  offset, gradient_offset = {}, {}
-  loads, gradient_loads = [0] * num_devices, [0] * num_devices
-  for name, (activation_dim, gradient_dim) in dims:
-    device = owner[name]
-    offset[name], loads[device] = loads[device], loads[device] + size[name]
-    gradient_offset[name] = gradient_loads[device]
-    gradient_loads[device] += activation_dim * gradient_dim
+  names = [name for name, _ in dims]
+  offset, loads = pack_by_owner(names, owner, size, num_devices)
+  gradient_offset, gradient_loads = pack_by_owner(
+      names, owner, {name: a * g for name, (a, g) in dims}, num_devices)
   return ShardedLayout(
       num_devices=num_devices,
       group_size=group_size,
       owner=owner,
       offset=offset,
       size=size,
+      load=tuple(loads),
       segment_size=max(loads),
+      row_size=max(sum(loads[start:start + group_size])
+                   for start in range(0, num_devices, group_size)),
       gradient_offset=gradient_offset,
       gradient_segment_size=max(gradient_loads),
       templates=templates)
+
+
+def pack_by_owner(names: Sequence[str], owner: Mapping[str, int],
+                  sizes: Mapping[str, int],
+                  num_devices: int) -> tuple[dict[str, int], list[int]]:
+  """Back-to-back offsets of ``names`` within their owners' segments.
+
+  Returns ``({name: offset}, [elements per device])``.
+  """
+  offsets, loads = {}, [0] * num_devices
+  for name in names:
+    device = owner[name]
+    offsets[name], loads[device] = loads[device], loads[device] + sizes[name]
+  return offsets, loads
 
 
 def pack(tree: Any) -> jax.Array:

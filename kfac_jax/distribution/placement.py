@@ -7,7 +7,7 @@ step and the preconditioning of every step.
 * ``local_placement``: ``{layer: Preconditioner}``; every decomposition runs
   where the program runs, batched by factor size (``batched``).
 * ``mesh_placement``: KAISA's strategies on the mesh set with
-  ``jax.set_mesh``. The state is ``ShardedPreconditioners(rows [n, g·S])``
+  ``jax.set_mesh``. The state is ``ShardedPreconditioners(rows [n, R])``
   sharded over the K-FAC mesh axes (``layout``). Inside ``shard_map`` each
   device decomposes only the layers assigned to it (a ``lax.switch`` on its
   index), and the results reach the other ``g − 1`` devices of its group by
@@ -19,6 +19,7 @@ step and the preconditioning of every step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -40,8 +41,8 @@ class ShardedPreconditioners(NamedTuple):
   """All layers' preconditioners packed per device (see ``layout``).
 
   Attributes:
-    rows: ``[n, g·S]`` in the storage dtype; row ``d`` lives on device ``d``
-      of the K-FAC mesh axes.
+    rows: ``[n, R]`` in the storage dtype; row ``d`` lives on device ``d``
+      of the K-FAC mesh axes and holds the preconditioners of its group.
   """
 
   rows: jax.Array
@@ -56,8 +57,10 @@ class Placement(NamedTuple):
       decomposes ``factors`` (a subset of the layers), keeps ``previous`` for
       the others and for any decomposition that comes out non-finite;
       ``rejected`` counts those (int32).
-    precondition: ``(dims, state, {layer: ∇ [dA, dG]}, λ) -> {layer: P}``,
-      float32, replicated.
+    precondition: ``(dims, state, {layer: ∇ [dA, dG]}, λ, sharded) ->
+      {layer: P}``, float32. Layers in ``sharded`` (``{layer: mesh axes}``,
+      kernels sharded over those axes) are preconditioned in place, sharded
+      (``precondition_in_place``); the others come out replicated.
     per_layer: ``(dims, state) -> {layer: Preconditioner}``: inspection of
       a concrete state (host arrays for a sharded one).
     partition_specs: ``dims -> PartitionSpec`` tree of the state.
@@ -66,8 +69,8 @@ class Placement(NamedTuple):
   init: Callable[[Dims], Any]
   decompose: Callable[[Dims, Mapping[str, LayerFactors], Any, jax.Array],
                       tuple[Any, jax.Array]]
-  precondition: Callable[[Dims, Any, Mapping[str, jax.Array], jax.Array],
-                         dict[str, jax.Array]]
+  precondition: Callable[[Dims, Any, Mapping[str, jax.Array], jax.Array,
+                          Mapping[str, tuple[str, ...]]], dict[str, jax.Array]]
   per_layer: Callable[[Dims, Any], dict[str, Preconditioner]]
   partition_specs: Callable[[Dims], Any]
 
@@ -98,10 +101,13 @@ def local_placement(method: Method) -> Placement:
     new, rejected = decompose_checked(method, factors, previous, damping)
     return {**previous, **new}, rejected
 
-  def precondition(dims, preconditioners, gradients, damping):
+  def precondition(dims, preconditioners, gradients, damping, sharded):
     del dims
     return {
-        name: method.precondition(preconditioners[name], gradient, damping)
+        name: (precondition_in_place(method, preconditioners[name], gradient,
+                                     damping, sharded[name])
+               if name in sharded else
+               method.precondition(preconditioners[name], gradient, damping))
         for name, gradient in gradients.items()
     }
 
@@ -126,17 +132,15 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
   def init(dims: Dims) -> ShardedPreconditioners:
     plan = layout(dims)
     dtype = _dtype(plan)
-    segments = [
+    group_rows = [
         layout_lib.fill_segment(
             [layout_lib.pack(method.init(*dims[name]))
-             for name in plan.owned(device)], plan.segment_size, dtype)
-        for device in range(plan.num_devices)
+             for device in plan.members(group) for name in plan.owned(device)],
+            plan.row_size, dtype)
+        for group in range(plan.num_devices // plan.group_size)
     ]
-    g = plan.group_size
-    rows = jnp.stack([
-        jnp.concatenate(segments[d // g * g:d // g * g + g])
-        for d in range(plan.num_devices)
-    ])
+    rows = jnp.stack([group_rows[d // plan.group_size]
+                      for d in range(plan.num_devices)])
     return ShardedPreconditioners(constrain(rows, rows_spec, axes))
 
   def decompose(dims, factors, previous, damping):
@@ -147,16 +151,23 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
       names = [name for name in plan.owned(device) if name in factors]
 
       def branch(factors, row, damping):
-        base = device % g * size
-        old = {
-            name: _read(row, base + plan.offset[name], plan, name)
-            for name in plan.owned(device)
-        }
+        old = {name: _read(row, plan.row_offset(name), plan, name)
+               for name in plan.owned(device)}
         new, rejected = decompose_checked(
             method, {name: factors[name] for name in names}, old, damping)
         pieces = [layout_lib.pack(new.get(name, old[name]))
                   for name in plan.owned(device)]
         return layout_lib.fill_segment(pieces, size, row.dtype), rejected
+
+      return branch
+
+    def group_branch(group: int):
+      # The group's row: its members' segments, each cut to its load.
+
+      def branch(gathered):
+        return layout_lib.fill_segment(
+            [gathered[m * size:m * size + plan.load[m]]
+             for m in plan.members(group)], plan.row_size, gathered.dtype)
 
       return branch
 
@@ -166,12 +177,14 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
       segment, rejected = lax.switch(
           device, [device_branch(d) for d in range(n)], factors, row, damping)
       rejected = lax.psum(rejected, axes)
-      if g > 1:
-        # The group's g segments, side by side, from one gather.
+      if g == 1:
+        row = segment[:plan.row_size]
+      else:
         gathered = lax.all_gather(segment, axes, tiled=True)
-        segment = gathered if g == n else lax.dynamic_slice_in_dim(
-            gathered, device // g * g * size, g * size)
-      return segment[None], rejected
+        groups = [group_branch(j) for j in range(n // g)]
+        row = groups[0](gathered) if len(groups) == 1 else lax.switch(
+            device // g, groups, gathered)
+      return row[None], rejected
 
     # check_vma=False: rows are replicated within groups by construction,
     # which the replication checker cannot see through lax.switch.
@@ -181,21 +194,69 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
         check_vma=False)(dict(factors), previous.rows, damping)
     return ShardedPreconditioners(rows), rejected
 
-  def precondition(dims, preconditioners, gradients, damping):
+  def precondition(dims, preconditioners, gradients, damping, sharded):
     plan = layout(dims)
+    in_place = [name for name in gradients if name in sharded]
+    out = {}
+    if in_place:
+      fetched = fetch_replicated(plan, preconditioners.rows, in_place)
+      for name in in_place:
+        out[name] = precondition_in_place(method, fetched[name],
+                                          gradients[name], damping,
+                                          sharded[name])
+    gathered = {n: x for n, x in gradients.items() if n not in sharded}
+    if gathered:
+      out.update(precondition_gathered(plan, preconditioners.rows, gathered,
+                                       damping))
+    return out
+
+  def fetch_replicated(plan: ShardedLayout, rows: jax.Array,
+                       names: list[str]) -> dict[str, Preconditioner]:
+    """``names``' preconditioners on every device (a gather unless ``g = n``)."""
+    n, g = plan.num_devices, plan.group_size
+
+    def piece(row, name):
+      return row[plan.row_offset(name):][:plan.size[name]]
+
+    def body(rows):
+      row = rows[0]
+      if g == n:
+        return {name: _read(row, plan.row_offset(name), plan, name)
+                for name in names}
+      offsets, loads = layout_lib.pack_by_owner(names, plan.owner, plan.size, n)
+      size = max(loads)
+      branches = [
+          (lambda row, d=d: layout_lib.fill_segment(
+              [piece(row, name) for name in names if plan.owner[name] == d],
+              size, row.dtype)) for d in range(n)
+      ]
+      gathered = lax.all_gather(
+          lax.switch(lax.axis_index(axes), branches, row), axes, tiled=True)
+      return {
+          name: layout_lib.unpack(
+              gathered[plan.owner[name] * size + offsets[name]:]
+              [:plan.size[name]], plan.templates[name]) for name in names
+      }
+
+    return jax.shard_map(body, in_specs=rows_spec, out_specs=PartitionSpec(),
+                         axis_names=set(axes), check_vma=False)(rows)
+
+  def precondition_gathered(plan: ShardedLayout, rows: jax.Array,
+                            gradients: Mapping[str, jax.Array],
+                            damping: jax.Array) -> dict[str, jax.Array]:
+    """Replicated ``P`` of replicated gradients (see the module docstring)."""
     n, g = plan.num_devices, plan.group_size
     gradient_size = plan.gradient_segment_size
 
-    def apply(row, name, gradient, base, damping):
+    def apply(row, name, gradient, damping):
       return method.precondition(
-          _read(row, base + plan.offset[name], plan, name), gradient, damping)
+          _read(row, plan.row_offset(name), plan, name), gradient, damping)
 
     def device_branch(device: int):
       names = [name for name in plan.owned(device) if name in gradients]
 
       def branch(row, gradients, damping):
-        base = device % g * plan.segment_size
-        pieces = [apply(row, name, gradients[name], base, damping).ravel()
+        pieces = [apply(row, name, gradients[name], damping).ravel()
                   for name in names]
         return layout_lib.fill_segment(pieces, gradient_size, jnp.float32)
 
@@ -204,8 +265,7 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
     def body(rows, gradients, damping):
       row = rows[0]
       if g == n:  # COMM_OPT: every device holds every layer.
-        return {name: apply(row, name, gradient,
-                            plan.owner[name] * plan.segment_size, damping)
+        return {name: apply(row, name, gradient, damping)
                 for name, gradient in gradients.items()}
       segment = lax.switch(lax.axis_index(axes),
                            [device_branch(d) for d in range(n)], row, gradients,
@@ -221,7 +281,7 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
     return jax.shard_map(
         body, in_specs=(rows_spec, PartitionSpec(), PartitionSpec()),
         out_specs=PartitionSpec(), axis_names=set(axes),
-        check_vma=False)(preconditioners.rows, dict(gradients), damping)
+        check_vma=False)(rows, dict(gradients), damping)
 
   def per_layer(dims, preconditioners):
     plan = layout(dims)
@@ -290,6 +350,37 @@ def check_params_specs(params: Any, params_specs: Any) -> Any:
           f"params_partition_specs at {jax.tree_util.keystr(path)}: {spec} "
           f"has more entries than the array's {jnp.ndim(leaf)} dimensions.")
   return specs
+
+
+def precondition_in_place(method: Method, preconditioner: Preconditioner,
+                          gradient: jax.Array, damping: jax.Array,
+                          axes: tuple[str, ...]) -> jax.Array:
+  """``P`` of a gradient sharded over ``axes``, never gathered whole.
+
+  Before a product over the rows of ``∇ [dA, dG]`` its columns are sharded,
+  and before one over its columns its rows, so every product is local and
+  each device holds ``1/k`` of the gradient throughout (``k`` = the axes'
+  devices), at the price of an all-to-all per product. Both dimensions are
+  zero-padded to multiples of ``k`` first (the preconditioner with zero
+  rows/columns, which leaves the padding zero), since XLA reshards an uneven
+  dimension by gathering it. ``P`` comes out with its columns (the kernel's
+  output features) sharded.
+  """
+  mesh = context_mesh(axes)
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  k = math.prod(sizes[a] for a in axes)
+  activation_dim, gradient_dim = gradient.shape
+  padded = {d: d + -d % k for d in (activation_dim, gradient_dim)}
+  pad = lambda x: jnp.pad(x, [(0, padded[d] - d) for d in x.shape])
+
+  def reshard(x: jax.Array, axis: int) -> jax.Array:
+    spec = (PartitionSpec(None, axes) if axis == 0 else
+            PartitionSpec(axes, None))
+    return constrain(x, spec, axes)
+
+  result = method.precondition(jax.tree.map(pad, preconditioner),
+                               pad(gradient), damping, reshard)
+  return reshard(result, 0)[:activation_dim, :gradient_dim]
 
 
 def _read(row: jax.Array, start: int, plan: ShardedLayout,

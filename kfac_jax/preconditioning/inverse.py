@@ -10,7 +10,7 @@ from jax import lax
 import jax.scipy.linalg
 
 from kfac_jax.factors.running import LayerFactors
-from kfac_jax.preconditioning.eigen import DECOMPOSITION_DTYPE
+from kfac_jax.preconditioning.eigen import DECOMPOSITION_DTYPE, Reshard, no_reshard
 
 
 class InversePreconditioner(NamedTuple):
@@ -61,11 +61,15 @@ def invert(factors: LayerFactors, damping: jax.Array,
 
 
 def precondition(preconditioner: InversePreconditioner, gradient: jax.Array,
-                 damping: jax.Array) -> jax.Array:
-  """``(A + λI)⁻¹ ∇ (G + λI)⁻¹`` with the damping frozen at inversion; float32."""
+                 damping: jax.Array,
+                 reshard: Reshard = no_reshard) -> jax.Array:
+  """``(A + λI)⁻¹ ∇ (G + λI)⁻¹`` with the damping frozen at inversion; float32.
+
+  ``reshard`` as in ``eigen.precondition``.
+  """
   del damping  # Folded into the inverses when they were computed.
   matmul = lambda x, y: jnp.matmul(x, y, precision=lax.Precision.HIGHEST)
-  return matmul(
-      matmul(preconditioner.activation_inverse.astype(DECOMPOSITION_DTYPE),
-             gradient.astype(DECOMPOSITION_DTYPE)),
-      preconditioner.gradient_inverse.astype(DECOMPOSITION_DTYPE))
+  left = matmul(preconditioner.activation_inverse.astype(DECOMPOSITION_DTYPE),
+                reshard(gradient.astype(DECOMPOSITION_DTYPE), 0))
+  return matmul(reshard(left, 1),
+                preconditioner.gradient_inverse.astype(DECOMPOSITION_DTYPE))

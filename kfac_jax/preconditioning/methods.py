@@ -24,13 +24,14 @@ class Method(NamedTuple):
     factor_fn: decomposition of one factor ``[d, d]`` (batched by
       ``batched.decompose_layers``).
     assemble: ``(factor_fn(A), factor_fn(G), λ) -> Preconditioner``.
-    precondition: ``(Preconditioner, ∇ [dA, dG], λ) -> P [dA, dG]``.
+    precondition: ``(Preconditioner, ∇ [dA, dG], λ[, reshard]) -> P [dA, dG]``
+      (``reshard``: see ``eigen.Reshard``).
   """
 
   init: Callable[[int, int], Preconditioner]
   factor_fn: FactorFn
   assemble: Callable[[Results, Results, jax.Array], Preconditioner]
-  precondition: Callable[[Preconditioner, jax.Array, jax.Array], jax.Array]
+  precondition: Callable[..., jax.Array]
 
 
 def make_method(use_eigen: bool, dtype: jnp.dtype,

@@ -208,11 +208,14 @@ def scale_by_kfac(
   def optimizer_step(
       state: ScaleByKFACState, grads: Any, layers: Mapping[str, LayerInfo],
       active: Sequence[str],
-      batch_factors: Callable[[], dict[str, LayerFactors]]
+      batch_factors: Callable[[], dict[str, LayerFactors]],
+      sharded: Mapping[str, tuple[str, ...]],
   ) -> tuple[Any, ScaleByKFACState]:
     """Factor update, decomposition and preconditioning of one optimizer step.
 
-    Returns the updates and the state after the step (accumulator untouched).
+    ``sharded``: ``{layer: mesh axes}`` of kernels sharded by
+    ``params_partition_specs``. Returns the updates and the state after the
+    step (accumulator untouched).
     """
     count = state.count
     damping_value = damping_fn(count)
@@ -254,8 +257,8 @@ def scale_by_kfac(
         name: to_matrix(layers_lib.get_layer_params(grads, layers[name]),
                         layers[name], jnp.float32) for name in active
     }
-    preconditioned = placement.precondition(dims, preconditioners,
-                                            gradient_matrices, damping_value)
+    preconditioned = placement.precondition(
+        dims, preconditioners, gradient_matrices, damping_value, sharded)
     if kl_clip_fn is not None and active:
       nu = kl_clip_scale([preconditioned[n] for n in active],
                          [gradient_matrices[n] for n in active],
@@ -285,6 +288,10 @@ def scale_by_kfac(
   ) -> tuple[Any, ScaleByKFACState]:
     del params, extra_args
     layers = layers_lib.find_layers(updates, skip)
+    sharded = {}
+    if params_partition_specs is not None:
+      sharded = _sharded_kernels(layers, placement_lib.check_params_specs(
+          updates, params_partition_specs))
     _check_state(layers, state)
     active = _check_stats(kfac_stats, layers, skip)
 
@@ -295,7 +302,8 @@ def scale_by_kfac(
       }
 
     if accumulation_steps == 1:
-      return optimizer_step(state, updates, layers, active, stats_factors)
+      return optimizer_step(state, updates, layers, active, stats_factors,
+                            sharded)
 
     accumulator = state.accumulator
     factor_step = state.count % factor_update_steps_fn(state.count) == 0
@@ -322,7 +330,8 @@ def scale_by_kfac(
           n: LayerFactors(*(f / k for f in factor_sums[n])) for n in active
       }
       new_updates, new_state = optimizer_step(state, mean_grads, layers,
-                                              active, lambda: mean_factors)
+                                              active, lambda: mean_factors,
+                                              sharded)
       reset = AccumulatorState(
           micro_step=jnp.zeros([], jnp.int32),
           gradients=optax.tree.zeros_like(gradient_sums),
@@ -383,6 +392,19 @@ def state_partition_specs(state: ScaleByKFACState,
       accumulator=accumulator,
       skipped_factor_updates=PartitionSpec(),
       rejected_decompositions=PartitionSpec())
+
+
+def _sharded_kernels(layers: Mapping[str, LayerInfo],
+                     params_specs: Any) -> dict[str, tuple[str, ...]]:
+  """``{layer: mesh axes}`` of the layers whose kernel spec shards it."""
+  sharded = {}
+  for name, layer in layers.items():
+    spec = layers_lib.get_layer_params(params_specs, layer)[layers_lib.KERNEL]
+    axes = tuple(a for entry in (spec or ()) if entry is not None
+                 for a in ((entry,) if isinstance(entry, str) else entry))
+    if axes:
+      sharded[name] = axes
+  return sharded
 
 
 def _dims(layers: Mapping[str, LayerInfo]) -> dict[str, tuple[int, int]]:
