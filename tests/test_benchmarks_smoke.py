@@ -10,12 +10,17 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_step_time_smoke(tmp_path):
+def run_smoke(script: str, out) -> subprocess.CompletedProcess[str]:
   result = subprocess.run(
-      [sys.executable, "benchmarks/step_time.py", "--smoke", "--no-progress",
-       "--out", str(tmp_path)],
+      [sys.executable, f"benchmarks/{script}", "--smoke", "--no-progress",
+       "--out", str(out)],
       cwd=REPO, capture_output=True, text=True, timeout=240)
   assert result.returncode == 0, result.stderr[-3000:]
+  return result
+
+
+def test_step_time_smoke(tmp_path):
+  result = run_smoke("step_time.py", tmp_path)
   (results_file,) = tmp_path.glob("step_time_*.json")
   results = json.loads(results_file.read_text())
   assert results  # a non-empty record of the run
@@ -24,11 +29,7 @@ def test_step_time_smoke(tmp_path):
 
 
 def test_scaling_smoke(tmp_path):
-  result = subprocess.run(
-      [sys.executable, "benchmarks/scaling.py", "--smoke", "--no-progress",
-       "--out", str(tmp_path)],
-      cwd=REPO, capture_output=True, text=True, timeout=240)
-  assert result.returncode == 0, result.stderr[-3000:]
+  run_smoke("scaling.py", tmp_path)
   (results_file,) = tmp_path.glob("scaling_*.json")
   rows = json.loads(results_file.read_text())["rows"]
   strategies = {(r["model"], r["devices"], r["strategy"]) for r in rows}

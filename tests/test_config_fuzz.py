@@ -71,6 +71,14 @@ VALID = {
     "skip_layers": SKIP,
     "factor_dtype": st.sampled_from([None] + FLOAT_DTYPES),
     "inv_dtype": st.sampled_from(FLOAT_DTYPES),
+    # Inert without mesh_axes (which needs a mesh to trace; see
+    # test_distribution.py), but still validated at construction.
+    "grad_worker_fraction": st.one_of(
+        st.sampled_from(list(kfac_jax.DistributedStrategy) +
+                        ["comm_opt", "HYBRID_OPT", "mem_opt"]),
+        st.floats(1e-6, 1.0), st.just(1)),
+    "assignment_strategy": st.sampled_from(
+        ["compute", "memory", "MEMORY"] + list(kfac_jax.AssignmentStrategy)),
 }
 
 
@@ -106,7 +114,8 @@ NOT_POSITIVE = st.one_of(st.floats(max_value=0.0), st.integers(max_value=0),
                          NON_FINITE)
 NOT_DECAY = st.one_of(
     st.floats(max_value=0.0),
-    st.floats(min_value=1.0, exclude_min=True),
+    # Above 1 in float32, the dtype update uses (1 + 1e-16 is 1.0 there).
+    st.floats(min_value=1.0 + 2**-22),
     st.integers(max_value=0),
     st.integers(min_value=2, max_value=10**6),
     NON_FINITE,
@@ -157,6 +166,15 @@ INVALID = {
     ),
     "factor_dtype": NOT_A_FLOAT_DTYPE,
     "inv_dtype": NOT_A_FLOAT_DTYPE,
+    "mesh_axes": st.one_of(
+        st.sampled_from([(), [], ("data", "data"), 3, 2.5, b"data", ["data", 1],
+                         (None,), {"data": 1}])),
+    "grad_worker_fraction": st.one_of(
+        st.floats(max_value=0.0), st.floats(min_value=1.0, exclude_min=True),
+        NON_FINITE, st.integers(max_value=0), st.integers(2, 100),
+        st.sampled_from([None, True, "comm", "fast", [0.5], object()])),
+    "assignment_strategy": st.sampled_from(
+        [None, "time", "", 1, ["compute"], "computer"]),
 }
 
 

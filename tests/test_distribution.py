@@ -222,3 +222,14 @@ def test_hlo_reader_counts_a_vmapped_eigh_and_a_cholesky():
   cholesky_text = jax.jit(jnp.linalg.cholesky).lower(
       jnp.eye(6)).compile().as_text()
   assert per_device_costs(cholesky_text, 1)[0].decomposition_flops == 216 / 3
+
+
+def test_params_partition_specs_must_fit_the_params():
+  params = {"Dense_0": {"kernel": jnp.ones((3, 2)), "bias": jnp.ones(2)}}
+  wrong_structure = {"Dense_0": {"kernel": PartitionSpec()}}
+  with pytest.raises(ValueError, match="structure of the params"):
+    kfac_jax.scale_by_kfac(params_partition_specs=wrong_structure).init(params)
+  too_long = {"Dense_0": {"kernel": PartitionSpec(None, None, "x"),
+                          "bias": None}}
+  with pytest.raises(ValueError, match=r"\['Dense_0'\]\['kernel'\]"):
+    kfac_jax.scale_by_kfac(params_partition_specs=too_long).init(params)

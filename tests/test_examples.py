@@ -59,3 +59,14 @@ def test_example_runs(script: str, stem: str, tmp_path: pathlib.Path) -> None:
     assert name in rows, f"{name} missing from the table:\n{result.stdout}"
     steps = rows[name][rows["optimizer"].index("steps")]
     assert steps == "3"
+
+
+def test_sharded_example_runs_on_eight_simulated_devices(
+    tmp_path: pathlib.Path) -> None:
+  result = run_example("sharded_mnist.py", tmp_path, "--strategy", "mem_opt")
+  assert result.returncode == 0, (
+      f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}")
+  assert "8 devices, mesh {'data': 2, 'fsdp': 4}, mem_opt" in result.stdout
+  rows = table_rows(result.stdout)
+  assert rows["mem_opt"][0] == "3"
+  assert (tmp_path / "sharded_mnist.md").read_text().count("| mem_opt |") == 1

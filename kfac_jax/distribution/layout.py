@@ -49,9 +49,6 @@ class ShardedLayout:
     load: elements each device owns, ``[n]``.
     segment_size: S, elements of one device's segment (the largest load).
     row_size: R, elements of one row (the largest group load).
-    gradient_offset: ``{layer: start}`` of its preconditioned gradient in its
-      owner's gradient segment (used when ``g < n``).
-    gradient_segment_size: elements of one device's gradient segment.
     templates: ``{layer: preconditioner of ShapeDtypeStructs}`` to unpack.
   """
 
@@ -63,8 +60,6 @@ class ShardedLayout:
   load: tuple[int, ...]
   segment_size: int
   row_size: int
-  gradient_offset: Mapping[str, int]
-  gradient_segment_size: int
   templates: Mapping[str, Any]
 
   def owned(self, device: int) -> list[str]:
@@ -122,8 +117,6 @@ def _make_layout(dims: tuple[tuple[str, tuple[int, int]], ...],
   }
   names = [name for name, _ in dims]
   offset, loads = pack_by_owner(names, owner, size, num_devices)
-  gradient_offset, gradient_loads = pack_by_owner(
-      names, owner, {name: a * g for name, (a, g) in dims}, num_devices)
   return ShardedLayout(
       num_devices=num_devices,
       group_size=group_size,
@@ -134,8 +127,6 @@ def _make_layout(dims: tuple[tuple[str, tuple[int, int]], ...],
       segment_size=max(loads),
       row_size=max(sum(loads[start:start + group_size])
                    for start in range(0, num_devices, group_size)),
-      gradient_offset=gradient_offset,
-      gradient_segment_size=max(gradient_loads),
       templates=templates)
 
 

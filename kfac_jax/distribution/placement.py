@@ -213,30 +213,18 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
   def fetch_replicated(plan: ShardedLayout, rows: jax.Array,
                        names: list[str]) -> dict[str, Preconditioner]:
     """``names``' preconditioners on every device (a gather unless ``g = n``)."""
-    n, g = plan.num_devices, plan.group_size
-
-    def piece(row, name):
-      return row[plan.row_offset(name):][:plan.size[name]]
 
     def body(rows):
       row = rows[0]
-      if g == n:
+      if plan.group_size == plan.num_devices:
         return {name: _read(row, plan.row_offset(name), plan, name)
                 for name in names}
-      offsets, loads = layout_lib.pack_by_owner(names, plan.owner, plan.size, n)
-      size = max(loads)
-      branches = [
-          (lambda row, d=d: layout_lib.fill_segment(
-              [piece(row, name) for name in names if plan.owner[name] == d],
-              size, row.dtype)) for d in range(n)
-      ]
-      gathered = lax.all_gather(
-          lax.switch(lax.axis_index(axes), branches, row), axes, tiled=True)
-      return {
-          name: layout_lib.unpack(
-              gathered[plan.owner[name] * size + offsets[name]:]
-              [:plan.size[name]], plan.templates[name]) for name in names
-      }
+      shared = _share_from_owners(
+          axes, plan, {name: plan.size[name] for name in names},
+          lambda name: row[plan.row_offset(name):][:plan.size[name]],
+          row.dtype)
+      return {name: layout_lib.unpack(shared[name], plan.templates[name])
+              for name in names}
 
     return jax.shard_map(body, in_specs=rows_spec, out_specs=PartitionSpec(),
                          axis_names=set(axes), check_vma=False)(rows)
@@ -245,38 +233,19 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
                             gradients: Mapping[str, jax.Array],
                             damping: jax.Array) -> dict[str, jax.Array]:
     """Replicated ``P`` of replicated gradients (see the module docstring)."""
-    n, g = plan.num_devices, plan.group_size
-    gradient_size = plan.gradient_segment_size
-
-    def apply(row, name, gradient, damping):
-      return method.precondition(
-          _read(row, plan.row_offset(name), plan, name), gradient, damping)
-
-    def device_branch(device: int):
-      names = [name for name in plan.owned(device) if name in gradients]
-
-      def branch(row, gradients, damping):
-        pieces = [apply(row, name, gradients[name], damping).ravel()
-                  for name in names]
-        return layout_lib.fill_segment(pieces, gradient_size, jnp.float32)
-
-      return branch
 
     def body(rows, gradients, damping):
       row = rows[0]
-      if g == n:  # COMM_OPT: every device holds every layer.
-        return {name: apply(row, name, gradient, damping)
-                for name, gradient in gradients.items()}
-      segment = lax.switch(lax.axis_index(axes),
-                           [device_branch(d) for d in range(n)], row, gradients,
-                           damping)
-      gathered = lax.all_gather(segment, axes, tiled=True)
-      return {
-          name: gathered[plan.owner[name] * gradient_size +
-                         plan.gradient_offset[name]:][:gradient.size].reshape(
-                             gradient.shape)
-          for name, gradient in gradients.items()
-      }
+      apply = lambda name: method.precondition(
+          _read(row, plan.row_offset(name), plan, name), gradients[name],
+          damping)
+      if plan.group_size == plan.num_devices:  # Every device holds every layer.
+        return {name: apply(name) for name in gradients}
+      shared = _share_from_owners(
+          axes, plan, {name: g.size for name, g in gradients.items()}, apply,
+          jnp.float32)
+      return {name: shared[name].reshape(g.shape)
+              for name, g in gradients.items()}
 
     return jax.shard_map(
         body, in_specs=(rows_spec, PartitionSpec(), PartitionSpec()),
@@ -304,9 +273,10 @@ def context_mesh(axes: tuple[str, ...]) -> jax.sharding.AbstractMesh:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     raise ValueError(
-        f"scale_by_kfac(mesh_axes={list(axes)}) needs a mesh: call init, "
-        "update and get_opt_state_partition_specs inside "
-        "`with jax.set_mesh(mesh):` (mesh = jax.make_mesh(...)).")
+        f"scale_by_kfac with mesh_axes or params_partition_specs (mesh axes "
+        f"{list(axes)}) needs a mesh: call init, update and "
+        "get_opt_state_partition_specs inside `with jax.set_mesh(mesh):` "
+        "(mesh = jax.make_mesh(...)).")
   return mesh
 
 
@@ -381,6 +351,31 @@ def precondition_in_place(method: Method, preconditioner: Preconditioner,
   result = method.precondition(jax.tree.map(pad, preconditioner),
                                pad(gradient), damping, reshard)
   return reshard(result, 0)[:activation_dim, :gradient_dim]
+
+
+def _share_from_owners(axes: tuple[str, ...], plan: ShardedLayout,
+                       sizes: Mapping[str, int],
+                       compute: Callable[[str], jax.Array],
+                       dtype: jnp.dtype) -> dict[str, jax.Array]:
+  """Inside ``shard_map``: each layer's ``compute(name)`` from its owner, everywhere.
+
+  Every device computes only the layers it owns (a ``lax.switch`` on its
+  index), packs them into a segment and one ``all_gather`` shares all
+  segments. Returns ``{name: raveled result}``, the same on every device.
+  """
+  names = list(sizes)
+  offsets, loads = layout_lib.pack_by_owner(names, plan.owner, sizes,
+                                            plan.num_devices)
+  size = max(loads)
+  branches = [
+      lambda d=d: layout_lib.fill_segment(
+          [compute(name).ravel() for name in names if plan.owner[name] == d],
+          size, dtype) for d in range(plan.num_devices)
+  ]
+  gathered = lax.all_gather(lax.switch(lax.axis_index(axes), branches), axes,
+                            tiled=True)
+  return {name: gathered[plan.owner[name] * size + offsets[name]:][:sizes[name]]
+          for name in names}
 
 
 def _read(row: jax.Array, start: int, plan: ShardedLayout,

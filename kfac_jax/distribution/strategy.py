@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import jax
 
+from kfac_jax.enum_args import parse_enum
+
 
 class DistributedStrategy(enum.Enum):
   """Named gradient-worker fractions (KAISA): 1, 1/2 and 1/n."""
@@ -55,6 +57,9 @@ def make_config(mesh_axes: str | Sequence[str] | None,
                 assignment_strategy: AssignmentStrategy | str
                 ) -> DistributionConfig | None:
   """Validates the arguments; ``None`` when ``mesh_axes`` is ``None``."""
+  fraction = _parse_fraction(grad_worker_fraction)
+  assignment = parse_enum(AssignmentStrategy, "assignment_strategy",
+                           assignment_strategy)
   if mesh_axes is None:
     return None
   axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
@@ -63,11 +68,9 @@ def make_config(mesh_axes: str | Sequence[str] | None,
     raise TypeError(
         "mesh_axes must be a mesh axis name or a non-empty sequence of "
         f"distinct names (e.g. ('data', 'fsdp')); got {mesh_axes!r}.")
-  return DistributionConfig(
-      mesh_axes=tuple(axes),
-      grad_worker_fraction=_parse_fraction(grad_worker_fraction),
-      assignment=_parse_enum(AssignmentStrategy, "assignment_strategy",
-                             assignment_strategy))
+  return DistributionConfig(mesh_axes=tuple(axes),
+                            grad_worker_fraction=fraction,
+                            assignment=assignment)
 
 
 def group_size(config: DistributionConfig, mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh) -> tuple[int, int]:
@@ -103,23 +106,10 @@ def group_size(config: DistributionConfig, mesh: jax.sharding.AbstractMesh | jax
 
 def _parse_fraction(value: object) -> DistributedStrategy | float:
   if isinstance(value, (DistributedStrategy, str)):
-    return _parse_enum(DistributedStrategy, "grad_worker_fraction", value)
+    return parse_enum(DistributedStrategy, "grad_worker_fraction", value)
   if (isinstance(value, numbers.Real) and not isinstance(value, bool) and
-      0 < float(value) <= 1):
+      0 < float(value) <= 1):  # NaN fails both comparisons.
     return float(value)
   raise ValueError(
       f"grad_worker_fraction must be a kfac_jax.DistributedStrategy or a "
       f"fraction in (0, 1]; got {value!r}.")
-
-
-def _parse_enum(cls: type[enum.Enum], name: str, value: object) -> enum.Enum:
-  if isinstance(value, cls):
-    return value
-  if isinstance(value, str):
-    try:
-      return cls(value.lower())
-    except ValueError:
-      pass
-  allowed = ", ".join(repr(m.value) for m in cls)
-  raise ValueError(f"{name}={value!r} is not supported; use one of {allowed} "
-                   f"(or kfac_jax.{cls.__name__}).")

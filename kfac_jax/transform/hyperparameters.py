@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kfac_jax.enum_args import parse_enum
+
 Schedule = Callable[[jax.Array], jax.typing.ArrayLike]
 ScalarOrSchedule = Union[float, int, Schedule]
 
@@ -32,17 +34,7 @@ class ComputeMethod(enum.Enum):
 
   @classmethod
   def parse(cls, value: "ComputeMethod | str") -> "ComputeMethod":
-    if isinstance(value, cls):
-      return value
-    if isinstance(value, str):
-      try:
-        return cls(value.lower())
-      except ValueError:
-        pass
-    allowed = ", ".join(repr(m.value) for m in cls)
-    raise ValueError(
-        f"compute_method={value!r} is not supported; use one of {allowed} "
-        "(or kfac_jax.ComputeMethod).")
+    return parse_enum(cls, "compute_method", value)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -179,6 +179,8 @@ def scale_by_kfac(
     return placement_lib.constrain_like_params(tree, params_partition_specs)
 
   def init_fn(params: Any) -> ScaleByKFACState:
+    if params_partition_specs is not None:
+      placement_lib.check_params_specs(params, params_partition_specs)
     layers = layers_lib.find_layers(params, skip)
     factors = {}
     for name, layer in layers.items():
