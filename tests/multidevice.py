@@ -160,6 +160,17 @@ def equality(axis_type: AxisType) -> None:
               NamedSharding(mesh, PartitionSpec(names)), rows.ndim)
           assert_same_run(run, reference, kwargs, {"compute_method": method},
                           f"{method} {strategy.name} on {shape}")
+  # Second-order work over one axis of two, replicated over the other.
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
+  kwargs = dict(mesh_axes="fsdp", grad_worker_fraction="hybrid_opt")
+  with jax.set_mesh(mesh):
+    run = train(params, loss_fn, batches, kwargs, mesh,
+                PartitionSpec(("data", "fsdp")))
+    rows = run[1].preconditioners.rows
+    assert rows.sharding.is_equivalent_to(
+        NamedSharding(mesh, PartitionSpec("fsdp")), rows.ndim)
+    assert_same_run(run, train(params, loss_fn, batches, {}), kwargs, {},
+                    "hybrid_opt over 'fsdp' of (2, 4)")
 
 
 def fsdp(axis_type: AxisType) -> None:

@@ -71,6 +71,9 @@ def test_greedy_assignment_is_largest_first_to_least_loaded():
   # 10 → 0; 7 → 1; 5 → 1 (7 < 10); 3 → 0 (10 < 12); 3 → 1 (12 < 13).
   owner = assign_layers({"a": 10, "b": 7, "c": 5, "d": 3, "e": 3}, 2)
   assert owner == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 1}
+  # Groups of two first ({a, d} vs {b, c, e}: 13 vs 15), then members.
+  owner = assign_layers({"a": 10, "b": 7, "c": 5, "d": 3, "e": 3}, 4, 2)
+  assert owner == {"a": 0, "d": 1, "b": 2, "c": 3, "e": 3}
   assert layer_cost(3, 2, strategy_lib.AssignmentStrategy.COMPUTE) == 35
   assert layer_cost(3, 2, strategy_lib.AssignmentStrategy.MEMORY) == 13
 

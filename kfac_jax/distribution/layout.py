@@ -106,7 +106,8 @@ def _make_layout(dims: tuple[tuple[str, tuple[int, int]], ...],
                  init_preconditioner, num_devices: int, group_size: int,
                  assignment: AssignmentStrategy) -> ShardedLayout:
   owner = assign_layers(
-      {name: layer_cost(*d, assignment) for name, d in dims}, num_devices)
+      {name: layer_cost(*d, assignment) for name, d in dims}, num_devices,
+      group_size)
   templates = {
       name: jax.eval_shape(functools.partial(init_preconditioner, *d))
       for name, d in dims
