@@ -52,11 +52,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  help="also time steps (meaningful on real devices only)")
   p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
   p.add_argument("--smoke", action="store_true",
-                 help="tiny layers, 1 and 2 devices: checks the script runs")
+                 help="tiny balanced layers on 1 and 2 devices: checks the "
+                 "script runs")
   p.add_argument("--no-progress", action="store_true")
   args = p.parse_args(argv)
   if args.smoke:
-    args.devices = [1, 2]
+    args.devices, args.models = [1, 2], ["balanced"]
   return args
 
 
