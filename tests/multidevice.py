@@ -336,7 +336,58 @@ def specs(axis_type: AxisType) -> None:
         raise AssertionError(f"no ValueError for {bad}")
 
 
-PROGRAMS = {f.__name__: f for f in (equality, fsdp, division, specs)}
+def checkpoint(axis_type: AxisType) -> None:
+  """A HYBRID_OPT state on 8 devices continues as MEM_OPT on 4 (and on 1).
+
+  Saved without preconditioners, restored onto the new layout, and
+  decomposed again there: the preconditioners equal those one device
+  recomputes from the same factors.
+  """
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from kfac_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+
+  params, loss_fn, batches = conv_problem()
+  eight = jax.make_mesh((8,), ("devices",), axis_types=(axis_type,))
+  saved_kwargs = dict(mesh_axes="devices", grad_worker_fraction="hybrid_opt")
+  with jax.set_mesh(eight):
+    _, state, _ = train(params, loss_fn, batches, saved_kwargs, eight,
+                        PartitionSpec("devices"))
+  directory = tempfile.mkdtemp() + "/ckpt"
+  checkpoint_lib.save(directory, state, include_preconditioners=False)
+
+  def restored_on(mesh, kwargs):
+    tx = kfac_jax.scale_by_kfac(**kwargs)
+    with jax.set_mesh(mesh):
+      specs = kfac_jax.get_opt_state_partition_specs(params, **kwargs)
+      target = jax.tree.map(
+          lambda shape, spec: jax.ShapeDtypeStruct(
+              shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)),
+          jax.eval_shape(tx.init, params), specs,
+          is_leaf=lambda s: isinstance(s, PartitionSpec))
+      restored = checkpoint_lib.restore(directory, target)
+      restored = checkpoint_lib.recompute_preconditioners(
+          restored, 0.01, **kwargs)
+      return restored, per_layer(restored, kwargs)
+
+  four = jax.make_mesh((4,), ("devices",), axis_types=(axis_type,),
+                       devices=jax.devices()[4:])
+  moved, moved_layers = restored_on(
+      four, dict(mesh_axes="devices", grad_worker_fraction="mem_opt"))
+  one = jax.make_mesh((1,), ("devices",), axis_types=(axis_type,),
+                      devices=jax.devices()[:1])
+  _, reference_layers = restored_on(one, dict(mesh_axes="devices"))
+  assert moved.preconditioners.rows.shape[0] == 4
+  for x, y in zip(jax.tree.leaves(moved.factors),
+                  jax.tree.leaves(state.factors)):
+    assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+  for name in reference_layers:
+    for x, y in zip(comparable(moved_layers[name]),
+                    comparable(reference_layers[name])):
+      np.testing.assert_allclose(x, y, **TOLERANCE, err_msg=name)
+
+
+PROGRAMS = {f.__name__: f for f in (equality, fsdp, division, specs,
+                                    checkpoint)}
 
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()

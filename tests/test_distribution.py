@@ -64,6 +64,11 @@ def test_partition_specs_match_the_shardings_of_init(axis_type):
   run_on_eight_devices("specs", axis_type)
 
 
+@pytest.mark.multidevice
+def test_checkpoint_moves_a_state_to_another_strategy_and_device_count():
+  run_on_eight_devices("checkpoint", "Explicit")
+
+
 # ---------------------------------------------------------------- one device
 
 
