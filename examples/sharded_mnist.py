@@ -111,11 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     def accuracy(params, x, y):
       return (model.apply({"params": params}, x).argmax(-1) == y).mean()
 
-    rows = opt_state[0].preconditioners.rows
-    per_device = rows.addressable_shards[0].data.nbytes
+    per_device = max(shard.data.nbytes for shard in
+                     opt_state[0].preconditioners.rows.addressable_shards)
+    unsharded = jax.eval_shape(kfac_jax.scale_by_kfac(
+        compute_method=DEFAULTS["compute_method"]).init, params)
+    replicated = sum(x.size * x.dtype.itemsize
+                     for x in jax.tree.leaves(unsharded.preconditioners))
     print(f"{mesh.size} devices, mesh {dict(mesh.shape)}, {args.strategy}: "
-          f"preconditioners {rows.nbytes / 2**20:.2f} MiB in all, "
-          f"{per_device / 2**20:.2f} MiB per device", flush=True)
+          f"preconditioners {per_device / 2**20:.2f} MiB per device "
+          f"({replicated / 2**20:.2f} MiB unsharded)", flush=True)
+    simulated = jax.default_backend() == "cpu"
     rng = np.random.default_rng(args.seed)
     losses, start = [], time.perf_counter()
     for step in tqdm(range(args.steps), desc=f"sharded K-FAC ({args.strategy})"):
@@ -124,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
                             batch_sharding)
       params, opt_state, loss = train_step(params, opt_state, x, y)
       losses.append(loss)
+      if simulated:
+        # XLA:CPU's simulated devices can deadlock in a collective when
+        # several steps are in flight (seen here with plain SGD too), so
+        # each step finishes before the next is dispatched.
+        jax.block_until_ready(loss)
     losses = np.asarray(jax.device_get(losses))
     seconds = time.perf_counter() - start
     n = args.eval_size

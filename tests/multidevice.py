@@ -90,7 +90,9 @@ def train(params, loss_fn, batches, kwargs, mesh=None, batch_spec=None,
     if mesh is not None:
       x, y = (jax.device_put(b, NamedSharding(mesh, batch_spec)) for b in (x, y))
     params, state, updates = step(params, state, x, y)
-    all_updates.append(updates)
+    # One step in flight at a time: simulated CPU devices can deadlock in a
+    # collective otherwise (examples/sharded_mnist.py).
+    all_updates.append(jax.block_until_ready(updates))
   return all_updates, state[0], tx
 
 
