@@ -9,7 +9,6 @@ asserts and prints ``ok``.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import flax.linen as nn
 import jax
