@@ -35,6 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from kfac_jax.capture.layers import path_key_name
+from kfac_jax.factors.running import factor_dims
 from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
 from kfac_jax.transform import hyperparameters as hp
 from kfac_jax.transform.hyperparameters import ComputeMethod, ScalarOrSchedule
@@ -172,8 +173,7 @@ def recompute_preconditioners(
 
   @jax.jit
   def decompose_all(state: ScaleByKFACState) -> ScaleByKFACState:
-    dims = {name: (f.activation_factor.shape[0], f.gradient_factor.shape[0])
-            for name, f in state.factors.items()}
+    dims = factor_dims(state.factors)
     preconditioners, rejected = placement.decompose(
         dims, state.factors, placement.init(dims), damping_fn(state.count))
     return state._replace(

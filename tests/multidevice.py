@@ -19,6 +19,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import kfac_jax
 from benchmarks.hlo_cost import per_device_costs
+from kfac_jax.factors.running import factor_dims
 from kfac_jax.transform.scale_by_kfac import make_placement
 
 MESHES = (((8,), ("devices",)), ((2, 4), ("data", "fsdp")),
@@ -116,9 +117,8 @@ def per_layer(state, kwargs):
       kwargs.get("compute_method", "eigen"), True, jnp.float32,
       kwargs.get("mesh_axes"), kwargs.get("grad_worker_fraction", "comm_opt"),
       "compute")
-  dims = {n: (f.activation_factor.shape[0], f.gradient_factor.shape[0])
-          for n, f in state.factors.items()}
-  return placement.per_layer(dims, state.preconditioners)
+  return placement.per_layer(factor_dims(state.factors),
+                             state.preconditioners)
 
 
 def assert_same_run(run, reference, kwargs, reference_kwargs, label):

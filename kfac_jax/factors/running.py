@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -18,6 +19,13 @@ class LayerFactors(NamedTuple):
 
   activation_factor: jax.Array
   gradient_factor: jax.Array
+
+
+def factor_dims(
+    factors: Mapping[str, LayerFactors]) -> dict[str, tuple[int, int]]:
+  """``{layer: (activation_dim, gradient_dim)}`` of a state's factors."""
+  return {name: (f.activation_factor.shape[0], f.gradient_factor.shape[0])
+          for name, f in factors.items()}
 
 
 def init_factors(activation_dim: int, gradient_dim: int,

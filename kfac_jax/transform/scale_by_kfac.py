@@ -33,7 +33,8 @@ from kfac_jax.distribution import placement as placement_lib
 from kfac_jax.distribution import strategy
 from kfac_jax.distribution.placement import ShardedPreconditioners
 from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
-from kfac_jax.factors.running import LayerFactors, init_factors, update_factors
+from kfac_jax.factors.running import (LayerFactors, factor_dims,
+                                      init_factors, update_factors)
 from kfac_jax.preconditioning.gradient_matrix import from_matrix, to_matrix
 from kfac_jax.preconditioning.methods import Preconditioner, make_method
 from kfac_jax.preconditioning.kl_clip import kl_clip_scale
@@ -380,8 +381,7 @@ def state_partition_specs(state: ScaleByKFACState,
   ``placement``; accumulated gradients follow ``params_specs``.
   """
   replicated = lambda tree: jax.tree.map(lambda _: PartitionSpec(), tree)
-  dims = {name: (f.activation_factor.shape[0], f.gradient_factor.shape[0])
-          for name, f in state.factors.items()}
+  dims = factor_dims(state.factors)
   accumulator = state.accumulator
   if accumulator is not None:
     accumulator = AccumulatorState(
