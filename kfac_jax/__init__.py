@@ -1,6 +1,8 @@
 """kfac_jax: K-FAC gradient preconditioning as an optax transformation."""
 
-from kfac_jax.capture.flax_linen import value_grad_and_stats
+from kfac_jax.capture.api import trace_layers
+from kfac_jax.capture.api import value_grad_and_stats
+from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.distribution.placement import ShardedPreconditioners
 from kfac_jax.distribution.strategy import AssignmentStrategy
@@ -24,6 +26,7 @@ __all__ = [
     "DistributedStrategy",
     "EigenPreconditioner",
     "InversePreconditioner",
+    "LayerInfo",
     "LayerFactors",
     "LayerStatistics",
     "ScaleByKFACState",
@@ -31,5 +34,6 @@ __all__ = [
     "get_opt_state_partition_specs",
     "kfac",
     "scale_by_kfac",
+    "trace_layers",
     "value_grad_and_stats",
 ]

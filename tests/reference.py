@@ -8,6 +8,8 @@ algorithm follows the formulas of the issue/README directly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 
 import numpy as np
 
@@ -34,6 +36,53 @@ def im2col(x: np.ndarray, window: tuple[int, int], strides: tuple[int, int],
     for j in range(wo):
       patch = x[:, i * sh:i * sh + kh, j * sw:j * sw + kw, :]  # [B, kh, kw, C]
       out[:, i, j, :] = patch.reshape(b, -1)
+  return out
+
+
+def im2col_nd(x: np.ndarray, window: tuple[int, ...], strides: tuple[int, ...],
+              padding: str | tuple[tuple[int, int], ...],
+              input_dilation: tuple[int, ...],
+              kernel_dilation: tuple[int, ...]) -> np.ndarray:
+  """Loop im2col of channels-last ``x: [B, *spatial, C]``, any rank.
+
+  Returns ``[B, *out_spatial, prod(window)*C]`` in ``(*window, C)`` order.
+  ``padding``: explicit pairs, ``"VALID"``, ``"SAME"`` (lax's rule on the
+  undilated input), ``"CIRCULAR"``/``"REFLECT"`` (Flax: pad the dilated
+  window's ``((k-1)//2, k//2)`` by wrap/reflect, then valid) or ``"CAUSAL"``
+  (1-D: ``(k-1)·dilation`` zeros on the left).
+  """
+  rank = len(window)
+  dilated_window = [(k - 1) * d + 1 for k, d in zip(window, kernel_dilation)]
+  if padding in ("CIRCULAR", "REFLECT"):
+    pads = [((k - 1) // 2, k // 2) for k in dilated_window]
+    mode = {"CIRCULAR": "wrap", "REFLECT": "reflect"}[padding]
+    x = np.pad(x, [(0, 0)] + pads + [(0, 0)], mode=mode)
+    padding = ((0, 0),) * rank
+  elif padding == "CAUSAL":
+    padding = ((dilated_window[0] - 1, 0),)
+  elif padding == "VALID":
+    padding = ((0, 0),) * rank
+  elif padding == "SAME":
+    pairs = []
+    for size, k, s in zip(x.shape[1:-1], dilated_window, strides):
+      total = max((-(-size // s) - 1) * s + k - size, 0)
+      pairs.append((total // 2, total - total // 2))
+    padding = tuple(pairs)
+  # Input dilation: d-1 zeros between neighbours, then the explicit padding.
+  spatial = [(n - 1) * d + 1 for n, d in zip(x.shape[1:-1], input_dilation)]
+  dilated = np.zeros((x.shape[0], *spatial, x.shape[-1]), x.dtype)
+  dilated[(slice(None),) + tuple(slice(None, None, d) for d in input_dilation)] = x
+  x = np.pad(dilated, [(0, 0)] + [tuple(p) for p in padding] + [(0, 0)])
+  out_spatial = [(n - k) // s + 1
+                 for n, k, s in zip(x.shape[1:-1], dilated_window, strides)]
+  out = np.zeros((x.shape[0], *out_spatial, math.prod(window) * x.shape[-1]))
+  for position in itertools.product(*map(range, out_spatial)):
+    taps = []
+    for offset in itertools.product(*map(range, window)):
+      index = tuple(p * s + o * d for p, s, o, d in zip(
+          position, strides, offset, kernel_dilation))
+      taps.append(x[(slice(None),) + index])  # [B, C]
+    out[(slice(None),) + position] = np.concatenate(taps, axis=-1)
   return out
 
 

@@ -58,7 +58,7 @@ def test_each_call_is_captured_with_its_cotangent():
   np.testing.assert_allclose(layer.output_cotangents[1], 4 * y, rtol=1e-6)
 
   # The layer's batch factors are the sum of its calls' factors.
-  a, g = batch_factors(layer)
+  (a,), (g,) = batch_factors(layer)  # one Kronecker block
   ones = np.ones((4, 1))
   a1 = np.concatenate([np.asarray(x1, np.float64), ones], 1)
   a2 = np.concatenate([np.asarray(x2, np.float64), ones], 1)

@@ -98,7 +98,7 @@ def test_stats_shapes_disagree_with_params():
   _, grads, _ = _stats(model, params, x)
   _, _, other_stats = _stats(other_model, other_params, x)
   tx = kfac_jax.scale_by_kfac()
-  with pytest.raises(ValueError, match="'Dense_0'.*output features 8 != kernel out 6"):
+  with pytest.raises(ValueError, match=r"'Dense_0'.*output \(4, 8\) does not end in kernel out \(6,\)"):
     tx.update(grads, tx.init(params), params, kfac_stats=other_stats)
 
 
@@ -120,12 +120,45 @@ def test_errors_raise_at_trace_time_under_jit():
     step(grads, tx.init(params), stats)
 
 
-def test_unsupported_conv_names_the_layer():
+def test_grouped_conv_without_layer_table_points_to_trace_layers():
   model = nn.Conv(4, (3, 3), feature_group_count=2)
   x = jnp.ones((2, 5, 5, 4))
   params = model.init(jax.random.PRNGKey(0), x)["params"]
-  _, grads, stats = kfac_jax.value_grad_and_stats(
-      lambda p: jnp.sum(model.apply({"params": p}, x)))(params)
+  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x))
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
   tx = kfac_jax.scale_by_kfac()
-  with pytest.raises(ValueError, match="feature_group_count=2.*skip_layers"):
+  with pytest.raises(ValueError, match="2 groups.*trace_layers.*skip_layers"):
     tx.update(grads, tx.init(params), params, kfac_stats=stats)
+  # With the table the same update goes through.
+  tx = kfac_jax.scale_by_kfac(layers=kfac_jax.trace_layers(loss_fn, params))
+  updates, _ = tx.update(grads, tx.init(params), params, kfac_stats=stats)
+  assert jax.tree.map(jnp.shape, updates) == jax.tree.map(jnp.shape, grads)
+
+
+def test_untraced_kernel_is_skipped_with_one_warning():
+  """A kernel the capture does not know (nn.Einsum) is left to the chain."""
+
+  class WithEinsum(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(3)(x)
+      return nn.Einsum((3, 2), "bi,ij->bj")(x)
+
+  model = WithEinsum()
+  x = jnp.ones((4, 5))
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x) ** 2)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  # Without a table the Einsum kernel looks like a Dense one with no stats.
+  tx = kfac_jax.scale_by_kfac()
+  with pytest.raises(ValueError, match="'Einsum_0'.*skip_layers"):
+    tx.update(grads, tx.init(params), params, kfac_stats=stats)
+  tx = kfac_jax.scale_by_kfac(layers=kfac_jax.trace_layers(loss_fn, params))
+  with pytest.warns(UserWarning, match="'Einsum_0'.*chained optimizer") as record:
+    state = tx.init(params)
+  assert len(record) == 1
+  updates, _ = tx.update(grads, state, params, kfac_stats=stats)
+  np.testing.assert_array_equal(updates["Einsum_0"]["kernel"],
+                                grads["Einsum_0"]["kernel"])
+  assert list(state.factors) == ["Dense_0"]

@@ -1,160 +1,205 @@
-"""Capture of layer inputs and output cotangents from an unmodified Flax model.
+"""Capture from an unmodified Flax Linen model, through its params.
 
-``value_grad_and_stats(loss_fn)`` is a drop-in for ``jax.value_and_grad``. While
-``loss_fn`` runs, ``nn.intercept_methods`` sees every ``nn.Dense``/``nn.Conv``
-call: it records the layer input and adds a zero *perturbation* to the layer
-output. Differentiating the loss with ``jax.vjp`` with respect to the params and
-the perturbations gives, in the same backward pass, the gradients and
-``dloss/d(output)`` of every call: the cotangents K-FAC's ``G`` factor needs.
+While the loss runs, ``nn.intercept_methods`` sees every ``nn.Dense``,
+``nn.DenseGeneral`` and ``nn.Conv`` call. Each call's probes
+(``capture.probes``) are *injected into the params* beside the layer's kernel
+(entry ``PROBES``) and read back by the interceptor with ``get_variable``, so
+they cross ``nn.scan``/``nn.remat``/``nn.remat_scan`` exactly as the kernel
+does: a scanned layer's probes are sliced per step and its inputs and
+cotangents come out stacked on the layer axis.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
-from flax.linen import linear as flax_linear
 import jax
 import jax.numpy as jnp
 
 from kfac_jax.capture import layers
-from kfac_jax.capture.statistics import ConvGeometry, LayerSignature, LayerStatistics
+from kfac_jax.capture import probes as probes_lib
+from kfac_jax.capture import signatures
+from kfac_jax.capture.layers import LayerInfo
+from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
 
 # Module classes whose calls are captured. Subclasses count too.
-CAPTURED_MODULES: tuple[type[nn.Module], ...] = (nn.Dense, nn.Conv)
+CAPTURED_MODULES: tuple[type[nn.Module], ...] = (nn.Dense, nn.DenseGeneral,
+                                                 nn.Conv)
+
+# The params entry injected beside a captured layer's kernel: one
+# (input probe, output perturbation) pair per call.
+PROBES = "__kfac_probes__"
 
 
-def _broadcast(value: int | tuple[int, ...] | None, rank: int) -> tuple[int, ...]:
-  if value is None:
-    return (1,) * rank
-  if isinstance(value, int):
-    return (value,) * rank
-  return tuple(int(v) for v in value)
-
-
-def _signature(module: nn.Module) -> LayerSignature:
+def _signature(module: nn.Module, inputs: jax.Array,
+               stack_ndim: int) -> LayerSignature | None:
+  """What the capture records about a call; ``None`` for an unsupported one."""
   module_type = type(module).__name__
   if isinstance(module, nn.Conv):
-    kernel_size = module.kernel_size
-    window = ((int(kernel_size),) if isinstance(kernel_size, int) else
-              tuple(int(k) for k in kernel_size))
-    rank = len(window)
-    padding = flax_linear.canonicalize_padding(module.padding, rank)
-    if not isinstance(padding, str):
-      padding = tuple((int(lo), int(hi)) for lo, hi in padding)
-    geometry = ConvGeometry(
-        window=window,
-        strides=_broadcast(module.strides, rank),
-        padding=padding,
-        input_dilation=_broadcast(module.input_dilation, rank),
-        kernel_dilation=_broadcast(module.kernel_dilation, rank),
-        feature_group_count=int(module.feature_group_count))
-    return LayerSignature(module_type, bool(module.use_bias), geometry)
-  return LayerSignature(module_type, bool(module.use_bias))
+    return signatures.conv_signature(module_type, module, stack_ndim)
+  if isinstance(module, nn.DenseGeneral):
+    if module.batch_dims:
+      return None  # its kernel carries batch axes: not a Kronecker layer.
+    return signatures.dense_signature(module_type, module.use_bias, inputs,
+                                      module.axis, module.features, stack_ndim)
+  return signatures.dense_signature(module_type, module.use_bias, inputs,
+                                    stack_ndim=stack_ndim)
+
+
+def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
+  node = tree
+  for key in path:
+    if not isinstance(node, Mapping) or key not in node:
+      return None
+    node = node[key]
+  return node
+
+
+def _captured_call(context: nn.module.InterceptorContext) -> bool:
+  return context.method_name == "__call__" and isinstance(
+      context.module, CAPTURED_MODULES)
 
 
 @dataclasses.dataclass
-class _Recorder:
-  """Interceptor state for one trace of the loss function.
+class _ShapeRecorder:
+  """Interceptor of the shape pass: which layers run, how, and how often."""
 
-  With ``perturbations=None`` it only records output shapes (the shape pass);
-  otherwise it adds ``perturbations[name][call]`` to each captured output and
-  records the inputs.
-  """
-
-  perturbations: dict[str, list[jax.Array]] | None = None
-  output_shapes: dict[str, list[jax.ShapeDtypeStruct]] = dataclasses.field(
+  params: Any
+  counter: probes_lib.CallCounter = dataclasses.field(
+      default_factory=probes_lib.CallCounter)
+  calls: dict[str, list[probes_lib.Call]] = dataclasses.field(
       default_factory=dict)
-  inputs: dict[str, list[jax.Array]] = dataclasses.field(default_factory=dict)
-  signatures: dict[str, LayerSignature] = dataclasses.field(
-      default_factory=dict)
+  paths: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
-  def __call__(self, next_fun: Callable[..., Any], args: tuple[Any, ...],
-               kwargs: dict[str, Any],
-               context: nn.module.InterceptorContext) -> Any:
-    module = context.module
-    if context.method_name != "__call__" or not isinstance(
-        module, CAPTURED_MODULES):
+  def __call__(self, next_fun, args, kwargs, context):
+    if not _captured_call(context):
       return next_fun(*args, **kwargs)
+    module = context.module
     inputs = args[0] if args else kwargs["inputs"]
     outputs = next_fun(*args, **kwargs)
+    path = tuple(module.path)
+    name = layers.layer_name(path)
+    kernel = _lookup(self.params, path + (layers.KERNEL,))
+    inner_kernel = module.get_variable("params", layers.KERNEL)
+    if kernel is None or inner_kernel is None:
+      raise ValueError(
+          f"value_grad_and_stats: layer {name!r} ({type(module).__name__}) has "
+          f"no kernel at params{[*path, layers.KERNEL]}. The loss must apply "
+          "the model with the params it is given as the root of the 'params' "
+          "collection (model.apply({'params': params}, ...)).")
+    # Lifted transforms (nn.scan) slice leading kernel axes off inside.
+    signature = _signature(module, inputs,
+                           len(kernel.shape) - len(inner_kernel.shape))
+    if signature is not None:
+      probes_lib.record_call(
+          self.calls, self.counter, name,
+          probes_lib.Call(signature,
+                          jax.ShapeDtypeStruct(inputs.shape, inputs.dtype),
+                          jax.ShapeDtypeStruct(outputs.shape, outputs.dtype)))
+      self.paths[name] = path
+    return outputs
+
+  def check_traces(self) -> None:
+    """A layer must run in one trace (two for a scanned one): see ``CallCounter``."""
+    for name, traces in self.counter.traces.items():
+      stacked = self.calls[name][0].signature.stack_ndim > 0
+      if len(traces) > (2 if stacked else 1):
+        raise ValueError(
+            f"value_grad_and_stats: layer {name!r} runs in {len(traces)} "
+            "separate traces, so its calls cannot be told apart. This happens "
+            "with a layer whose params are broadcast over nn.scan steps (an "
+            "RNN cell), or a lifted (scanned/remat) layer applied in more than "
+            "one model.apply per loss. Add it to skip_layers, or apply the "
+            "model once per loss.")
+
+  def stack_shape(self, name: str) -> tuple[int, ...]:
+    kernel = _lookup(self.params, self.paths[name] + (layers.KERNEL,))
+    return tuple(kernel.shape[:self.calls[name][0].signature.stack_ndim])
+
+
+@dataclasses.dataclass
+class _ProbeRecorder:
+  """Interceptor of the real pass: applies each call's injected probes."""
+
+  counter: probes_lib.CallCounter = dataclasses.field(
+      default_factory=probes_lib.CallCounter)
+
+  def __call__(self, next_fun, args, kwargs, context):
+    if not _captured_call(context):
+      return next_fun(*args, **kwargs)
+    module = context.module
+    inputs = args[0] if args else kwargs["inputs"]
+    outputs = next_fun(*args, **kwargs)
+    layer_probes = module.get_variable("params", PROBES)
+    if layer_probes is None:
+      return outputs  # not captured (see _signature)
     name = layers.layer_name(module.path)
-    call_index = len(self.inputs.setdefault(name, []))
-    self.inputs[name].append(inputs)
-    self.signatures[name] = _signature(module)
-    if self.perturbations is None:
-      self.output_shapes.setdefault(name, []).append(
-          jax.ShapeDtypeStruct(outputs.shape, outputs.dtype))
-      return outputs
-    return outputs + self.perturbations[name][call_index]
+    index = self.counter.next(name)
+    if index >= len(layer_probes):
+      raise ValueError(
+          f"value_grad_and_stats: layer {name!r} was called more often than "
+          f"in the shape pass ({len(layer_probes)} calls). The loss must call "
+          "the same layers on every trace.")
+    return probes_lib.apply_probes(outputs, inputs, layer_probes[index])
+
+
+def _inject(params: Any, path: tuple[str, ...], value: Any) -> Any:
+  """``params`` with ``value`` at ``path + (PROBES,)``; copies only the path."""
+  if not path:
+    return {**params, PROBES: value}
+  return {**params, path[0]: _inject(params[path[0]], path[1:], value)}
+
+
+def _shape_pass(fun: Callable[..., Any], params: Any, args,
+                kwargs) -> tuple[_ShapeRecorder, Any]:
+  recorder = _ShapeRecorder(params)
+
+  def traced(params):
+    with nn.intercept_methods(recorder):
+      return fun(params, *args, **kwargs)
+
+  out_shape = jax.eval_shape(traced, params)
+  recorder.check_traces()
+  return recorder, out_shape
+
+
+def trace_layers(fun: Callable[..., Any], params: Any, *args: Any,
+                 **kwargs: Any) -> dict[str, LayerInfo]:
+  """Linen front end of ``kfac_jax.trace_layers``."""
+  recorder, _ = _shape_pass(fun, params, args, kwargs)
+  return {
+      name: probes_lib.layer_info(
+          name, recorder.paths[name],
+          _lookup(params, recorder.paths[name] + (layers.KERNEL,)).shape,
+          calls[0].signature)
+      for name, calls in recorder.calls.items()
+  }
 
 
 def value_grad_and_stats(
-    fun: Callable[..., Any],
-    has_aux: bool = False,
-) -> Callable[..., tuple[Any, Any, dict[str, LayerStatistics]]]:
-  """Like ``jax.value_and_grad(fun, has_aux)``, plus K-FAC layer statistics.
+    fun: Callable[..., Any], has_aux: bool, params: Any, *args: Any,
+    **kwargs: Any) -> tuple[Any, Any, dict[str, LayerStatistics]]:
+  """Linen front end of ``kfac_jax.value_grad_and_stats``, for one call."""
+  caller = "value_grad_and_stats"
+  shapes, out_shape = _shape_pass(fun, params, args, kwargs)
+  probes_lib.check_scalar(
+      probes_lib.split_output(out_shape, has_aux, caller)[0], caller)
+  probes = {
+      name: probes_lib.zero_probes(calls, shapes.stack_shape(name))
+      for name, calls in shapes.calls.items()
+  }
 
-  Args:
-    fun: ``fun(params, *args, **kwargs) -> scalar loss`` (or
-      ``(loss, aux)`` with ``has_aux``); it may call ``model.apply`` any number
-      of times. Gradients are taken with respect to ``params``.
-    has_aux: whether ``fun`` returns ``(loss, aux)``.
+  def primal(params, probes):
+    for name, layer_probes in probes.items():
+      params = _inject(params, shapes.paths[name], layer_probes)
+    with nn.intercept_methods(_ProbeRecorder()):
+      return probes_lib.split_output(fun(params, *args, **kwargs), has_aux,
+                                     caller)
 
-  Returns:
-    A function returning ``(value, grads, stats)``, with ``value`` being
-    ``(loss, aux)`` when ``has_aux``. ``stats`` maps each captured layer's
-    module path (``"encoder/Dense_0"``) to its ``LayerStatistics``: the input and
-    the loss's output cotangent of every call of the layer.
-  """
-
-  def value_grads_and_stats(params: Any, *args: Any, **kwargs: Any):
-
-    def traced(recorder: _Recorder, params: Any) -> Any:
-      with nn.intercept_methods(recorder):
-        out = fun(params, *args, **kwargs)
-      if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-          raise ValueError(
-              "value_grad_and_stats(has_aux=True): the function must return "
-              f"(loss, aux), got {type(out).__name__}.")
-        return out
-      return out, None
-
-    # Shape pass: which layers run, how often, and their output shapes. Only
-    # traced (no FLOPs), so the perturbations below can be allocated exactly.
-    shape_recorder = _Recorder()
-    loss_shape, _ = jax.eval_shape(lambda p: traced(shape_recorder, p), params)
-    if getattr(loss_shape, "shape", None) != ():
-      raise ValueError(
-          "value_grad_and_stats: the function must return a scalar loss, got "
-          f"shape {getattr(loss_shape, 'shape', type(loss_shape).__name__)}.")
-    perturbations = {
-        name: [jnp.zeros(s.shape, s.dtype) for s in shapes]
-        for name, shapes in shape_recorder.output_shapes.items()
-    }
-
-    recorder = _Recorder(perturbations=perturbations)
-
-    def primal(params, perturbations):
-      recorder.perturbations = perturbations
-      recorder.inputs = {}
-      loss, aux = traced(recorder, params)
-      return loss, (aux, recorder.inputs)
-
-    loss, vjp_fn, (aux, inputs) = jax.vjp(
-        primal, params, perturbations, has_aux=True)
-    grads, cotangents = vjp_fn(jnp.ones_like(loss))
-    stats = {
-        name: LayerStatistics(
-            signature=recorder.signatures[name],
-            inputs=tuple(inputs[name]),
-            output_cotangents=tuple(cotangents[name]))
-        for name in inputs
-    }
-    value = (loss, aux) if has_aux else loss
-    return value, grads, stats
-
-  return value_grads_and_stats
+  loss, vjp_fn, aux = jax.vjp(primal, params, probes, has_aux=True)
+  grads, probe_grads = vjp_fn(jnp.ones_like(loss))
+  value = (loss, aux) if has_aux else loss
+  return value, grads, probes_lib.statistics(shapes.calls, probe_grads)

@@ -1,11 +1,28 @@
-"""Registered layers: what K-FAC knows about a layer from its parameters alone.
+"""Registered layers: what K-FAC knows about a layer and its Kronecker blocks.
 
-A layer is *registered* when its parameters hold a ``kernel`` of shape
-``[*window, in, out]`` (``window`` empty for a dense layer) and optionally a
-``bias`` of shape ``[out]`` under the same module path. Its gradient is viewed
-as the matrix ``[kernel.reshape(prod(window)*in, out); bias]`` of shape
-``[activation_dim, gradient_dim]``, and its curvature as ``A ⊗ G`` with
-``A: [activation_dim, activation_dim]`` and ``G: [gradient_dim, gradient_dim]``.
+A layer is *registered* when its params hold a ``kernel`` and optionally a
+``bias`` under one module path. Its kernel's axes are read as
+``[*stack, *contracted, *output]``:
+
+* ``stack``: leading layer axes added by ``nn.scan``/``nn.remat_scan`` (one
+  independent layer per slice);
+* ``contracted``: the axes multiplied with the input: ``(in,)`` for ``Dense``,
+  ``(*window, in / groups)`` for ``Conv``, the input's ``axis`` for
+  ``DenseGeneral``;
+* ``output``: the output features, ``(out,)`` or ``DenseGeneral``'s
+  ``features``; the bias is ``[*stack, *output]``.
+
+A convolution with ``feature_group_count = g`` maps each group of ``in / g``
+input channels to its own ``out / g`` output channels, so its curvature is
+block diagonal over the groups. Each stack slice and each group is one
+Kronecker *block* with its own ``A: [activation_dim, activation_dim]``,
+``activation_dim = prod(contracted) + has_bias``, and
+``G: [gradient_dim, gradient_dim]``, ``gradient_dim = prod(output) / g``.
+
+From the params alone, a kernel ``[*window, in, out]`` is a plain ``Dense`` or
+``Conv`` (no stack, one group). Scanned layers, grouped convolutions and
+``DenseGeneral`` need the layer table that ``trace_layers`` reads off the loss
+function.
 """
 
 from __future__ import annotations
@@ -13,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,29 +40,85 @@ BIAS = "bias"
 
 @dataclasses.dataclass(frozen=True)
 class LayerInfo:
-  """Static description of one registered layer, derived from its params.
+  """Static description of one registered layer.
 
   Attributes:
     name: module path joined with ``/`` (``"encoder/Dense_0"``).
-    path: the module path as a tuple of keys into the params tree.
-    kernel_shape: ``[*window, in, out]``.
-    has_bias: whether a ``bias`` ``[out]`` sits beside the kernel.
+    path: the module path as a tuple of keys into the params tree (strings,
+      or integers for an NNX list).
+    kernel_shape: ``[*stack, *contracted, *output]``.
+    has_bias: whether a ``bias`` ``[*stack, *output]`` sits beside the kernel.
+    stack_ndim: number of leading layer (``nn.scan``) axes.
+    contracted_ndim: number of kernel axes contracted with the input; ``None``
+      means all but the last (``Dense``/``Conv``).
+    groups: convolution ``feature_group_count``.
+    module_type: the Flax class name when traced (``skip_layers`` patterns
+      match it), else ``None``.
   """
 
   name: str
-  path: tuple[str, ...]
+  path: tuple[Any, ...]
   kernel_shape: tuple[int, ...]
   has_bias: bool
+  stack_ndim: int = 0
+  contracted_ndim: int | None = None
+  groups: int = 1
+  module_type: str | None = None
+
+  @property
+  def stack_shape(self) -> tuple[int, ...]:
+    return self.kernel_shape[:self.stack_ndim]
+
+  @property
+  def contracted_shape(self) -> tuple[int, ...]:
+    count = self.contracted_ndim
+    if count is None:
+      count = len(self.kernel_shape) - self.stack_ndim - 1
+    return self.kernel_shape[self.stack_ndim:self.stack_ndim + count]
+
+  @property
+  def output_shape(self) -> tuple[int, ...]:
+    return self.kernel_shape[self.stack_ndim + len(self.contracted_shape):]
 
   @property
   def activation_dim(self) -> int:
-    """Size of A: ``prod(window) * in`` plus one for the bias."""
-    return math.prod(self.kernel_shape[:-1]) + int(self.has_bias)
+    """Size of each block's A: ``prod(contracted)`` plus one for the bias."""
+    return math.prod(self.contracted_shape) + int(self.has_bias)
 
   @property
   def gradient_dim(self) -> int:
-    """Size of G: the number of output features."""
-    return self.kernel_shape[-1]
+    """Size of each block's G: output features per group."""
+    return math.prod(self.output_shape) // self.groups
+
+  @property
+  def num_blocks(self) -> int:
+    """``prod(stack) * groups`` independent Kronecker blocks."""
+    return math.prod(self.stack_shape) * self.groups
+
+  @property
+  def block_names(self) -> tuple[str, ...]:
+    """State keys of the blocks: the layer name, or ``name[i]`` for several.
+
+    ``i = stack_index * groups + group``, with the stack index flattened in
+    row-major order.
+    """
+    if self.num_blocks == 1:
+      return (self.name,)
+    return tuple(f"{self.name}[{i}]" for i in range(self.num_blocks))
+
+  def structure(self) -> tuple[int, tuple[int, ...], int]:
+    """What a table adds to the params: (stack_ndim, contracted, groups)."""
+    return self.stack_ndim, self.contracted_shape, self.groups
+
+
+# {layer name: LayerInfo}, as ``find_layers`` and ``trace_layers`` return it.
+LayerTable = Mapping[str, LayerInfo]
+
+
+def blocks_of(layers: LayerTable) -> dict[str, tuple[int, int]]:
+  """``{block name: (activation_dim, gradient_dim)}`` over all layers."""
+  return {block: (layer.activation_dim, layer.gradient_dim)
+          for layer in layers.values() for block in layer.block_names}
 
 
 def path_key_name(key: Any) -> str:
@@ -54,8 +128,8 @@ def path_key_name(key: Any) -> str:
   return str(key)
 
 
-def layer_name(path: Sequence[str]) -> str:
-  return "/".join(path)
+def layer_name(path: Sequence[Any]) -> str:
+  return "/".join(map(path_key_name, path))
 
 
 def matches_any(patterns: Sequence[re.Pattern[str]], *texts: str) -> bool:
@@ -95,7 +169,9 @@ def is_skipped_path(path: tuple[str, ...],
 
 
 def find_layers(params: Any,
-                skip: Sequence[re.Pattern[str]] = ()) -> dict[str, LayerInfo]:
+                skip: Sequence[re.Pattern[str]] = (),
+                table: LayerTable | None = None,
+                warn_untraced: bool = False) -> dict[str, LayerInfo]:
   """Registered layers of a params tree, keyed by module path.
 
   Every mapping holding an array ``kernel`` of rank >= 2 is a layer, unless its
@@ -105,6 +181,12 @@ def find_layers(params: Any,
     params: the model's params (``variables["params"]``), arrays or
       ``jax.ShapeDtypeStruct``s.
     skip: compiled ``skip_layers`` patterns.
+    table: the layer table from ``trace_layers``. With it, each layer's
+      structure comes from the table, and a kernel the table lacks (a module
+      the capture does not know, e.g. ``nn.Einsum``) is left to the chained
+      optimizer. Without it, every kernel is a ``Dense``/``Conv``
+      ``[*window, in, out]``.
+    warn_untraced: warn once per kernel that the table lacks.
 
   Returns:
     ``{name: LayerInfo}`` in params-tree order.
@@ -116,27 +198,63 @@ def find_layers(params: Any,
       return
     kernel = node.get(KERNEL)
     if kernel is not None and not isinstance(kernel, Mapping) and len(
-        kernel.shape) >= 2:
-      if is_skipped_path(path, skip):
-        return
-      bias = node.get(BIAS)
-      kernel_shape = tuple(int(d) for d in kernel.shape)
-      if bias is not None and tuple(bias.shape) != kernel_shape[-1:]:
-        raise ValueError(
-            f"Layer {layer_name(path)!r}: bias shape {tuple(bias.shape)} does "
-            f"not match the kernel's output size {kernel_shape[-1]}. K-FAC "
-            "needs bias [out] beside kernel [..., in, out]; add the layer to "
-            "skip_layers to leave it to the chained optimizer.")
-      layers[layer_name(path)] = LayerInfo(
-          name=layer_name(path),
+        kernel.shape) >= 2 and not is_skipped_path(path, skip):
+      name = layer_name(path)
+      layer = LayerInfo(
+          name=name,
           path=path,
-          kernel_shape=kernel_shape,
-          has_bias=bias is not None)
+          kernel_shape=tuple(int(d) for d in kernel.shape),
+          has_bias=node.get(BIAS) is not None)
+      if table is not None:
+        layer = _from_table(table, layer, warn_untraced)
+      if layer is not None and not matches_any(skip, layer.module_type or ""):
+        _check_bias(layer, node.get(BIAS))
+        layers[name] = layer
     for key, child in node.items():
-      visit(child, path + (path_key_name(key),))
+      visit(child, path + (key,))
 
   visit(params, ())
+  if table is not None:
+    missing = sorted(set(table) - set(layers) - {
+        n for n, l in table.items() if is_skipped_path(l.path, skip)})
+    if missing:
+      raise ValueError(
+          f"The layer table has layers {missing} that the params lack. Trace "
+          "the table (kfac_jax.trace_layers) from the same model and params.")
   return layers
+
+
+def _from_table(table: LayerTable, layer: LayerInfo,
+                warn_untraced: bool) -> LayerInfo | None:
+  traced = table.get(layer.name)
+  if traced is None:
+    if warn_untraced:
+      warnings.warn(
+          f"Layer {layer.name!r} has a kernel {layer.kernel_shape} but its "
+          "module was not captured by kfac_jax.trace_layers (captured: Dense, "
+          "DenseGeneral without batch_dims, Conv, and their subclasses). K-FAC "
+          "leaves it to the chained optimizer; add it to skip_layers to "
+          "silence this warning.", stacklevel=4)
+    return None
+  if (traced.kernel_shape, traced.has_bias) != (layer.kernel_shape,
+                                                 layer.has_bias):
+    raise ValueError(
+        f"Layer {layer.name!r}: the layer table has kernel "
+        f"{traced.kernel_shape} (bias={traced.has_bias}) but the params have "
+        f"{layer.kernel_shape} (bias={layer.has_bias}). Trace the table from "
+        "the same params.")
+  return traced
+
+
+def _check_bias(layer: LayerInfo, bias: Any) -> None:
+  expected = layer.stack_shape + layer.output_shape
+  if bias is not None and tuple(bias.shape) != expected:
+    raise ValueError(
+        f"Layer {layer.name!r}: bias shape {tuple(bias.shape)} does not match "
+        f"the kernel {layer.kernel_shape}, which needs a bias {expected}. If "
+        "the module is not a Dense/Conv [..., in, out], pass the layer table "
+        "(layers=kfac_jax.trace_layers(loss_fn, params, ...)); otherwise add "
+        "it to skip_layers to leave it to the chained optimizer.")
 
 
 def get_layer_params(params: Any, layer: LayerInfo) -> Mapping[str, Any]:

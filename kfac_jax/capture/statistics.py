@@ -47,11 +47,30 @@ class LayerSignature:
       patterns are matched against it.
     has_bias: whether the layer added a bias.
     conv: the convolution geometry, ``None`` for a dense layer.
+    input_axes: dense layers: the input axes contracted with the kernel,
+      negative (``(-1,)`` for ``Dense``; ``DenseGeneral``'s ``axis``).
+    output_ndim: dense layers: number of output feature axes (``len(features)``
+      of ``DenseGeneral``).
+    stack_ndim: leading layer axes of the captured tensors (``nn.scan``).
   """
 
   module_type: str
   has_bias: bool
   conv: ConvGeometry | None = None
+  input_axes: tuple[int, ...] = (-1,)
+  output_ndim: int = 1
+  stack_ndim: int = 0
+
+  @property
+  def contracted_ndim(self) -> int:
+    """Kernel axes contracted with the input (window and channels for a conv)."""
+    if self.conv is not None:
+      return len(self.conv.window) + 1
+    return len(self.input_axes)
+
+  @property
+  def groups(self) -> int:
+    return 1 if self.conv is None else self.conv.feature_group_count
 
 
 @jax.tree_util.register_dataclass
@@ -61,11 +80,12 @@ class LayerStatistics:
 
   Attributes:
     signature: static description of the layer (pytree metadata).
-    inputs: one array per call, ``[*batch, in]`` (dense) or
-      ``[*batch, *spatial, in]`` (conv).
+    inputs: one array per call, ``[*stack, *batch, in]`` (dense),
+      ``[*stack, *batch, *spatial, in]`` (conv), or any layout whose
+      ``input_axes`` are contracted (``DenseGeneral``).
     output_cotangents: one array per call, the gradient of the loss with
-      respect to the layer output, ``[*batch, out]`` or
-      ``[*batch, *out_spatial, out]``.
+      respect to the layer output, ``[*stack, *batch, *output]`` or
+      ``[*stack, *batch, *out_spatial, out]``.
   """
 
   signature: LayerSignature = dataclasses.field(metadata=dict(static=True))

@@ -1,14 +1,16 @@
 """Batch Kronecker factors from captured layer tensors (KAISA's conventions).
 
 With ``cov(x) = sym(xᵀx / N)``, ``sym(C) = (C + Cᵀ) / 2`` and ``N`` the rows of
-``x``:
+``x``, per Kronecker block (``capture.layers``):
 
-* Dense: ``a = input.reshape(N, in)`` (a ones column appended for a bias),
-  ``g = cotangent.reshape(N, out)``; ``A = cov(a)``, ``G = cov(g)``.
-* Conv: ``a`` = patches ``[B·S, prod(window)·in]`` in ``(*window, in)`` order,
-  ones column appended for a bias, the whole matrix divided by ``S`` (output
-  positions); ``g = cotangent.reshape(B·S, out) / S``; ``A = cov(a)``,
-  ``G = cov(g)``.
+* Dense / DenseGeneral: ``a`` = the input with its contracted axes flattened
+  last, ``[N, prod(contracted)]`` (a ones column appended for a bias),
+  ``g = cotangent.reshape(N, prod(output))``; ``A = cov(a)``, ``G = cov(g)``.
+* Conv: ``a`` = patches ``[B·S, prod(window)·in/g]`` in ``(*window, in/g)``
+  order of one group's input channels, ones column appended for a bias, the
+  whole matrix divided by ``S`` (output positions); ``g`` = that group's
+  output channels of the cotangent, ``[B·S, out/g] / S``.
+* Scanned layers: the same for each slice of the leading stack axes.
 
 A layer called several times contributes the sum of its calls' factors.
 """
@@ -16,6 +18,7 @@ A layer called several times contributes the sum of its calls' factors.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,49 +33,70 @@ COMPUTE_DTYPE = jnp.float32
 
 
 def covariance(rows: jax.Array) -> jax.Array:
-  """``sym(rowsᵀ rows / N)`` for ``rows: [N, d]``; returns ``[d, d]`` float32."""
+  """``sym(rowsᵀ rows / N)`` for ``rows: [..., N, d]``; returns ``[..., d, d]`` float32."""
   rows = rows.astype(COMPUTE_DTYPE)
   # On a mesh with Explicit axes and a batch-sharded `rows`, the contraction
   # over the batch must say where the (replicated) result lives.
   replicated = jax.typeof(rows).sharding.update(spec=PartitionSpec())
-  product = jnp.matmul(rows.T, rows, precision=lax.Precision.HIGHEST,
-                       out_sharding=replicated)
-  product = product / rows.shape[0]
-  return (product + product.T) / 2
+  product = jnp.matmul(jnp.swapaxes(rows, -1, -2), rows,
+                       precision=lax.Precision.HIGHEST, out_sharding=replicated)
+  product = product / rows.shape[-2]
+  return (product + jnp.swapaxes(product, -1, -2)) / 2
 
 
 def activation_rows(inputs: jax.Array, signature: LayerSignature) -> jax.Array:
-  """The rows ``a`` whose covariance is A: ``[N, activation_dim]``."""
+  """The rows ``a`` of each group of one layer slice: ``[groups, N, activation_dim]``."""
   if signature.conv is None:
-    rows = inputs.reshape(-1, inputs.shape[-1])
+    contracted = tuple(range(-len(signature.input_axes), 0))
+    rows = jnp.moveaxis(inputs, signature.input_axes, contracted)
+    rows = rows.reshape(1, -1, math.prod(rows.shape[inputs.ndim - len(contracted):]))
     scale = 1
   else:
-    patches = conv_patches(inputs, signature.conv)
-    scale = math.prod(patches.shape[1:-1])
-    rows = patches.reshape(-1, patches.shape[-1])
+    groups = signature.conv.feature_group_count
+    # [..., in] -> [groups, ..., in / groups]: lax splits channels contiguously.
+    split = inputs.reshape(inputs.shape[:-1] + (groups, -1))
+    patches = jax.vmap(conv_patches, in_axes=(-2, None))(split,
+                                                          signature.conv)
+    scale = math.prod(patches.shape[2:-1])
+    rows = patches.reshape(groups, -1, patches.shape[-1])
   rows = rows.astype(COMPUTE_DTYPE)
   if signature.has_bias:
     # ones_like keeps the rows' sharding (needed on Explicit mesh axes).
-    rows = jnp.concatenate([rows, jnp.ones_like(rows[:, :1])], axis=1)
+    rows = jnp.concatenate([rows, jnp.ones_like(rows[..., :1])], axis=-1)
   return rows / scale if scale != 1 else rows
 
 
 def gradient_rows(output_cotangents: jax.Array,
                   signature: LayerSignature) -> jax.Array:
-  """The rows ``g`` whose covariance is G: ``[N, out]``."""
-  rows = output_cotangents.reshape(-1, output_cotangents.shape[-1]).astype(
-      COMPUTE_DTYPE)
-  if signature.conv is None:
-    return rows
-  spatial_size = math.prod(output_cotangents.shape[-1 - len(signature.conv.window):-1])
-  return rows / spatial_size
+  """The rows ``g`` of each group of one layer slice: ``[groups, N, gradient_dim]``."""
+  conv = signature.conv
+  if conv is None:
+    features = math.prod(output_cotangents.shape[-signature.output_ndim:])
+    return output_cotangents.reshape(1, -1, features).astype(COMPUTE_DTYPE)
+  groups = conv.feature_group_count
+  spatial_size = math.prod(output_cotangents.shape[-1 - len(conv.window):-1])
+  rows = output_cotangents.reshape(-1, groups,
+                                   output_cotangents.shape[-1] // groups)
+  return jnp.swapaxes(rows, 0, 1).astype(COMPUTE_DTYPE) / spatial_size
+
+
+def _per_block(rows_fn: Callable[[jax.Array, LayerSignature], jax.Array],
+               tensor: jax.Array, signature: LayerSignature) -> jax.Array:
+  """``rows_fn`` over each stack slice: ``[prod(stack) * groups, N, d]``."""
+  if signature.stack_ndim == 0:
+    return rows_fn(tensor, signature)
+  slices = tensor.reshape((-1,) + tensor.shape[signature.stack_ndim:])
+  rows = jax.vmap(rows_fn, in_axes=(0, None))(slices, signature)
+  return rows.reshape((-1,) + rows.shape[2:])
 
 
 def batch_factors(stats: LayerStatistics) -> tuple[jax.Array, jax.Array]:
-  """``(A, G)`` of one batch, summed over the layer's calls; float32."""
+  """``(A [blocks, dA, dA], G [blocks, dG, dG])`` of one batch, summed over calls."""
+  signature = stats.signature
   activation_factor = sum(
-      covariance(activation_rows(x, stats.signature)) for x in stats.inputs)
+      covariance(_per_block(activation_rows, x, signature))
+      for x in stats.inputs)
   gradient_factor = sum(
-      covariance(gradient_rows(g, stats.signature))
+      covariance(_per_block(gradient_rows, g, signature))
       for g in stats.output_cotangents)
   return activation_factor, gradient_factor

@@ -1,4 +1,11 @@
-"""A layer's gradient as the matrix K-FAC preconditions, and back."""
+"""A layer's gradient as the block matrices K-FAC preconditions, and back.
+
+A kernel ``[*stack, *contracted, *output]`` with ``g`` groups splits into
+``prod(stack) * g`` blocks ``[activation_dim, gradient_dim]``: block
+``s * g + j`` holds slice ``s`` of the stack and the output channels
+``[j * o, (j + 1) * o)`` (``o = gradient_dim``), its rows the flattened
+contracted axes followed by the bias (see ``capture.layers``).
+"""
 
 from __future__ import annotations
 
@@ -12,19 +19,35 @@ from kfac_jax.capture.layers import BIAS, KERNEL, LayerInfo
 
 def to_matrix(layer_grads: Mapping[str, jax.Array], layer: LayerInfo,
               dtype: jnp.dtype) -> jax.Array:
-  """``[kernel.reshape(prod(window)*in, out); bias]``: ``[activation_dim, gradient_dim]``."""
-  matrix = layer_grads[KERNEL].reshape(-1, layer.gradient_dim).astype(dtype)
+  """``[num_blocks, activation_dim, gradient_dim]`` blocks of a layer's gradient."""
+  stack = layer.num_blocks // layer.groups
+  rows = layer.activation_dim - int(layer.has_bias)
+
+  def blocks(array: jax.Array, array_rows: int) -> jax.Array:
+    # [stack, rows, groups, o] -> [stack, groups, rows, o] -> [blocks, rows, o].
+    array = array.reshape(stack, array_rows, layer.groups, layer.gradient_dim)
+    return jnp.swapaxes(array, 1, 2).reshape(
+        layer.num_blocks, array_rows, layer.gradient_dim).astype(dtype)
+
+  matrix = blocks(layer_grads[KERNEL], rows)
   if layer.has_bias:
-    matrix = jnp.concatenate([matrix, layer_grads[BIAS][None, :].astype(dtype)])
+    matrix = jnp.concatenate([matrix, blocks(layer_grads[BIAS], 1)], axis=1)
   return matrix
 
 
 def from_matrix(matrix: jax.Array, layer: LayerInfo,
                 like: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
   """Inverse of ``to_matrix``; dtypes follow ``like`` (the incoming grads)."""
-  kernel_rows = matrix.shape[0] - int(layer.has_bias)
-  out = {KERNEL: matrix[:kernel_rows].reshape(layer.kernel_shape).astype(
+  stack = layer.num_blocks // layer.groups
+  rows = layer.activation_dim - int(layer.has_bias)
+
+  def unblock(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    blocks = blocks.reshape(stack, layer.groups, -1, layer.gradient_dim)
+    return jnp.swapaxes(blocks, 1, 2).reshape(shape)
+
+  out = {KERNEL: unblock(matrix[:, :rows], layer.kernel_shape).astype(
       like[KERNEL].dtype)}
   if layer.has_bias:
-    out[BIAS] = matrix[kernel_rows].astype(like[BIAS].dtype)
+    out[BIAS] = unblock(matrix[:, rows:], like[BIAS].shape).astype(
+        like[BIAS].dtype)
   return out

@@ -26,7 +26,7 @@ import optax
 
 from kfac_jax import finite
 from kfac_jax.capture import layers as layers_lib
-from kfac_jax.capture.layers import LayerInfo
+from kfac_jax.capture.layers import LayerInfo, LayerTable
 from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.factors import batch as batch_lib
 from kfac_jax.distribution import placement as placement_lib
@@ -98,6 +98,7 @@ def scale_by_kfac(
         DistributedStrategy.COMM_OPT),
     assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
     params_partition_specs: Any = None,
+    layers: LayerTable | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC gradient preconditioning (KAISA's algorithm) as an optax transform.
 
@@ -147,6 +148,12 @@ def scale_by_kfac(
     params_partition_specs: ``PartitionSpec`` tree of the params (FSDP or
       tensor parallel); the updates and the accumulated gradients are
       constrained to it. ``None``: as the incoming gradients.
+    layers: the layer table from ``kfac_jax.trace_layers(loss_fn, params,
+      ...)``, needed for scanned layers, grouped convolutions and
+      ``DenseGeneral``, whose structure the params alone do not tell. With it,
+      kernels of modules the capture does not know are left to the chained
+      optimizer (with a warning at ``init``). ``None``: every kernel is a
+      ``Dense``/``Conv`` ``[*window, in, out]``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes the
@@ -168,6 +175,7 @@ def scale_by_kfac(
         "compute_eigenvalue_outer_product must be a bool; got "
         f"{compute_eigenvalue_outer_product!r}.")
   skip = layers_lib.compile_patterns(skip_layers)
+  table = layers
   factor_dtype = hp.floating_dtype("factor_dtype", factor_dtype)
   inv_dtype = hp.floating_dtype("inv_dtype", inv_dtype)
   placement = make_placement(method, compute_eigenvalue_outer_product,
@@ -182,28 +190,27 @@ def scale_by_kfac(
   def init_fn(params: Any) -> ScaleByKFACState:
     if params_partition_specs is not None:
       placement_lib.check_params_specs(params, params_partition_specs)
-    layers = layers_lib.find_layers(params, skip)
+    layers = layers_lib.find_layers(params, skip, table, warn_untraced=True)
     factors = {}
-    for name, layer in layers.items():
+    for layer in layers.values():
       kernel = layers_lib.get_layer_params(params, layer)[layers_lib.KERNEL]
-      dtype = factor_dtype or kernel.dtype
-      factors[name] = init_factors(layer.activation_dim, layer.gradient_dim,
-                                   dtype)
+      for block in layer.block_names:
+        factors[block] = init_factors(layer.activation_dim, layer.gradient_dim,
+                                      factor_dtype or kernel.dtype)
     accumulator = None
     if accumulation_steps > 1:
       accumulator = AccumulatorState(
           micro_step=jnp.zeros([], jnp.int32),
           gradients=constrain_to_params(optax.tree.zeros_like(params)),
           factors={
-              name: LayerFactors(
-                  jnp.zeros((l.activation_dim,) * 2, jnp.float32),
-                  jnp.zeros((l.gradient_dim,) * 2, jnp.float32))
-              for name, l in layers.items()
+              block: LayerFactors(jnp.zeros((a, a), jnp.float32),
+                                  jnp.zeros((g, g), jnp.float32))
+              for block, (a, g) in layers_lib.blocks_of(layers).items()
           })
     return ScaleByKFACState(
         count=jnp.zeros([], jnp.int32),
         factors=factors,
-        preconditioners=placement.init(_dims(layers)),
+        preconditioners=placement.init(layers_lib.blocks_of(layers)),
         accumulator=accumulator,
         skipped_factor_updates=jnp.zeros([], jnp.int32),
         rejected_decompositions=jnp.zeros([], jnp.int32))
@@ -216,13 +223,15 @@ def scale_by_kfac(
   ) -> tuple[Any, ScaleByKFACState]:
     """Factor update, decomposition and preconditioning of one optimizer step.
 
-    ``sharded``: ``{layer: mesh axes}`` of kernels sharded by
-    ``params_partition_specs``. Returns the updates and the state after the
-    step (accumulator untouched).
+    ``active``: the layers to precondition; ``batch_factors`` gives their
+    blocks' batch factors. ``sharded``: ``{layer: mesh axes}`` of kernels
+    sharded by ``params_partition_specs``. Returns the updates and the state
+    after the step (accumulator untouched).
     """
     count = state.count
     damping_value = damping_fn(count)
-    dims = _dims(layers)
+    dims = layers_lib.blocks_of(layers)
+    active_blocks = [b for name in active for b in layers[name].block_names]
 
     def updated_factors():
       # A batch with NaN/Inf statistics or gradients never enters the factors;
@@ -248,7 +257,7 @@ def scale_by_kfac(
     def decomposed():
       # A decomposition that comes out non-finite keeps the previous one.
       preconditioners, rejected = placement.decompose(
-          dims, {name: factors[name] for name in active},
+          dims, {block: factors[block] for block in active_blocks},
           state.preconditioners, damping_value)
       return preconditioners, state.rejected_decompositions + rejected
 
@@ -256,21 +265,24 @@ def scale_by_kfac(
         count % inv_update_steps_fn(count) == 0, decomposed,
         lambda: (state.preconditioners, state.rejected_decompositions))
 
-    gradient_matrices = {
-        name: to_matrix(layers_lib.get_layer_params(grads, layers[name]),
-                        layers[name], jnp.float32) for name in active
-    }
+    gradient_matrices = {}
+    for name in active:
+      layer = layers[name]
+      blocks = to_matrix(layers_lib.get_layer_params(grads, layer), layer,
+                         jnp.float32)
+      gradient_matrices.update(zip(layer.block_names, blocks))
     preconditioned = placement.precondition(
         dims, preconditioners, gradient_matrices, damping_value, sharded)
     if kl_clip_fn is not None and active:
-      nu = kl_clip_scale([preconditioned[n] for n in active],
-                         [gradient_matrices[n] for n in active],
+      nu = kl_clip_scale([preconditioned[b] for b in active_blocks],
+                         [gradient_matrices[b] for b in active_blocks],
                          learning_rate_fn(count), kl_clip_fn(count))
-      preconditioned = {n: nu * p for n, p in preconditioned.items()}
+      preconditioned = {b: nu * p for b, p in preconditioned.items()}
     layer_updates = {
-        name: from_matrix(p, layers[name],
-                          layers_lib.get_layer_params(grads, layers[name]))
-        for name, p in preconditioned.items()
+        name: from_matrix(
+            jnp.stack([preconditioned[b] for b in layers[name].block_names]),
+            layers[name], layers_lib.get_layer_params(grads, layers[name]))
+        for name in active
     }
     new_state = state._replace(
         count=count + 1,
@@ -290,7 +302,7 @@ def scale_by_kfac(
       **extra_args: Any,
   ) -> tuple[Any, ScaleByKFACState]:
     del params, extra_args
-    layers = layers_lib.find_layers(updates, skip)
+    layers = layers_lib.find_layers(updates, skip, table)
     sharded = {}
     if params_partition_specs is not None:
       sharded = _sharded_kernels(layers, placement_lib.check_params_specs(
@@ -299,27 +311,30 @@ def scale_by_kfac(
     active = _check_stats(kfac_stats, layers, skip)
 
     def stats_factors() -> dict[str, LayerFactors]:
-      return {
-          name: LayerFactors(*batch_lib.batch_factors(kfac_stats[name]))
-          for name in active
-      }
+      blocks = {}
+      for name in active:
+        factors = batch_lib.batch_factors(kfac_stats[name])
+        blocks.update((block, LayerFactors(a, g)) for block, a, g in zip(
+            layers[name].block_names, *factors))
+      return blocks
 
     if accumulation_steps == 1:
       return optimizer_step(state, updates, layers, active, stats_factors,
                             sharded)
 
     accumulator = state.accumulator
+    batch_blocks = [b for name in active for b in layers[name].block_names]
     factor_step = state.count % factor_update_steps_fn(state.count) == 0
     # Off factor steps the sums are not used; adding zeros keeps the factor
     # computation inside the cond.
     batch = lax.cond(
         factor_step, stats_factors,
-        lambda: {n: jax.tree.map(jnp.zeros_like, accumulator.factors[n])
-                 for n in active})
+        lambda: {b: jax.tree.map(jnp.zeros_like, accumulator.factors[b])
+                 for b in batch_blocks})
     factor_sums = {
-        name: (LayerFactors(*(s + b for s, b in zip(sums, batch[name])))
-               if name in active else sums)
-        for name, sums in accumulator.factors.items()
+        block: (LayerFactors(*(s + b for s, b in zip(sums, batch[block])))
+                if block in batch else sums)
+        for block, sums in accumulator.factors.items()
     }
     gradient_sums = constrain_to_params(
         jax.tree.map(lambda s, g: s + g.astype(s.dtype), accumulator.gradients,
@@ -330,7 +345,7 @@ def scale_by_kfac(
       mean_grads = jax.tree.map(lambda s, g: (s / k).astype(g.dtype),
                                 gradient_sums, updates)
       mean_factors = {
-          n: LayerFactors(*(f / k for f in factor_sums[n])) for n in active
+          b: LayerFactors(*(f / k for f in factor_sums[b])) for b in batch_blocks
       }
       new_updates, new_state = optimizer_step(state, mean_grads, layers,
                                               active, lambda: mean_factors,
@@ -401,6 +416,8 @@ def _sharded_kernels(layers: Mapping[str, LayerInfo],
   """``{layer: mesh axes}`` of the layers whose kernel spec shards it."""
   sharded = {}
   for name, layer in layers.items():
+    if layer.num_blocks > 1:
+      continue  # its blocks are sliced from the whole gradient.
     spec = layers_lib.get_layer_params(params_specs, layer)[layers_lib.KERNEL]
     axes = tuple(a for entry in (spec or ()) if entry is not None
                  for a in ((entry,) if isinstance(entry, str) else entry))
@@ -409,20 +426,13 @@ def _sharded_kernels(layers: Mapping[str, LayerInfo],
   return sharded
 
 
-def _dims(layers: Mapping[str, LayerInfo]) -> dict[str, tuple[int, int]]:
-  return {name: (layer.activation_dim, layer.gradient_dim)
-          for name, layer in layers.items()}
-
-
 def _replace_layers(grads: Any, layers: Mapping[str, LayerInfo],
                     layer_updates: Mapping[str, Mapping[str, jax.Array]]) -> Any:
   """``grads`` with each preconditioned layer's kernel/bias swapped in."""
-  by_path = {layers[name].path: values for name, values in layer_updates.items()}
-
   def replace(path, leaf):
-    keys = tuple(layers_lib.path_key_name(k) for k in path)
-    values = by_path.get(keys[:-1])
-    return leaf if values is None else values.get(keys[-1], leaf)
+    values = layer_updates.get(layers_lib.layer_name(path[:-1]))
+    return leaf if values is None else values.get(
+        layers_lib.path_key_name(path[-1]), leaf)
 
   return jax.tree_util.tree_map_with_path(replace, grads)
 
@@ -434,23 +444,25 @@ def _check_state(layers: Mapping[str, LayerInfo],
     raise TypeError(
         "scale_by_kfac.update: expected the state made by its init, got "
         f"{type(state).__name__}.")
-  missing = sorted(set(layers) - set(state.factors))
-  extra = sorted(set(state.factors) - set(layers))
+  blocks = layers_lib.blocks_of(layers)
+  missing = sorted(set(blocks) - set(state.factors))
+  extra = sorted(set(state.factors) - set(blocks))
   if missing or extra:
     raise ValueError(
         "scale_by_kfac: the optimizer state does not match the gradients' "
         f"layers (in the gradients but not the state: {missing}; in the state "
         f"but not the gradients: {extra}). Call tx.init with the same params "
-        "(and skip_layers) the gradients come from.")
-  for name, layer in layers.items():
-    a_shape = state.factors[name].activation_factor.shape
-    g_shape = state.factors[name].gradient_factor.shape
-    if a_shape != (layer.activation_dim,) * 2 or g_shape != (
-        layer.gradient_dim,) * 2:
-      raise ValueError(
-          f"Layer {name!r}: state factors A{a_shape}, G{g_shape} do not fit a "
-          f"kernel {layer.kernel_shape} (bias={layer.has_bias}); re-run "
-          "tx.init with the current params.")
+        "(and skip_layers and layers) the gradients come from.")
+  for layer in layers.values():
+    for block in layer.block_names:
+      a_shape = state.factors[block].activation_factor.shape
+      g_shape = state.factors[block].gradient_factor.shape
+      if a_shape != (layer.activation_dim,) * 2 or g_shape != (
+          layer.gradient_dim,) * 2:
+        raise ValueError(
+            f"Layer {block!r}: state factors A{a_shape}, G{g_shape} do not fit "
+            f"a kernel {layer.kernel_shape} (bias={layer.has_bias}); re-run "
+            "tx.init with the current params.")
 
 
 def _check_stats(stats: Mapping[str, LayerStatistics] | None,
@@ -498,27 +510,44 @@ def _check_stats(stats: Mapping[str, LayerStatistics] | None,
 def _check_shapes(name: str, layer: LayerInfo, stats: LayerStatistics) -> None:
   signature = stats.signature
   conv = signature.conv
-  *window, in_features, out_features = layer.kernel_shape
+  captured = (signature.stack_ndim, signature.contracted_ndim, signature.groups)
+  expected = (layer.stack_ndim, len(layer.contracted_shape), layer.groups)
+  if captured != expected:
+    raise ValueError(
+        f"Layer {name!r} ({signature.module_type}): the captured call has "
+        f"{signature.stack_ndim} stack axes, {signature.contracted_ndim} "
+        f"contracted kernel axes and {signature.groups} groups, but the "
+        f"optimizer reads kernel {layer.kernel_shape} as {expected[0]}, "
+        f"{expected[1]} and {expected[2]}. Scanned layers, grouped "
+        "convolutions and DenseGeneral need the layer table: "
+        "scale_by_kfac(..., layers=kfac_jax.trace_layers(loss_fn, params, "
+        f"*batch)). Or add {name!r} to skip_layers.")
+  stack = layer.stack_ndim
+  contracted = layer.contracted_shape
   problems = []
   if signature.has_bias != layer.has_bias:
     problems.append(f"the captured layer has use_bias={signature.has_bias} but "
                     f"the params {'have' if layer.has_bias else 'lack'} a bias")
-  if conv is None and window:
-    problems.append(f"a Dense layer needs a 2-D kernel, got {layer.kernel_shape}")
-  if conv is not None:
-    if tuple(window) != conv.window:
-      problems.append(f"conv window {conv.window} != kernel window {tuple(window)}")
-    if conv.feature_group_count != 1:
-      problems.append(
-          f"feature_group_count={conv.feature_group_count} (grouped "
-          "convolutions are not supported yet)")
+  if conv is not None and contracted[:-1] != conv.window:
+    problems.append(f"conv window {conv.window} != kernel window "
+                    f"{contracted[:-1]}")
   for x in stats.inputs:
-    if x.shape[-1] != in_features:
-      problems.append(f"input features {x.shape[-1]} != kernel in {in_features}")
+    if x.shape[:stack] != layer.stack_shape:
+      problems.append(f"input stack axes {x.shape[:stack]} != kernel "
+                      f"{layer.stack_shape}")
+    elif conv is not None and x.shape[-1] != contracted[-1] * layer.groups:
+      problems.append(f"input channels {x.shape[-1]} != kernel in "
+                      f"{contracted[-1]} x {layer.groups} groups")
+    elif conv is None and tuple(
+        x.shape[a] for a in signature.input_axes) != contracted:
+      problems.append(f"input features {tuple(x.shape[a] for a in signature.input_axes)}"
+                      f" != kernel in {contracted}")
+  output_ndim = 1 if conv is not None else signature.output_ndim
   for g in stats.output_cotangents:
-    if g.shape[-1] != out_features:
-      problems.append(
-          f"output features {g.shape[-1]} != kernel out {out_features}")
+    if g.shape[:stack] != layer.stack_shape or g.shape[
+        g.ndim - output_ndim:] != layer.output_shape:
+      problems.append(f"output {g.shape} does not end in kernel out "
+                      f"{layer.output_shape}")
   if problems:
     raise ValueError(
         f"Layer {name!r}: kfac_stats disagree with the params: "

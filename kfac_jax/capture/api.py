@@ -1,0 +1,77 @@
+"""The capture's public entry points, for Flax Linen params and NNX models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from kfac_jax.capture import flax_linen
+from kfac_jax.capture import flax_nnx
+from kfac_jax.capture.layers import LayerInfo
+from kfac_jax.capture.statistics import LayerStatistics
+
+
+def _front_end(params_or_model: Any):
+  return flax_nnx if isinstance(params_or_model, nnx.Module) else flax_linen
+
+
+def value_grad_and_stats(
+    fun: Callable[..., Any],
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any, dict[str, LayerStatistics]]]:
+  """Like ``jax.value_and_grad(fun, has_aux)``, plus K-FAC layer statistics.
+
+  Linen: ``fun(params, *args, **kwargs)`` applies the model with ``params`` as
+  its ``'params'`` collection (any number of ``model.apply`` calls; layers
+  inside ``nn.scan``/``nn.remat`` included). NNX: ``fun(model, *args,
+  **kwargs)`` with an ``nnx.Module``, as given to ``nnx.value_and_grad``; the
+  gradients are then an ``nnx.State`` of its ``nnx.Param``s.
+
+  Captured layers: Linen ``Dense``, ``DenseGeneral`` (without
+  ``batch_dims``) and ``Conv``; NNX ``Linear``, ``LinearGeneral`` and
+  ``Conv``; and their subclasses.
+
+  Args:
+    fun: the loss, returning a scalar (or ``(loss, aux)`` with ``has_aux``).
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+  Returns:
+    A function of ``(params_or_model, *args, **kwargs)`` returning
+    ``(value, grads, stats)``, with ``value`` being ``(loss, aux)`` when
+    ``has_aux``. ``stats`` maps each captured layer's module path
+    (``"encoder/Dense_0"``) to its ``LayerStatistics``: the input and the
+    loss's output cotangent of every call of the layer, stacked on the layer
+    axes of a scanned layer.
+  """
+
+  def value_grads_and_stats(params_or_model: Any, *args: Any, **kwargs: Any):
+    return _front_end(params_or_model).value_grad_and_stats(
+        fun, has_aux, params_or_model, *args, **kwargs)
+
+  return value_grads_and_stats
+
+
+def trace_layers(fun: Callable[..., Any], params_or_model: Any, *args: Any,
+                 **kwargs: Any) -> dict[str, LayerInfo]:
+  """The layer table of a loss function, for ``scale_by_kfac(layers=...)``.
+
+  Traces ``fun(params_or_model, *args, **kwargs)`` once for shapes only (no
+  FLOPs) and describes each captured layer: its stack axes (``nn.scan``),
+  contracted axes (``DenseGeneral``'s ``axis``) and convolution groups, which
+  its params alone cannot tell. Pass the same table to
+  ``get_opt_state_partition_specs``.
+
+  Args:
+    fun: the loss function given to ``value_grad_and_stats``.
+    params_or_model: Linen params (arrays or ``jax.ShapeDtypeStruct``s) or an
+      NNX model.
+    *args: example arguments (arrays or ``jax.ShapeDtypeStruct``s).
+    **kwargs: example keyword arguments.
+
+  Returns:
+    ``{layer name: LayerInfo}``.
+  """
+  return _front_end(params_or_model).trace_layers(fun, params_or_model, *args,
+                                                  **kwargs)

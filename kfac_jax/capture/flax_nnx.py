@@ -1,0 +1,157 @@
+"""Capture from an unmodified Flax NNX model.
+
+NNX has no method interceptors, so the capture works on a private copy of the
+model: the loss runs on ``nnx.merge(nnx.split(model))``, whose ``nnx.Linear``,
+``nnx.LinearGeneral`` and ``nnx.Conv`` instances are switched to a subclass
+that applies the call's probes (``capture.probes``) to the output. The user's
+model object is never modified; state the loss updates on the copy (batch
+statistics, RNG counters) is written back to it, as ``nnx.value_and_grad``
+does.
+
+Layers under a lifted NNX transform (``nnx.scan``, ``nnx.vmap``,
+``nnx.remat``) run in another trace than the loss and are refused with an
+error naming them (add them to ``skip_layers``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from kfac_jax.capture import layers
+from kfac_jax.capture import probes as probes_lib
+from kfac_jax.capture import signatures
+from kfac_jax.capture.layers import LayerInfo
+from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
+
+# Module classes whose calls are captured. Subclasses count too.
+CAPTURED_MODULES: tuple[type[nnx.Module], ...] = (nnx.Linear,
+                                                  nnx.LinearGeneral, nnx.Conv)
+
+# hook(name, inputs, outputs, signature) -> outputs as the loss sees them.
+Hook = Callable[[str, jax.Array, jax.Array, LayerSignature], jax.Array]
+
+
+def _signature(module: nnx.Module, module_type: str,
+               inputs: jax.Array) -> LayerSignature | None:
+  """What the capture records about a call; ``None`` for an unsupported one."""
+  if isinstance(module, nnx.Conv):
+    return signatures.conv_signature(module_type, module)
+  if isinstance(module, nnx.LinearGeneral):
+    if module.batch_axis:
+      return None  # its kernel carries batch axes: not a Kronecker layer.
+    return signatures.dense_signature(module_type, module.use_bias, inputs,
+                                      module.axis, module.out_features)
+  return signatures.dense_signature(module_type, module.use_bias, inputs)
+
+
+def _instrument(model: nnx.Module, hook: Hook) -> None:
+  """Routes every captured module call of ``model`` (a private copy) through ``hook``."""
+  top_trace = jax.core.get_opaque_trace_state()
+  for path, module in nnx.iter_modules(model):
+    if not isinstance(module, CAPTURED_MODULES):
+      continue
+    cls = type(module)
+    name = layers.layer_name(path)
+
+    def call(self, inputs, *args, _cls=cls, _name=name, **kwargs):
+      outputs = _cls.__call__(self, inputs, *args, **kwargs)
+      signature = _signature(self, _cls.__name__, inputs)
+      if signature is None:
+        return outputs
+      if jax.core.get_opaque_trace_state() != top_trace:
+        raise ValueError(
+            f"value_grad_and_stats: NNX layer {_name!r} runs under a lifted "
+            "transform (nnx.scan, nnx.vmap, nnx.remat), which the NNX capture "
+            f"does not support. Add {_name!r} to skip_layers.")
+      return hook(_name, inputs, outputs, signature)
+
+    # nnx.Module guards __setattr__; the copy may change class freely.
+    object.__setattr__(module, "__class__",
+                       type(cls.__name__, (cls,), {"__call__": call}))
+
+
+def _run(fun: Callable[..., Any], model: nnx.Module, hook: Hook, args,
+         kwargs) -> Callable[[Any], tuple[Any, Any]]:
+  """``params -> (fun output, updated non-param state)`` on a private copy."""
+  graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+
+  def run(params):
+    # Variables may only be updated in the trace that made them: rebuild the
+    # non-param ones (batch statistics, RNG counters) in this one.
+    copy = nnx.merge(graphdef, params, jax.tree.map(lambda v: v, rest))
+    _instrument(copy, hook)
+    out = fun(copy, *args, **kwargs)
+    return out, nnx.state(copy, nnx.Not(nnx.Param))
+
+  return run
+
+
+def _shape_pass(fun, model, args, kwargs):
+  counter = probes_lib.CallCounter()
+  calls: dict[str, list[probes_lib.Call]] = {}
+
+  def record(name, inputs, outputs, signature):
+    probes_lib.record_call(
+        calls, counter, name,
+        probes_lib.Call(signature,
+                        jax.ShapeDtypeStruct(inputs.shape, inputs.dtype),
+                        jax.ShapeDtypeStruct(outputs.shape, outputs.dtype)))
+    return outputs
+
+  params = nnx.state(model, nnx.Param)
+  out_shape, _ = jax.eval_shape(_run(fun, model, record, args, kwargs), params)
+  return calls, out_shape
+
+
+def trace_layers(fun: Callable[..., Any], model: nnx.Module, *args: Any,
+                 **kwargs: Any) -> dict[str, LayerInfo]:
+  """NNX front end of ``kfac_jax.trace_layers``."""
+  calls, _ = _shape_pass(fun, model, args, kwargs)
+  modules = {layers.layer_name(path): (path, module)
+             for path, module in nnx.iter_modules(model)}
+  return {
+      name: probes_lib.layer_info(name, modules[name][0],
+                                  modules[name][1].kernel.shape,
+                                  layer_calls[0].signature)
+      for name, layer_calls in calls.items()
+  }
+
+
+def value_grad_and_stats(
+    fun: Callable[..., Any], has_aux: bool, model: nnx.Module, *args: Any,
+    **kwargs: Any) -> tuple[Any, Any, dict[str, LayerStatistics]]:
+  """NNX front end of ``kfac_jax.value_grad_and_stats``, for one call.
+
+  Gradients are an ``nnx.State`` of the model's ``nnx.Param``s, as
+  ``nnx.value_and_grad`` gives them; ``model``'s other state is updated.
+  """
+  caller = "value_grad_and_stats"
+  calls, out_shape = _shape_pass(fun, model, args, kwargs)
+  probes_lib.check_scalar(
+      probes_lib.split_output(out_shape, has_aux, caller)[0], caller)
+  probes = {name: probes_lib.zero_probes(c) for name, c in calls.items()}
+
+  def primal(params, probes):
+    counter = probes_lib.CallCounter()
+
+    def apply(name, inputs, outputs, signature):
+      del signature
+      return probes_lib.apply_probes(outputs, inputs,
+                                     probes[name][counter.next(name)])
+
+    out, new_state = _run(fun, model, apply, args, kwargs)(params)
+    loss, aux = probes_lib.split_output(out, has_aux, caller)
+    return loss, (aux, new_state)
+
+  params = nnx.state(model, nnx.Param)
+  loss, vjp_fn, (aux, new_state) = jax.vjp(primal, params, probes,
+                                            has_aux=True)
+  grads, probe_grads = vjp_fn(jnp.ones_like(loss))
+  nnx.update(model, new_state)
+  value = (loss, aux) if has_aux else loss
+  return value, grads, probes_lib.statistics(calls, probe_grads)

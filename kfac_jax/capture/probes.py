@@ -1,0 +1,153 @@
+"""Probes: how a layer's inputs and output cotangents leave one backward pass.
+
+Each captured call gets two zero arrays that the loss is differentiated with
+respect to, besides the params:
+
+* an output *perturbation*, added to the layer output: its gradient is
+  ``dloss/d(output)``, the cotangent K-FAC's ``G`` needs;
+* an input *probe*, whose "gradient" ``reveal_input`` defines to be the layer
+  input (a ``custom_vjp`` identity): ``A`` needs the input, and a gradient is
+  the one channel that crosses every JAX and Flax transformation (``nn.scan``
+  stacks it on the layer axis like any parameter's gradient).
+
+A shape-only first pass (``jax.eval_shape``) records each call (``Call``) so
+the probes can be allocated; both front ends (Linen, NNX) share this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax.capture.layers import LayerInfo
+from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
+
+# One call's (input probe, output perturbation).
+ProbePair = tuple[jax.Array, jax.Array]
+
+
+@jax.custom_vjp
+def reveal_input(outputs: jax.Array, inputs: jax.Array,
+                 probe: jax.Array) -> jax.Array:
+  """Identity in ``outputs``; the cotangent it hands ``probe`` is ``inputs``."""
+  del inputs, probe
+  return outputs
+
+
+def _reveal_input_fwd(outputs, inputs, probe):
+  del probe
+  return outputs, inputs
+
+
+def _reveal_input_bwd(inputs, output_cotangent):
+  # The input's own gradient flows through the layer, not through here.
+  return output_cotangent, jnp.zeros_like(inputs), inputs
+
+
+reveal_input.defvjp(_reveal_input_fwd, _reveal_input_bwd)
+
+
+def apply_probes(outputs: jax.Array, inputs: jax.Array,
+                 probes: ProbePair) -> jax.Array:
+  """The layer output as the loss should see it: perturbed, input revealed."""
+  input_probe, output_perturbation = probes
+  return reveal_input(outputs + output_perturbation, inputs, input_probe)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One call of a captured layer (per stack slice), from the shape pass."""
+
+  signature: LayerSignature
+  inputs: jax.ShapeDtypeStruct
+  outputs: jax.ShapeDtypeStruct
+
+
+class CallCounter:
+  """Numbers a layer's calls within each trace.
+
+  ``nn.scan`` traces its body twice (once to find broadcast outputs), with
+  fresh module instances, so calls are numbered per (layer, trace): the same
+  call gets the same number in both traces.
+  """
+
+  def __init__(self):
+    self.traces: dict[str, list[tuple[Any, int]]] = {}
+
+  def next(self, name: str) -> int:
+    trace = jax.core.get_opaque_trace_state()
+    entries = self.traces.setdefault(name, [])
+    for i, (seen, count) in enumerate(entries):
+      if seen == trace:
+        entries[i] = (seen, count + 1)
+        return count
+    entries.append((trace, 1))
+    return 0
+
+
+def record_call(calls: dict[str, list[Call]], counter: CallCounter, name: str,
+                call: Call) -> None:
+  """Adds ``call`` to ``calls[name]`` unless a repeated trace already did."""
+  index = counter.next(name)
+  layer_calls = calls.setdefault(name, [])
+  if index == len(layer_calls):
+    layer_calls.append(call)
+
+
+def zero_probes(calls: Sequence[Call],
+                stack_shape: tuple[int, ...] = ()) -> tuple[ProbePair, ...]:
+  """Zero probes for each call, with the layer's stack axes in front."""
+
+  def zeros(like: jax.ShapeDtypeStruct) -> jax.Array:
+    return jnp.zeros(stack_shape + like.shape, like.dtype)
+
+  return tuple((zeros(call.inputs), zeros(call.outputs)) for call in calls)
+
+
+def statistics(calls: Mapping[str, Sequence[Call]],
+               probe_grads: Mapping[str, Sequence[ProbePair]]
+               ) -> dict[str, LayerStatistics]:
+  """``{layer: LayerStatistics}`` from the probes' gradients."""
+  return {
+      name: LayerStatistics(
+          signature=calls[name][0].signature,
+          inputs=tuple(inputs for inputs, _ in probe_grads[name]),
+          output_cotangents=tuple(cot for _, cot in probe_grads[name]))
+      for name in probe_grads
+  }
+
+
+def layer_info(name: str, path: tuple[Any, ...], kernel_shape: Sequence[int],
+               signature: LayerSignature) -> LayerInfo:
+  """A layer table entry from a captured call's signature."""
+  return LayerInfo(
+      name=name,
+      path=path,
+      kernel_shape=tuple(int(d) for d in kernel_shape),
+      has_bias=signature.has_bias,
+      stack_ndim=signature.stack_ndim,
+      contracted_ndim=signature.contracted_ndim,
+      groups=signature.groups,
+      module_type=signature.module_type)
+
+
+def split_output(out: Any, has_aux: bool, caller: str) -> tuple[Any, Any]:
+  """``(loss, aux)`` of a loss function's output, checked."""
+  if not has_aux:
+    return out, None
+  if not (isinstance(out, tuple) and len(out) == 2):
+    raise ValueError(
+        f"{caller}(has_aux=True): the function must return (loss, aux), got "
+        f"{type(out).__name__}.")
+  return out
+
+
+def check_scalar(loss_shape: Any, caller: str) -> None:
+  if getattr(loss_shape, "shape", None) != ():
+    raise ValueError(
+        f"{caller}: the function must return a scalar loss, got shape "
+        f"{getattr(loss_shape, 'shape', type(loss_shape).__name__)}.")

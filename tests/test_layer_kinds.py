@@ -1,0 +1,322 @@
+"""Every layer kind against float64 NumPy: convolutions of all shapes,
+DenseGeneral/attention projections, scanned layers (against the unrolled model).
+
+Each case runs one K-FAC step through ``trace_layers`` + ``value_grad_and_stats``
++ ``scale_by_kfac`` and compares, per Kronecker block, the running factors and
+the preconditioned gradient with ``reference.KFACReference`` fed by an explicit
+loop im2col / reshape in NumPy.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax
+from kfac_jax.preconditioning.gradient_matrix import to_matrix
+from tests import reference
+
+DAMPING = 0.01
+DECAY = 0.5
+
+
+def _squared_weighted_loss(outputs: jax.Array, weights: np.ndarray) -> jax.Array:
+  """L = ½ Σ (y ⊙ W)²: dL/dy = y ⊙ W², known in closed form."""
+  return 0.5 * jnp.sum((outputs * weights) ** 2)
+
+
+def _kfac_step(model: nn.Module, params, x: np.ndarray, weights: np.ndarray):
+  """One K-FAC step; returns (outputs, table, state, updates)."""
+  loss_fn = lambda p: _squared_weighted_loss(
+      model.apply({"params": p}, x), weights)
+  table = kfac_jax.trace_layers(loss_fn, params)
+  tx = kfac_jax.scale_by_kfac(damping=DAMPING, factor_decay=DECAY,
+                              kl_clip=None, layers=table)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  updates, state = tx.update(grads, tx.init(params), params, kfac_stats=stats)
+  return model.apply({"params": params}, x), table, state, updates
+
+
+def _reference_blocks(patches: np.ndarray, kernel: np.ndarray,
+                      bias: np.ndarray | None, groups: int,
+                      weights: np.ndarray):
+  """NumPy forward and per-group LayerTensors of a conv / dense layer.
+
+  ``patches: [B, *positions, features]`` for the whole input (features in
+  ``(*window, in)`` order, group-major over ``in``); ``kernel: [*window,
+  in/g, out]``.
+  """
+  *window, in_per_group, out = kernel.shape
+  window_size = int(np.prod(window))
+  positions = int(np.prod(patches.shape[1:-1]))
+  by_tap = patches.reshape(patches.shape[:-1] + (window_size, groups,
+                                                 in_per_group))
+  o = out // groups
+  outputs, blocks = [], []
+  for j in range(groups):
+    rows = by_tap[..., j, :].reshape(-1, window_size * in_per_group)
+    k = kernel.reshape(-1, out)[:, j * o:(j + 1) * o]
+    y = rows @ k + (0 if bias is None else bias[j * o:(j + 1) * o])
+    outputs.append(y)
+  y = np.concatenate(outputs, axis=-1)  # [B·positions, out]
+  dy = y * weights.reshape(-1, out) ** 2
+  for j in range(groups):
+    rows = by_tap[..., j, :].reshape(-1, window_size * in_per_group)
+    if bias is not None:
+      rows = np.concatenate([rows, np.ones((len(rows), 1))], axis=1)
+    grad_rows = dy[:, j * o:(j + 1) * o]
+    blocks.append(reference.LayerTensors(rows / positions,
+                                         grad_rows / positions,
+                                         rows.T @ grad_rows))
+  return y, blocks
+
+
+def _check_blocks(layer_name: str, table, state, updates, params,
+                  blocks: list[reference.LayerTensors]) -> None:
+  layer = table[layer_name]
+  names = layer.block_names
+  assert len(names) == len(blocks)
+  ref = reference.KFACReference(damping=DAMPING, factor_decay=DECAY,
+                                learning_rate=1.0, kl_clip=None)
+  expected = ref.update([dict(zip(names, blocks))])
+  node = updates
+  for key in layer.path:
+    node = node[key]
+  matrices = np.asarray(to_matrix(node, layer, jnp.float32))
+  for i, name in enumerate(names):
+    a, g = ref.factors[name]
+    np.testing.assert_allclose(state.factors[name].activation_factor, a,
+                               rtol=1e-4, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(state.factors[name].gradient_factor, g,
+                               rtol=1e-4, atol=1e-5, err_msg=name)
+    scale = np.abs(expected[name]).max()
+    np.testing.assert_allclose(matrices[i], expected[name], rtol=1e-3,
+                               atol=1e-4 * scale, err_msg=name)
+
+
+class Wrapped(nn.Module):
+  """Puts the layer under test at path "layer"."""
+
+  layer: nn.Module
+
+  def __call__(self, x):
+    return self.layer(x)
+
+
+CONV_CASES = {
+    "1d_same_strided_dilated": dict(
+        shape=(2, 11, 3), features=4, kernel_size=(3,), strides=2,
+        padding="SAME", kernel_dilation=2),
+    "1d_causal": dict(shape=(2, 9, 2), features=3, kernel_size=(3,),
+                      padding="CAUSAL", kernel_dilation=2),
+    "2d_explicit_input_dilation_grouped": dict(
+        shape=(2, 5, 4, 4), features=6, kernel_size=(2, 3),
+        padding=((1, 2), (0, 1)), input_dilation=2, feature_group_count=2),
+    "2d_depthwise_circular": dict(
+        shape=(2, 5, 5, 4), features=8, kernel_size=(3, 3),
+        padding="CIRCULAR", feature_group_count=4),
+    "2d_reflect_no_bias": dict(
+        shape=(2, 6, 5, 3), features=4, kernel_size=(3, 2), padding="REFLECT",
+        use_bias=False),
+    "3d_valid_strided": dict(
+        shape=(2, 4, 5, 4, 2), features=3, kernel_size=(2, 2, 2),
+        strides=(1, 2, 1), padding="VALID"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONV_CASES))
+def test_conv_blocks_match_loop_im2col(case):
+  options = dict(CONV_CASES[case])
+  shape = options.pop("shape")
+  rank = len(options["kernel_size"])
+  conv = nn.Conv(name="layer", **options)
+  model = Wrapped(conv)
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=shape).astype(np.float32)
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  out_shape = jax.eval_shape(lambda: model.apply({"params": params}, x)).shape
+  weights = rng.uniform(0.5, 1.5, size=out_shape).astype(np.float32)
+  outputs, table, state, updates = _kfac_step(model, params, x, weights)
+
+  as_tuple = lambda v, d=1: (v,) * rank if isinstance(v, int) else tuple(v or (d,) * rank)
+  patches = reference.im2col_nd(
+      x.astype(np.float64), options["kernel_size"],
+      as_tuple(options.get("strides", 1)), options["padding"],
+      as_tuple(options.get("input_dilation", 1)),
+      as_tuple(options.get("kernel_dilation", 1)))
+  kernel = np.asarray(params["layer"]["kernel"], np.float64)
+  bias = params["layer"].get("bias")
+  groups = options.get("feature_group_count", 1)
+  y, blocks = _reference_blocks(patches, kernel,
+                                None if bias is None else np.asarray(bias, np.float64),
+                                groups, weights.astype(np.float64))
+  # The NumPy im2col reproduces Flax's convolution, so it is the same layer.
+  np.testing.assert_allclose(np.asarray(outputs).reshape(y.shape), y,
+                             rtol=1e-4, atol=1e-4)
+  assert table["layer"].groups == groups
+  _check_blocks("layer", table, state, updates, params, blocks)
+
+
+def test_dense_general_contracts_its_axes():
+  model = Wrapped(nn.DenseGeneral(features=(3, 2), axis=(-2, -1), name="layer"))
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(2, 3, 4, 5)).astype(np.float32)
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  weights = rng.uniform(0.5, 1.5, size=(2, 3, 3, 2)).astype(np.float32)
+  outputs, table, state, updates = _kfac_step(model, params, x, weights)
+  layer = table["layer"]
+  assert (layer.contracted_shape, layer.output_shape) == ((4, 5), (3, 2))
+  assert (layer.activation_dim, layer.gradient_dim) == (21, 6)
+  # A DenseGeneral is a Dense on the flattened contracted/output axes.
+  rows = x.astype(np.float64).reshape(6, 1, 20)
+  kernel = np.asarray(params["layer"]["kernel"], np.float64).reshape(20, 6)
+  bias = np.asarray(params["layer"]["bias"], np.float64).reshape(6)
+  y, blocks = _reference_blocks(rows, kernel, bias, 1,
+                                weights.astype(np.float64).reshape(6, 6))
+  np.testing.assert_allclose(np.asarray(outputs).reshape(6, 6), y, rtol=1e-4,
+                             atol=1e-5)
+  _check_blocks("layer", table, state, updates, params, blocks)
+
+
+def test_attention_projections_are_preconditioned():
+  """MultiHeadDotProductAttention: q/k/v [in, heads, head_dim], out [heads, head_dim, out]."""
+
+  class SelfAttention(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8,
+                                             name="attention")(x)
+
+  model = SelfAttention()
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(3, 5, 6)).astype(np.float32)
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  weights = rng.uniform(0.5, 1.5, size=(3, 5, 6)).astype(np.float32)
+  _, table, state, updates = _kfac_step(model, params, x, weights)
+  assert {n: (l.contracted_shape, l.output_shape) for n, l in table.items()} == {
+      "attention/query": ((6,), (2, 4)),
+      "attention/key": ((6,), (2, 4)),
+      "attention/value": ((6,), (2, 4)),
+      "attention/out": ((2, 4), (6,)),
+  }
+  # q, k and v see the layer input x: A = ½I + ½ cov([x, 1]).
+  rows = np.concatenate([x.reshape(15, 6), np.ones((15, 1))], 1).astype(np.float64)
+  for name in ("query", "key", "value"):
+    np.testing.assert_allclose(
+        state.factors[f"attention/{name}"].activation_factor,
+        DECAY * np.eye(7) + (1 - DECAY) * reference.cov(rows), rtol=1e-5,
+        atol=1e-6)
+  for name in table:
+    node = updates["attention"][name.split("/")[1]]
+    assert node["kernel"].shape == params["attention"][name.split("/")[1]]["kernel"].shape
+    assert not np.allclose(node["kernel"], 0)
+
+
+class Block(nn.Module):
+  """Grouped conv -> tanh -> Dense: a layer body with two captured layers."""
+
+  @nn.compact
+  def __call__(self, x, _):
+    h = jnp.tanh(nn.Conv(4, (3,), feature_group_count=2, name="conv")(x))
+    return jnp.tanh(nn.Dense(4, name="dense")(h)), None
+
+
+class Scanned(nn.Module):
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    body = nn.remat(Block) if self.remat else Block
+    scanned = nn.scan(body, variable_axes={"params": 0},
+                      split_rngs={"params": True}, length=3)
+    x, _ = scanned(name="layers")(x, None)
+    return x
+
+
+class Unrolled(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(3):
+      x, _ = Block(name=f"layers_{i}")(x, None)
+    return x
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_scanned_model_matches_unrolled(remat):
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(4, 6, 4)).astype(np.float32)
+  target = rng.normal(size=(4, 6, 4)).astype(np.float32)
+  scanned, unrolled = Scanned(remat=remat), Unrolled()
+  scanned_params = scanned.init(jax.random.PRNGKey(0), x)["params"]
+  unrolled_params = {
+      f"layers_{i}": jax.tree.map(lambda a, i=i: a[i], scanned_params["layers"])
+      for i in range(3)
+  }
+
+  def run(model, params):
+    loss_fn = lambda p: jnp.mean((model.apply({"params": p}, x) - target) ** 2)
+    tx = optax.chain(
+        kfac_jax.scale_by_kfac(damping=DAMPING, kl_clip=0.01,
+                               layers=kfac_jax.trace_layers(loss_fn, params)),
+        optax.sgd(0.1, momentum=0.9))
+    state = tx.init(params)
+    step = jax.jit(lambda p, s: _train_step(loss_fn, tx, p, s))
+    for _ in range(3):
+      params, state, updates = step(params, state)
+    return updates, state
+
+  scanned_updates, scanned_state = run(scanned, scanned_params)
+  unrolled_updates, unrolled_state = run(unrolled, unrolled_params)
+  for i in range(3):
+    jax.tree.map(
+        lambda a, b, i=i: np.testing.assert_allclose(a[i], b, rtol=2e-4,
+                                                     atol=1e-6),
+        scanned_updates["layers"], unrolled_updates[f"layers_{i}"])
+  # One factor pair per slice (and per group): 3 x (2 conv groups + 1 dense).
+  kfac_state = scanned_state[0]
+  assert len(kfac_state.factors) == 9
+  for i in range(3):
+    for j in range(2):
+      np.testing.assert_allclose(
+          kfac_state.factors[f"layers/conv[{2 * i + j}]"].activation_factor,
+          unrolled_state[0].factors[f"layers_{i}/conv[{j}]"].activation_factor,
+          rtol=1e-4, atol=1e-6)
+
+
+def _train_step(loss_fn, tx, params, state):
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  updates, state = tx.update(grads, state, params, kfac_stats=stats)
+  return optax.apply_updates(params, updates), state, updates
+
+
+def test_layer_with_params_broadcast_over_scan_steps_is_refused():
+  """An RNN-style cell shares its params over the steps: calls can't be told apart."""
+
+  class Cell(nn.Module):
+
+    @nn.compact
+    def __call__(self, carry, x):
+      carry = jnp.tanh(nn.Dense(3, name="dense")(carry) + x)
+      return carry, carry
+
+  class RNN(nn.Module):
+
+    @nn.compact
+    def __call__(self, xs):
+      scan = nn.scan(Cell, variable_broadcast="params",
+                     split_rngs={"params": False}, in_axes=0, out_axes=0)
+      _, ys = scan(name="cell")(jnp.zeros((2, 3)), xs)
+      return ys
+
+  model = RNN()
+  xs = jnp.ones((5, 2, 3))
+  params = model.init(jax.random.PRNGKey(0), xs)["params"]
+  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, xs))
+  with pytest.raises(ValueError, match="'cell/dense'.*skip_layers"):
+    kfac_jax.value_grad_and_stats(loss_fn)(params)

@@ -1,0 +1,152 @@
+"""Flax NNX: capture, nnx.Optimizer, and agreement with the Linen path."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax
+from kfac_jax.factors.batch import batch_factors
+from tests import reference
+
+
+class NnxModel(nnx.Module):
+  """Grouped conv, Linear, LinearGeneral, a list of Linears, BatchNorm."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.conv = nnx.Conv(2, 4, (3,), feature_group_count=2, rngs=rngs)
+    self.hidden = nnx.Linear(24, 8, rngs=rngs)
+    self.heads = nnx.LinearGeneral(8, (2, 3), rngs=rngs)
+    self.blocks = nnx.List([nnx.Linear(6, 6, rngs=rngs) for _ in range(2)])
+    self.norm = nnx.BatchNorm(6, use_running_average=False, use_scale=False,
+                              use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    h = jnp.tanh(self.conv(x)).reshape(x.shape[0], -1)
+    h = self.heads(jnp.tanh(self.hidden(h))).reshape(x.shape[0], -1)
+    for block in self.blocks:
+      h = jnp.tanh(block(h))
+    return self.norm(h)
+
+
+class LinenModel(nn.Module):
+  """The same network in Linen."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.Conv(4, (3,), feature_group_count=2, name="conv")(x))
+    h = h.reshape(x.shape[0], -1)
+    h = jnp.tanh(nn.Dense(8, name="hidden")(h))
+    h = nn.DenseGeneral((2, 3), name="heads")(h).reshape(x.shape[0], -1)
+    for i in range(2):
+      h = jnp.tanh(nn.Dense(6, name=f"blocks_{i}")(h))
+    # BatchNorm over the batch, without the scale/bias params.
+    mean = h.mean(0)
+    return (h - mean) / jnp.sqrt(h.var(0) + 1e-5)
+
+
+def _data():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(6, 6, 2)), jnp.float32)
+  target = jnp.asarray(rng.normal(size=(6, 6)), jnp.float32)
+  return x, target
+
+
+def _nnx_loss(model, x, target):
+  return jnp.mean((model(x) - target) ** 2)
+
+
+def test_gradients_stats_and_batch_statistics_match_nnx_value_and_grad():
+  x, target = _data()
+  model = NnxModel(nnx.Rngs(0))
+  twin = nnx.clone(model)
+  loss, grads, stats = kfac_jax.value_grad_and_stats(_nnx_loss)(model, x,
+                                                                target)
+  expected_loss, expected_grads = nnx.value_and_grad(_nnx_loss)(twin, x, target)
+  np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                       atol=1e-7),
+               grads, expected_grads)
+  # State the loss updates (BatchNorm running statistics) reaches the model.
+  np.testing.assert_allclose(model.norm.mean[...], twin.norm.mean[...],
+                             rtol=1e-6)
+  assert not np.allclose(model.norm.mean[...], 0)
+  assert sorted(stats) == ["blocks/0", "blocks/1", "conv", "heads", "hidden"]
+  np.testing.assert_array_equal(stats["conv"].inputs[0], x)
+  assert stats["heads"].output_cotangents[0].shape == (6, 2, 3)
+  # The first block's input is known: A = cov([h, 1]) of its recorded input.
+  h = np.asarray(stats["blocks/0"].inputs[0], np.float64)
+  (a,), _ = batch_factors(stats["blocks/0"])
+  rows = np.concatenate([h, np.ones((6, 1))], 1)
+  np.testing.assert_allclose(a, reference.cov(rows), rtol=1e-5, atol=1e-6)
+
+
+def _linen_params(model: NnxModel) -> dict:
+  state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  params = {name: state[name] for name in ("conv", "hidden", "heads")}
+  for i in range(2):
+    params[f"blocks_{i}"] = state["blocks"][i]
+  return jax.tree.map(jnp.asarray, params)
+
+
+def test_nnx_optimizer_matches_the_linen_path():
+  """Three K-FAC steps through nnx.Optimizer equal the same steps in Linen."""
+  x, target = _data()
+  make_tx = lambda table: optax.chain(
+      kfac_jax.scale_by_kfac(damping=0.01, kl_clip=0.01, layers=table),
+      optax.sgd(0.1, momentum=0.9))
+
+  model = NnxModel(nnx.Rngs(0))
+  params = _linen_params(model)
+  optimizer = nnx.Optimizer(
+      model, make_tx(kfac_jax.trace_layers(_nnx_loss, model, x, target)),
+      wrt=nnx.Param)
+
+  @nnx.jit
+  def nnx_step(model, optimizer, x, target):
+    loss, grads, stats = kfac_jax.value_grad_and_stats(_nnx_loss)(model, x,
+                                                                  target)
+    optimizer.update(model, grads, kfac_stats=stats)
+    return loss
+
+  linen = LinenModel()
+  linen_loss = lambda p, x, t: jnp.mean((linen.apply({"params": p}, x) - t)**2)
+  tx = make_tx(kfac_jax.trace_layers(linen_loss, params, x, target))
+  state = tx.init(params)
+
+  @jax.jit
+  def linen_step(params, state, x, target):
+    loss, grads, stats = kfac_jax.value_grad_and_stats(linen_loss)(params, x,
+                                                                   target)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state, loss
+
+  for _ in range(3):
+    nnx_loss = nnx_step(model, optimizer, x, target)
+    params, state, loss = linen_step(params, state, x, target)
+    np.testing.assert_allclose(nnx_loss, loss, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
+                                                       atol=1e-6),
+               _linen_params(model), params)
+  assert sorted(optimizer.opt_state[0].factors) == [
+      "blocks/0", "blocks/1", "conv[0]", "conv[1]", "heads", "hidden"]
+
+
+def test_layer_under_lifted_transform_is_refused():
+
+  class Remat(nnx.Module):
+
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(3, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return nnx.remat(lambda layer, x: layer(x))(self.dense, x)
+
+  model = Remat(nnx.Rngs(0))
+  with pytest.raises(ValueError, match="'dense'.*skip_layers"):
+    kfac_jax.value_grad_and_stats(lambda m: jnp.sum(m(jnp.ones((2, 3)))))(model)
