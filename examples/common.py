@@ -8,7 +8,9 @@ separately, so the per-optimizer wall times are comparable even though the runs
 are interleaved.
 
 K-FAC steps use ``kfac_jax.value_grad_and_stats`` and pass ``kfac_stats`` to
-``tx.update``; first-order steps use ``jax.value_and_grad``.
+``tx.update``; first-order steps use ``jax.value_and_grad``. A model with
+state besides its params (BatchNorm statistics) passes ``model_state``: its
+loss then returns ``(loss, new_model_state)``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class RunResult:
       (compilation excluded).
     compile_seconds: ahead-of-time compilation time of the train step.
     params: the final parameters.
+    model_state: the final non-param model state (``None`` if stateless).
     metrics: filled in by the caller's evaluation (e.g. test accuracy).
   """
 
@@ -68,6 +71,7 @@ class RunResult:
   seconds: np.ndarray
   compile_seconds: float
   params: Any
+  model_state: Any = None
   metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
   @property
@@ -83,24 +87,32 @@ class RunResult:
     return 1000 * self.train_seconds / max(self.steps, 1)
 
 
-def make_train_step(loss_fn: LossFn, optimizer: Optimizer) -> Callable[..., Any]:
-  """``step(params, opt_state, *batch) -> (params, opt_state, loss)``, jitted."""
+def make_train_step(loss_fn: LossFn, optimizer: Optimizer,
+                    stateful: bool = False) -> Callable[..., Any]:
+  """``step(params, opt_state, model_state, *batch) -> (params, opt_state,
+  model_state, loss)``, jitted.
+
+  ``stateful``: ``loss_fn(params, model_state, *batch)`` returns ``(loss,
+  new_model_state)``; otherwise ``loss_fn(params, *batch)`` returns the loss
+  and ``model_state`` passes through.
+  """
   tx = optimizer.tx
 
-  if optimizer.uses_kfac:
+  def loss_and_state(params, model_state, *batch):
+    if stateful:
+      return loss_fn(params, model_state, *batch)
+    return loss_fn(params, *batch), model_state
 
-    def step(params, opt_state, *batch):
-      loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params,
-                                                                  *batch)
+  def step(params, opt_state, model_state, *batch):
+    if optimizer.uses_kfac:
+      (loss, model_state), grads, stats = kfac_jax.value_grad_and_stats(
+          loss_and_state, has_aux=True)(params, model_state, *batch)
       updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
-      return optax.apply_updates(params, updates), opt_state, loss
-
-  else:
-
-    def step(params, opt_state, *batch):
-      loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+    else:
+      (loss, model_state), grads = jax.value_and_grad(
+          loss_and_state, has_aux=True)(params, model_state, *batch)
       updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
+    return optax.apply_updates(params, updates), opt_state, model_state, loss
 
   return jax.jit(step)
 
@@ -136,7 +148,8 @@ def compare(optimizers: Sequence[Optimizer],
             epochs: int,
             max_steps: int | None = None,
             seed: int = 0,
-            desc: str = "training") -> dict[str, RunResult]:
+            desc: str = "training",
+            model_state: Any = None) -> dict[str, RunResult]:
   """Trains every optimizer on the same batches, one step each in turn.
 
   Args:
@@ -151,6 +164,8 @@ def compare(optimizers: Sequence[Optimizer],
     max_steps: optional cap on the number of steps (smoke runs).
     seed: shuffling seed.
     desc: progress-bar label.
+    model_state: initial non-param model state; when given, ``loss_fn(params,
+      model_state, *batch)`` returns ``(loss, new_model_state)``.
 
   Returns:
     ``{name: RunResult}`` in the order of ``optimizers``.
@@ -171,10 +186,11 @@ def compare(optimizers: Sequence[Optimizer],
   for opt in optimizers:
     opt_state = opt.tx.init(init_params)
     start = time.perf_counter()
-    steps[opt.name] = make_train_step(loss_fn, opt).lower(
-        init_params, opt_state, *example).compile()
+    steps[opt.name] = make_train_step(
+        loss_fn, opt, stateful=model_state is not None).lower(
+            init_params, opt_state, model_state, *example).compile()
     compile_seconds[opt.name] = time.perf_counter() - start
-    states[opt.name] = (init_params, opt_state)
+    states[opt.name] = (init_params, opt_state, model_state)
 
   losses = {n: [] for n in names}
   seconds = {n: np.zeros(total) for n in names}
@@ -186,13 +202,12 @@ def compare(optimizers: Sequence[Optimizer],
       # Copied to the device once, outside the timed region, for all.
       batch = jax.device_put(batch_of(next(batches)))
       for name in names:
-        params, opt_state = states[name]
         start = time.perf_counter()
-        params, opt_state, loss = jax.block_until_ready(
-            steps[name](params, opt_state, *batch))
+        *state, loss = jax.block_until_ready(steps[name](*states[name],
+                                                         *batch))
         elapsed[name] += time.perf_counter() - start
         seconds[name][i] = elapsed[name]
-        states[name] = (params, opt_state)
+        states[name] = tuple(state)
         losses[name].append(loss)
       if (i + 1) % refresh == 0 or i + 1 == total:
         bar.set_postfix({n: f"{float(losses[n][-1]):.4g}" for n in names},
@@ -210,7 +225,8 @@ def compare(optimizers: Sequence[Optimizer],
         losses=loss_values,
         seconds=seconds[name],
         compile_seconds=compile_seconds[name],
-        params=states[name][0])
+        params=states[name][0],
+        model_state=states[name][2])
   return results
 
 
@@ -346,7 +362,10 @@ def base_parser(description: str, *, epochs: int, batch_size: int,
                 kfac_lr: float, sgd_lr: float, adam_lr: float,
                 damping: float, kl_clip: float, inv_update_steps: int,
                 factor_decay: float,
-                compute_method: str) -> argparse.ArgumentParser:
+                compute_method: str,
+                optimizers: str = "kfac,sgd,adam",
+                factor_update_steps: int = 1,
+                weight_decay: float = 1e-4) -> argparse.ArgumentParser:
   """The flags both examples share, with each example's defaults."""
   parser = argparse.ArgumentParser(
       description=description,
@@ -366,8 +385,8 @@ def base_parser(description: str, *, epochs: int, batch_size: int,
   parser.add_argument("--eval-size", type=int, default=None,
                       help="evaluate on the first N training and test images "
                       "only, for quick runs (None: all)")
-  parser.add_argument("--optimizers", default="kfac,sgd,adam",
-                      help="comma-separated subset of kfac,sgd,adam")
+  parser.add_argument("--optimizers", default=optimizers,
+                      help="comma-separated subset of kfac,sgd,adam,adamw")
   group = parser.add_argument_group("K-FAC (scale_by_kfac + SGD momentum 0.9)")
   group.add_argument("--kfac-lr", type=float, default=kfac_lr,
                      help="learning rate of the SGD after K-FAC")
@@ -382,18 +401,29 @@ def base_parser(description: str, *, epochs: int, batch_size: int,
   group.add_argument("--inv-update-steps", type=int, default=inv_update_steps,
                      help="steps between recomputing the eigendecompositions "
                      "or inverses")
+  group.add_argument("--factor-update-steps", type=int,
+                     default=factor_update_steps,
+                     help="steps between updates of the Kronecker factors")
   group.add_argument("--factor-decay", type=float, default=factor_decay,
                      help="running-average decay of the Kronecker factors")
   group = parser.add_argument_group("baselines")
   group.add_argument("--sgd-lr", type=float, default=sgd_lr,
                      help="learning rate of SGD with momentum 0.9")
   group.add_argument("--adam-lr", type=float, default=adam_lr,
-                     help="learning rate of Adam")
+                     help="learning rate of Adam and AdamW")
+  group.add_argument("--weight-decay", type=float, default=weight_decay,
+                     help="decoupled weight decay of AdamW")
   return parser
 
 
-def build_optimizers(args: argparse.Namespace) -> list[Optimizer]:
-  """K-FAC, SGD with momentum and Adam from the shared flags."""
+def build_optimizers(args: argparse.Namespace,
+                     layers: Mapping[str, kfac_jax.LayerInfo] | None = None
+                     ) -> list[Optimizer]:
+  """K-FAC, SGD with momentum, Adam and AdamW from the shared flags.
+
+  ``layers``: the layer table (``kfac_jax.trace_layers``) for models with
+  scanned layers, grouped convolutions or ``DenseGeneral``.
+  """
   kl_clip = args.kl_clip if args.kl_clip > 0 else None
   available = {
       "kfac": lambda: Optimizer(
@@ -404,14 +434,16 @@ def build_optimizers(args: argparse.Namespace) -> list[Optimizer]:
               damping=args.damping,
               kl_clip=kl_clip,
               factor_decay=args.factor_decay,
-              factor_update_steps=1,
+              factor_update_steps=args.factor_update_steps,
               inv_update_steps=args.inv_update_steps,
-              compute_method=args.compute_method),
+              compute_method=args.compute_method,
+              layers=layers),
           uses_kfac=True,
           description=(
               f"kfac_jax.kfac: lr {args.kfac_lr:g}, momentum 0.9, damping "
               f"{args.damping:g}, kl_clip {kl_clip}, factor_decay "
-              f"{args.factor_decay:g}, factor_update_steps 1, "
+              f"{args.factor_decay:g}, factor_update_steps "
+              f"{args.factor_update_steps}, "
               f"inv_update_steps {args.inv_update_steps}, "
               f"compute_method {args.compute_method!r}")),
       "sgd": lambda: Optimizer(
@@ -422,6 +454,11 @@ def build_optimizers(args: argparse.Namespace) -> list[Optimizer]:
           "Adam",
           optax.adam(args.adam_lr),
           description=f"optax.adam: lr {args.adam_lr:g}, betas (0.9, 0.999)"),
+      "adamw": lambda: Optimizer(
+          "AdamW",
+          optax.adamw(args.adam_lr, weight_decay=args.weight_decay),
+          description=(f"optax.adamw: lr {args.adam_lr:g}, betas (0.9, 0.999), "
+                       f"weight_decay {args.weight_decay:g}")),
   }
   chosen = [s.strip().lower() for s in args.optimizers.split(",") if s.strip()]
   unknown = sorted(set(chosen) - set(available))
@@ -432,7 +469,8 @@ def build_optimizers(args: argparse.Namespace) -> list[Optimizer]:
 
 
 def check_args(args: argparse.Namespace) -> None:
-  for flag in ("epochs", "batch_size", "inv_update_steps"):
+  for flag in ("epochs", "batch_size", "inv_update_steps",
+               "factor_update_steps"):
     if getattr(args, flag) < 1:
       raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1.")
   for flag in ("steps", "eval_size"):

@@ -1,13 +1,18 @@
-"""MNIST for the examples, read from local IDX files (no download).
+"""The examples' datasets, read from local files (no download).
 
-``load_mnist()`` looks for the four canonical gzip IDX files
-(``train-images-idx3-ubyte.gz``, ``train-labels-idx1-ubyte.gz``,
-``t10k-images-idx3-ubyte.gz``, ``t10k-labels-idx1-ubyte.gz``) in, in order:
+* ``load_mnist()``: the four canonical gzip IDX files of MNIST.
+* ``load_image_classification()``: the CIFAR-10 subset (``train_10k.npz``,
+  ``test_1k.npz``) when found, else scikit-learn's 8x8 digits, which ship
+  inside its wheel, so the CIFAR example also runs on a fresh clone.
+* ``load_shakespeare()``: Tiny Shakespeare's ``input.txt``.
 
-1. ``$KFAC_JAX_DATA/mnist/`` or ``$KFAC_JAX_DATA/`` when the environment
+Each dataset ``<name>/`` is looked for in, in order:
+
+1. ``$KFAC_JAX_DATA/<name>/`` or ``$KFAC_JAX_DATA/`` when the environment
    variable ``KFAC_JAX_DATA`` is set (an explicit override: no fallback);
-2. ``<repo>/../shared/data/mnist/`` (a shared data folder beside the checkout);
-3. ``<repo>/examples/data/mnist/`` (the copy this repository ships).
+2. ``<repo>/../shared/data/<name>/`` (a shared data folder beside the checkout);
+3. ``<repo>/examples/data/<name>/`` (the copies this repository ships: MNIST
+   and Tiny Shakespeare).
 
 Every file found is checked against the SHA256 sums in
 ``examples/data/SHA256SUMS`` before it is used.
@@ -20,6 +25,7 @@ import hashlib
 import os
 import pathlib
 import struct
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -74,27 +80,43 @@ def _sha256(path: pathlib.Path) -> str:
   return digest.hexdigest()
 
 
-def candidate_dirs() -> list[pathlib.Path]:
-  """The folders ``load_mnist`` tries, in order."""
+def candidate_dirs(name: str = "mnist") -> list[pathlib.Path]:
+  """The folders searched for dataset ``name``, in order."""
   override = os.environ.get(ENV_VAR)
   if override:
     root = pathlib.Path(override).expanduser()
-    return [root / "mnist", root]
-  return [SHARED_DATA_DIR / "mnist", BUNDLED_DATA_DIR / "mnist"]
+    return [root / name, root]
+  return [SHARED_DATA_DIR / name, BUNDLED_DATA_DIR / name]
 
 
-def find_mnist_dir() -> pathlib.Path:
-  """The first candidate folder holding all four MNIST files."""
-  candidates = candidate_dirs()
+def find_dataset_dir(name: str, files: Sequence[str],
+                     required: bool = True) -> pathlib.Path | None:
+  """The first candidate folder holding all ``files`` of dataset ``name``."""
+  candidates = candidate_dirs(name)
   for folder in candidates:
-    if all((folder / name).is_file() for name in MNIST_FILES.values()):
+    if all((folder / f).is_file() for f in files):
       return folder
+  if not required:
+    return None
   tried = "\n  ".join(str(c) for c in candidates)
   hint = (f" (${ENV_VAR} is set; unset it to use the bundled copy)"
           if os.environ.get(ENV_VAR) else "")
   raise FileNotFoundError(
-      f"MNIST not found{hint}. Looked for {sorted(MNIST_FILES.values())} in:"
-      f"\n  {tried}")
+      f"{name} not found{hint}. Looked for {sorted(files)} in:\n  {tried}")
+
+
+def _verified(folder: pathlib.Path, name: str, file: str,
+              verify: bool) -> pathlib.Path:
+  """``folder / file`` after checking its SHA256 (key ``name/file``)."""
+  path = folder / file
+  if verify:
+    want = _expected_sha256().get(f"{name}/{file}")
+    got = _sha256(path)
+    if want is None or got != want:
+      raise ValueError(
+          f"{path}: SHA256 {got} does not match the expected {want} "
+          f"(from {CHECKSUMS_FILE}).")
+  return path
 
 
 def load_idx_gz(path: pathlib.Path) -> np.ndarray:
@@ -120,19 +142,9 @@ def load_mnist(verify: bool = True) -> MNIST:
     ``MNIST(x_train [60000, 784], y_train [60000], x_test [10000, 784],
     y_test [10000])``.
   """
-  folder = find_mnist_dir()
-  expected = _expected_sha256() if verify else {}
-  arrays = {}
-  for key, name in MNIST_FILES.items():
-    path = folder / name
-    if verify:
-      want = expected.get(f"mnist/{name}")
-      got = _sha256(path)
-      if want is None or got != want:
-        raise ValueError(
-            f"{path}: SHA256 {got} does not match the expected {want} "
-            f"(from {CHECKSUMS_FILE}).")
-    arrays[key] = load_idx_gz(path)
+  folder = find_dataset_dir("mnist", list(MNIST_FILES.values()))
+  arrays = {key: load_idx_gz(_verified(folder, "mnist", name, verify))
+            for key, name in MNIST_FILES.items()}
 
   def images(a: np.ndarray) -> np.ndarray:
     return (a.reshape(a.shape[0], -1).astype(np.float32) / 255.0)
@@ -147,9 +159,62 @@ def load_mnist(verify: bool = True) -> MNIST:
   return data
 
 
+class ImageData(NamedTuple):
+  """An image classification set, channels last, float32, per-channel standardized."""
+
+  name: str
+  x_train: np.ndarray  # [N, H, W, C]
+  y_train: np.ndarray  # [N] int32
+  x_test: np.ndarray
+  y_test: np.ndarray
+  num_classes: int
+
+
+CIFAR10_FILES = ("train_10k.npz", "test_1k.npz")
+
+
+def _standardize(train: np.ndarray, test: np.ndarray):
+  mean = train.mean(axis=(0, 1, 2))
+  std = train.std(axis=(0, 1, 2))
+  return (train - mean) / std, (test - mean) / std
+
+
+def load_image_classification(verify: bool = True) -> ImageData:
+  """The CIFAR-10 subset (10k/1k, 32x32x3), or sklearn's digits (8x8x1) if absent."""
+  folder = find_dataset_dir("cifar10", CIFAR10_FILES, required=False)
+  if folder is not None:
+    train = np.load(_verified(folder, "cifar10", CIFAR10_FILES[0], verify))
+    test = np.load(_verified(folder, "cifar10", CIFAR10_FILES[1], verify))
+    x_train, x_test = _standardize(train["x"].astype(np.float32) / 255,
+                                   test["x"].astype(np.float32) / 255)
+    return ImageData("CIFAR-10 (10k/1k subset)", x_train,
+                     train["y"].astype(np.int32), x_test,
+                     test["y"].astype(np.int32), 10)
+  from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
+  digits = load_digits()
+  images = digits.images.astype(np.float32)[..., None] / 16
+  labels = digits.target.astype(np.int32)
+  order = np.random.default_rng(0).permutation(len(images))
+  train, test = order[:1500], order[1500:]
+  x_train, x_test = _standardize(images[train], images[test])
+  return ImageData("scikit-learn digits (8x8; CIFAR-10 not found)", x_train,
+                   labels[train], x_test, labels[test], 10)
+
+
+def load_shakespeare(verify: bool = True) -> str:
+  """Tiny Shakespeare (1,115,394 characters)."""
+  folder = find_dataset_dir("tinyshakespeare", ["input.txt"])
+  path = _verified(folder, "tinyshakespeare", "input.txt", verify)
+  return path.read_text(encoding="utf-8")
+
+
 if __name__ == "__main__":
   mnist = load_mnist()
-  print(f"MNIST from {find_mnist_dir()}")
+  print(f"MNIST from {find_dataset_dir('mnist', list(MNIST_FILES.values()))}")
   for field, value in mnist._asdict().items():
     print(f"  {field}: {value.shape} {value.dtype} "
           f"[{value.min()}, {value.max()}]")
+  images = load_image_classification()
+  print(f"{images.name}: train {images.x_train.shape}, test "
+        f"{images.x_test.shape}")
+  print(f"Tiny Shakespeare: {len(load_shakespeare()):,} characters")

@@ -1,6 +1,6 @@
-"""Smoke tests of the MNIST examples: each runs end to end in a subprocess.
+"""Smoke tests of the examples: each runs end to end in a subprocess.
 
-Tiny settings (3 steps of batch 64, evaluation on 500 images) keep them fast;
+Tiny settings (3 steps of batch 64, evaluation on 500 examples) keep them fast;
 they check the exit code, the written PNG and the results table, not the
 numbers.
 """
@@ -39,11 +39,16 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
   return rows
 
 
-@pytest.mark.parametrize("script, stem", [
-    ("mnist_classifier.py", "mnist_classifier"),
-    ("mnist_autoencoder.py", "mnist_autoencoder"),
+@pytest.mark.parametrize("script, stem, names", [
+    ("mnist_classifier.py", "mnist_classifier", ("K-FAC", "SGD", "Adam")),
+    ("mnist_autoencoder.py", "mnist_autoencoder", ("K-FAC", "SGD", "Adam")),
+    ("cifar10_resnet.py", "cifar10_resnet", ("K-FAC", "SGD", "AdamW")),
+    ("shakespeare_transformer.py", "shakespeare_transformer",
+     ("K-FAC", "SGD", "AdamW")),
+    ("nnx_mlp.py", "nnx_mlp", ("K-FAC", "SGD", "AdamW")),
 ])
-def test_example_runs(script: str, stem: str, tmp_path: pathlib.Path) -> None:
+def test_example_runs(script: str, stem: str, names: tuple[str, ...],
+                      tmp_path: pathlib.Path) -> None:
   result = run_example(script, tmp_path)
   assert result.returncode == 0, (
       f"{script} failed:\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
@@ -55,7 +60,7 @@ def test_example_runs(script: str, stem: str, tmp_path: pathlib.Path) -> None:
 
   rows = table_rows(result.stdout)
   assert "optimizer" in rows, f"no results table in:\n{result.stdout}"
-  for name in ("K-FAC", "SGD", "Adam"):
+  for name in names:
     assert name in rows, f"{name} missing from the table:\n{result.stdout}"
     steps = rows[name][rows["optimizer"].index("steps")]
     assert steps == "3"
