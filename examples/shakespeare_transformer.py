@@ -37,12 +37,16 @@ import common  # pylint: disable=g-import-not-at-top
 import datasets  # pylint: disable=g-import-not-at-top
 import kfac_jax  # pylint: disable=g-import-not-at-top
 
+# Baseline rates from a 60-step sweep on 2 CPU cores (validation loss):
+# SGD+momentum lr 0.01/0.03/0.1/0.3/1.0 -> 2.98/2.75/3.06/3.36/NaN; AdamW
+# 1e-3/3e-3/1e-2 -> 2.56/2.60/2.81.
+# K-FAC keeps the MNIST classifier's settings, untuned here.
 DEFAULTS = dict(
     epochs=1,
     batch_size=64,
     kfac_lr=0.1,
-    sgd_lr=0.3,
-    adam_lr=3e-3,
+    sgd_lr=0.03,
+    adam_lr=1e-3,
     compute_method="inverse",
     damping=0.3,
     kl_clip=1e-3,

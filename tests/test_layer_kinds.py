@@ -320,3 +320,74 @@ def test_layer_with_params_broadcast_over_scan_steps_is_refused():
   loss_fn = lambda p: jnp.sum(model.apply({"params": p}, xs))
   with pytest.raises(ValueError, match="'cell/dense'.*skip_layers"):
     kfac_jax.value_grad_and_stats(loss_fn)(params)
+
+
+class EmbedThenDense(nn.Module):
+
+  @nn.compact
+  def __call__(self, tokens):
+    return nn.Dense(3, name="dense")(nn.Embed(7, 4, name="embed")(tokens))
+
+
+def test_embeddings_pass_through_unless_requested():
+  model = EmbedThenDense()
+  rng = np.random.default_rng(4)
+  tokens = jnp.asarray(rng.integers(0, 7, size=(5, 6)), jnp.int32)
+  params = model.init(jax.random.PRNGKey(0), tokens)["params"]
+  weights = rng.uniform(0.5, 1.5, size=(5, 6, 3)).astype(np.float32)
+  loss_fn = lambda p: _squared_weighted_loss(model.apply({"params": p}, tokens),
+                                             weights)
+  table = kfac_jax.trace_layers(loss_fn, params)
+  assert table["embed"].kernel_key == "embedding"
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  np.testing.assert_array_equal(stats["embed"].inputs[0], tokens)
+
+  # Default: the embedding table goes to the chained optimizer untouched.
+  tx = kfac_jax.scale_by_kfac(damping=DAMPING, factor_decay=DECAY,
+                              kl_clip=None, layers=table)
+  state = tx.init(params)
+  updates, _ = tx.update(grads, state, params, kfac_stats=stats)
+  assert list(state.factors) == ["dense"]
+  np.testing.assert_array_equal(updates["embed"]["embedding"],
+                                grads["embed"]["embedding"])
+
+  # Requested: a dense layer on one-hot ids, A = diag(token frequencies).
+  tx = kfac_jax.scale_by_kfac(damping=DAMPING, factor_decay=DECAY,
+                              kl_clip=None, layers=table,
+                              precondition_embeddings=True)
+  state = tx.init(params)
+  updates, state = tx.update(grads, state, params, kfac_stats=stats)
+  one_hot = np.eye(7)[np.asarray(tokens).reshape(-1)]
+  embedding = np.asarray(params["embed"]["embedding"], np.float64)
+  dense = {k: np.asarray(v, np.float64) for k, v in params["dense"].items()}
+  h = one_hot @ embedding
+  y = h @ dense["kernel"] + dense["bias"]
+  dy = y * weights.reshape(-1, 3).astype(np.float64) ** 2
+  dh = dy @ dense["kernel"].T
+  ref = reference.KFACReference(damping=DAMPING, factor_decay=DECAY,
+                                learning_rate=1.0, kl_clip=None)
+  expected = ref.update([{"embed": reference.LayerTensors(one_hot, dh,
+                                                          one_hot.T @ dh)}])
+  a, _ = ref.factors["embed"]
+  np.testing.assert_allclose(state.factors["embed"].activation_factor, a,
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(updates["embed"]["embedding"], expected["embed"],
+                             rtol=1e-3, atol=1e-4 * np.abs(expected["embed"]).max())
+  with pytest.raises(ValueError, match="precondition_embeddings.*trace_layers"):
+    kfac_jax.scale_by_kfac(precondition_embeddings=True)
+
+
+def test_partition_specs_follow_the_layer_table():
+  """get_opt_state_partition_specs(params, layers=...) mirrors tx.init's blocks."""
+  x = jnp.ones((4, 6, 4))
+  model = Scanned()
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  table = kfac_jax.trace_layers(
+      lambda p: jnp.sum(model.apply({"params": p}, x)), params)
+  specs = kfac_jax.get_opt_state_partition_specs(params, layers=table)
+  state = kfac_jax.scale_by_kfac(layers=table).init(params)
+  assert sorted(specs.factors) == sorted(state.factors)
+  assert len(state.factors) == 9
+  assert jax.tree.structure(specs.preconditioners) == jax.tree.structure(
+      jax.tree.map(lambda _: jax.sharding.PartitionSpec(),
+                   state.preconditioners))

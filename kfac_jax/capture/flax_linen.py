@@ -1,7 +1,7 @@
 """Capture from an unmodified Flax Linen model, through its params.
 
 While the loss runs, ``nn.intercept_methods`` sees every ``nn.Dense``,
-``nn.DenseGeneral`` and ``nn.Conv`` call. Each call's probes
+``nn.DenseGeneral``, ``nn.Conv`` and ``nn.Embed`` call. Each call's probes
 (``capture.probes``) are *injected into the params* beside the layer's kernel
 (entry ``PROBES``) and read back by the interceptor with ``get_variable``, so
 they cross ``nn.scan``/``nn.remat``/``nn.remat_scan`` exactly as the kernel
@@ -27,7 +27,7 @@ from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
 
 # Module classes whose calls are captured. Subclasses count too.
 CAPTURED_MODULES: tuple[type[nn.Module], ...] = (nn.Dense, nn.DenseGeneral,
-                                                 nn.Conv)
+                                                 nn.Conv, nn.Embed)
 
 # The params entry injected beside a captured layer's kernel: one
 # (input probe, output perturbation) pair per call.
@@ -40,6 +40,9 @@ def _signature(module: nn.Module, inputs: jax.Array,
   module_type = type(module).__name__
   if isinstance(module, nn.Conv):
     return signatures.conv_signature(module_type, module, stack_ndim)
+  if isinstance(module, nn.Embed):
+    return signatures.embed_signature(module_type, module.num_embeddings,
+                                      stack_ndim)
   if isinstance(module, nn.DenseGeneral):
     if module.batch_dims:
       return None  # its kernel carries batch axes: not a Kronecker layer.
@@ -82,25 +85,28 @@ class _ShapeRecorder:
     outputs = next_fun(*args, **kwargs)
     path = tuple(module.path)
     name = layers.layer_name(path)
-    kernel = _lookup(self.params, path + (layers.KERNEL,))
-    inner_kernel = module.get_variable("params", layers.KERNEL)
+    key = (layers.EMBEDDING if isinstance(module, nn.Embed) else
+           layers.KERNEL)
+    kernel = _lookup(self.params, path + (key,))
+    inner_kernel = module.get_variable("params", key)
     if kernel is None or inner_kernel is None:
       raise ValueError(
           f"value_grad_and_stats: layer {name!r} ({type(module).__name__}) has "
-          f"no kernel at params{[*path, layers.KERNEL]}. The loss must apply "
-          "the model with the params it is given as the root of the 'params' "
+          f"no {key} at params{[*path, key]}. The loss must apply the model "
+          "with the params it is given as the root of the 'params' "
           "collection (model.apply({'params': params}, ...)).")
     # Lifted transforms (nn.scan) slice leading kernel axes off inside.
     signature = _signature(module, inputs,
                            len(kernel.shape) - len(inner_kernel.shape))
     if signature is not None:
-      probes_lib.record_call(
-          self.calls, self.counter, name,
-          probes_lib.Call(signature,
-                          jax.ShapeDtypeStruct(inputs.shape, inputs.dtype),
-                          jax.ShapeDtypeStruct(outputs.shape, outputs.dtype)))
+      probes_lib.record_call(self.calls, self.counter, name,
+                             probes_lib.make_call(signature, inputs, outputs))
       self.paths[name] = path
     return outputs
+
+  def kernel(self, name: str) -> Any:
+    key = probes_lib.kernel_key(self.calls[name][0].signature)
+    return _lookup(self.params, self.paths[name] + (key,))
 
   def check_traces(self) -> None:
     """A layer must run in one trace (two for a scanned one): see ``CallCounter``."""
@@ -116,8 +122,8 @@ class _ShapeRecorder:
             "model once per loss.")
 
   def stack_shape(self, name: str) -> tuple[int, ...]:
-    kernel = _lookup(self.params, self.paths[name] + (layers.KERNEL,))
-    return tuple(kernel.shape[:self.calls[name][0].signature.stack_ndim])
+    stack_ndim = self.calls[name][0].signature.stack_ndim
+    return tuple(self.kernel(name).shape[:stack_ndim])
 
 
 @dataclasses.dataclass
@@ -171,10 +177,9 @@ def trace_layers(fun: Callable[..., Any], params: Any, *args: Any,
   """Linen front end of ``kfac_jax.trace_layers``."""
   recorder, _ = _shape_pass(fun, params, args, kwargs)
   return {
-      name: probes_lib.layer_info(
-          name, recorder.paths[name],
-          _lookup(params, recorder.paths[name] + (layers.KERNEL,)).shape,
-          calls[0].signature)
+      name: probes_lib.layer_info(name, recorder.paths[name],
+                                  recorder.kernel(name).shape,
+                                  calls[0].signature)
       for name, calls in recorder.calls.items()
   }
 

@@ -2,7 +2,7 @@
 
 NNX has no method interceptors, so the capture works on a private copy of the
 model: the loss runs on ``nnx.merge(nnx.split(model))``, whose ``nnx.Linear``,
-``nnx.LinearGeneral`` and ``nnx.Conv`` instances are switched to a subclass
+``nnx.LinearGeneral``, ``nnx.Conv`` and ``nnx.Embed`` instances are switched to a subclass
 that applies the call's probes (``capture.probes``) to the output. The user's
 model object is never modified; state the loss updates on the copy (batch
 statistics, RNG counters) is written back to it, as ``nnx.value_and_grad``
@@ -29,8 +29,8 @@ from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
 
 # Module classes whose calls are captured. Subclasses count too.
-CAPTURED_MODULES: tuple[type[nnx.Module], ...] = (nnx.Linear,
-                                                  nnx.LinearGeneral, nnx.Conv)
+CAPTURED_MODULES: tuple[type[nnx.Module], ...] = (
+    nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.Embed)
 
 # hook(name, inputs, outputs, signature) -> outputs as the loss sees them.
 Hook = Callable[[str, jax.Array, jax.Array, LayerSignature], jax.Array]
@@ -41,6 +41,8 @@ def _signature(module: nnx.Module, module_type: str,
   """What the capture records about a call; ``None`` for an unsupported one."""
   if isinstance(module, nnx.Conv):
     return signatures.conv_signature(module_type, module)
+  if isinstance(module, nnx.Embed):
+    return signatures.embed_signature(module_type, module.num_embeddings)
   if isinstance(module, nnx.LinearGeneral):
     if module.batch_axis:
       return None  # its kernel carries batch axes: not a Kronecker layer.
@@ -96,11 +98,8 @@ def _shape_pass(fun, model, args, kwargs):
   calls: dict[str, list[probes_lib.Call]] = {}
 
   def record(name, inputs, outputs, signature):
-    probes_lib.record_call(
-        calls, counter, name,
-        probes_lib.Call(signature,
-                        jax.ShapeDtypeStruct(inputs.shape, inputs.dtype),
-                        jax.ShapeDtypeStruct(outputs.shape, outputs.dtype)))
+    probes_lib.record_call(calls, counter, name,
+                           probes_lib.make_call(signature, inputs, outputs))
     return outputs
 
   params = nnx.state(model, nnx.Param)
@@ -114,12 +113,13 @@ def trace_layers(fun: Callable[..., Any], model: nnx.Module, *args: Any,
   calls, _ = _shape_pass(fun, model, args, kwargs)
   modules = {layers.layer_name(path): (path, module)
              for path, module in nnx.iter_modules(model)}
-  return {
-      name: probes_lib.layer_info(name, modules[name][0],
-                                  modules[name][1].kernel.shape,
-                                  layer_calls[0].signature)
-      for name, layer_calls in calls.items()
-  }
+  table = {}
+  for name, layer_calls in calls.items():
+    path, module = modules[name]
+    signature = layer_calls[0].signature
+    kernel = getattr(module, probes_lib.kernel_key(signature))
+    table[name] = probes_lib.layer_info(name, path, kernel.shape, signature)
+  return table
 
 
 def value_grad_and_stats(

@@ -12,6 +12,11 @@ A layer is *registered* when its params hold a ``kernel`` and optionally a
 * ``output``: the output features, ``(out,)`` or ``DenseGeneral``'s
   ``features``; the bias is ``[*stack, *output]``.
 
+An ``Embed`` table ``embedding: [*stack, vocab, features]`` is the kernel of a
+dense layer on one-hot inputs: its A is diagonal (token frequencies), kept as
+a dense ``[vocab, vocab]`` matrix. It is preconditioned only on request
+(``scale_by_kfac(precondition_embeddings=True)``), see there.
+
 A convolution with ``feature_group_count = g`` maps each group of ``in / g``
 input channels to its own ``out / g`` output channels, so its curvature is
 block diagonal over the groups. Each stack slice and each group is one
@@ -36,6 +41,7 @@ from typing import Any
 
 KERNEL = "kernel"
 BIAS = "bias"
+EMBEDDING = "embedding"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,8 @@ class LayerInfo:
     groups: convolution ``feature_group_count``.
     module_type: the Flax class name when traced (``skip_layers`` patterns
       match it), else ``None``.
+    kernel_key: the params entry of the kernel: ``"kernel"``, or
+      ``"embedding"`` for an ``Embed`` table.
   """
 
   name: str
@@ -64,6 +72,7 @@ class LayerInfo:
   contracted_ndim: int | None = None
   groups: int = 1
   module_type: str | None = None
+  kernel_key: str = KERNEL
 
   @property
   def stack_shape(self) -> tuple[int, ...]:
@@ -171,7 +180,8 @@ def is_skipped_path(path: tuple[str, ...],
 def find_layers(params: Any,
                 skip: Sequence[re.Pattern[str]] = (),
                 table: LayerTable | None = None,
-                warn_untraced: bool = False) -> dict[str, LayerInfo]:
+                warn_untraced: bool = False,
+                include_embeddings: bool = False) -> dict[str, LayerInfo]:
   """Registered layers of a params tree, keyed by module path.
 
   Every mapping holding an array ``kernel`` of rank >= 2 is a layer, unless its
@@ -187,6 +197,7 @@ def find_layers(params: Any,
       optimizer. Without it, every kernel is a ``Dense``/``Conv``
       ``[*window, in, out]``.
     warn_untraced: warn once per kernel that the table lacks.
+    include_embeddings: register the table's ``Embed`` layers too.
 
   Returns:
     ``{name: LayerInfo}`` in params-tree order.
@@ -196,15 +207,19 @@ def find_layers(params: Any,
   def visit(node: Any, path: tuple[str, ...]) -> None:
     if not isinstance(node, Mapping):
       return
-    kernel = node.get(KERNEL)
+    name = layer_name(path)
+    key = KERNEL
+    if include_embeddings and table is not None and name in table:
+      key = table[name].kernel_key
+    kernel = node.get(key)
     if kernel is not None and not isinstance(kernel, Mapping) and len(
         kernel.shape) >= 2 and not is_skipped_path(path, skip):
-      name = layer_name(path)
       layer = LayerInfo(
           name=name,
           path=path,
           kernel_shape=tuple(int(d) for d in kernel.shape),
-          has_bias=node.get(BIAS) is not None)
+          has_bias=node.get(BIAS) is not None,
+          kernel_key=key)
       if table is not None:
         layer = _from_table(table, layer, warn_untraced)
       if layer is not None and not matches_any(skip, layer.module_type or ""):
@@ -216,7 +231,8 @@ def find_layers(params: Any,
   visit(params, ())
   if table is not None:
     missing = sorted(set(table) - set(layers) - {
-        n for n, l in table.items() if is_skipped_path(l.path, skip)})
+        n for n, l in table.items() if is_skipped_path(l.path, skip) or (
+            l.kernel_key != KERNEL and not include_embeddings)})
     if missing:
       raise ValueError(
           f"The layer table has layers {missing} that the params lack. Trace "

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kfac_jax.capture.layers import LayerInfo
+from kfac_jax.capture.layers import EMBEDDING, KERNEL, LayerInfo
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
 
 # One call's (input probe, output perturbation).
@@ -51,11 +51,19 @@ def _reveal_input_bwd(inputs, output_cotangent):
 reveal_input.defvjp(_reveal_input_fwd, _reveal_input_bwd)
 
 
+def probe_inputs(inputs: jax.Array) -> jax.Array:
+  """What the input probe reveals: the input, token ids as float32."""
+  if jnp.issubdtype(inputs.dtype, jnp.floating):
+    return inputs
+  return inputs.astype(jnp.float32)
+
+
 def apply_probes(outputs: jax.Array, inputs: jax.Array,
                  probes: ProbePair) -> jax.Array:
   """The layer output as the loss should see it: perturbed, input revealed."""
   input_probe, output_perturbation = probes
-  return reveal_input(outputs + output_perturbation, inputs, input_probe)
+  return reveal_input(outputs + output_perturbation, probe_inputs(inputs),
+                      input_probe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +95,13 @@ class CallCounter:
         return count
     entries.append((trace, 1))
     return 0
+
+
+def make_call(signature: LayerSignature, inputs: jax.Array,
+              outputs: jax.Array) -> Call:
+  return Call(signature, jax.ShapeDtypeStruct(inputs.shape,
+                                              probe_inputs(inputs).dtype),
+              jax.ShapeDtypeStruct(outputs.shape, outputs.dtype))
 
 
 def record_call(calls: dict[str, list[Call]], counter: CallCounter, name: str,
@@ -121,6 +136,11 @@ def statistics(calls: Mapping[str, Sequence[Call]],
   }
 
 
+def kernel_key(signature: LayerSignature) -> str:
+  """The params entry holding the layer's kernel."""
+  return EMBEDDING if signature.num_embeddings is not None else KERNEL
+
+
 def layer_info(name: str, path: tuple[Any, ...], kernel_shape: Sequence[int],
                signature: LayerSignature) -> LayerInfo:
   """A layer table entry from a captured call's signature."""
@@ -132,7 +152,8 @@ def layer_info(name: str, path: tuple[Any, ...], kernel_shape: Sequence[int],
       stack_ndim=signature.stack_ndim,
       contracted_ndim=signature.contracted_ndim,
       groups=signature.groups,
-      module_type=signature.module_type)
+      module_type=signature.module_type,
+      kernel_key=kernel_key(signature))
 
 
 def split_output(out: Any, has_aux: bool, caller: str) -> tuple[Any, Any]:

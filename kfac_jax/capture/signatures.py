@@ -46,6 +46,14 @@ def conv_signature(module_type: str, module: Any,
                         stack_ndim=stack_ndim)
 
 
+def embed_signature(module_type: str, num_embeddings: int,
+                    stack_ndim: int = 0) -> LayerSignature:
+  """An embedding lookup: a dense layer on one-hot token ids."""
+  return LayerSignature(module_type, False, input_axes=(),
+                        stack_ndim=stack_ndim,
+                        num_embeddings=int(num_embeddings))
+
+
 def dense_signature(module_type: str, use_bias: bool, inputs: jax.Array,
                     axis: int | tuple[int, ...] = -1,
                     features: int | tuple[int, ...] = 1,

@@ -52,6 +52,8 @@ class LayerSignature:
     output_ndim: dense layers: number of output feature axes (``len(features)``
       of ``DenseGeneral``).
     stack_ndim: leading layer axes of the captured tensors (``nn.scan``).
+    num_embeddings: an ``Embed`` lookup's vocabulary size (its inputs are
+      token ids, carried as float32), else ``None``.
   """
 
   module_type: str
@@ -60,12 +62,15 @@ class LayerSignature:
   input_axes: tuple[int, ...] = (-1,)
   output_ndim: int = 1
   stack_ndim: int = 0
+  num_embeddings: int | None = None
 
   @property
   def contracted_ndim(self) -> int:
     """Kernel axes contracted with the input (window and channels for a conv)."""
     if self.conv is not None:
       return len(self.conv.window) + 1
+    if self.num_embeddings is not None:
+      return 1
     return len(self.input_axes)
 
   @property

@@ -10,6 +10,9 @@ With ``cov(x) = sym(xᵀx / N)``, ``sym(C) = (C + Cᵀ) / 2`` and ``N`` the rows
   order of one group's input channels, ones column appended for a bias, the
   whole matrix divided by ``S`` (output positions); ``g`` = that group's
   output channels of the cotangent, ``[B·S, out/g] / S``.
+* Embed: the lookup is a dense layer on one-hot token ids, so
+  ``A = diag(counts) / N`` (token frequencies; kept dense ``[vocab, vocab]``)
+  and ``G`` as for a dense layer.
 * Scanned layers: the same for each slice of the leading stack axes.
 
 A layer called several times contributes the sum of its calls' factors.
@@ -66,6 +69,14 @@ def activation_rows(inputs: jax.Array, signature: LayerSignature) -> jax.Array:
   return rows / scale if scale != 1 else rows
 
 
+def token_frequencies(token_ids: jax.Array,
+                      signature: LayerSignature) -> jax.Array:
+  """``A = cov(one_hot(ids)) = diag(counts / N)`` of one slice: ``[1, V, V]``."""
+  ids = token_ids.reshape(-1).astype(jnp.int32)
+  counts = jnp.zeros((signature.num_embeddings,), COMPUTE_DTYPE).at[ids].add(1)
+  return jnp.diag(counts / ids.shape[0])[None]
+
+
 def gradient_rows(output_cotangents: jax.Array,
                   signature: LayerSignature) -> jax.Array:
   """The rows ``g`` of each group of one layer slice: ``[groups, N, gradient_dim]``."""
@@ -93,9 +104,13 @@ def _per_block(rows_fn: Callable[[jax.Array, LayerSignature], jax.Array],
 def batch_factors(stats: LayerStatistics) -> tuple[jax.Array, jax.Array]:
   """``(A [blocks, dA, dA], G [blocks, dG, dG])`` of one batch, summed over calls."""
   signature = stats.signature
-  activation_factor = sum(
-      covariance(_per_block(activation_rows, x, signature))
-      for x in stats.inputs)
+  if signature.num_embeddings is not None:
+    activation_factor = sum(_per_block(token_frequencies, ids, signature)
+                            for ids in stats.inputs)
+  else:
+    activation_factor = sum(
+        covariance(_per_block(activation_rows, x, signature))
+        for x in stats.inputs)
   gradient_factor = sum(
       covariance(_per_block(gradient_rows, g, signature))
       for g in stats.output_cotangents)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from kfac_jax.capture.layers import BIAS, KERNEL, LayerInfo
+from kfac_jax.capture.layers import BIAS, LayerInfo
 
 
 def to_matrix(layer_grads: Mapping[str, jax.Array], layer: LayerInfo,
@@ -29,7 +29,7 @@ def to_matrix(layer_grads: Mapping[str, jax.Array], layer: LayerInfo,
     return jnp.swapaxes(array, 1, 2).reshape(
         layer.num_blocks, array_rows, layer.gradient_dim).astype(dtype)
 
-  matrix = blocks(layer_grads[KERNEL], rows)
+  matrix = blocks(layer_grads[layer.kernel_key], rows)
   if layer.has_bias:
     matrix = jnp.concatenate([matrix, blocks(layer_grads[BIAS], 1)], axis=1)
   return matrix
@@ -45,8 +45,9 @@ def from_matrix(matrix: jax.Array, layer: LayerInfo,
     blocks = blocks.reshape(stack, layer.groups, -1, layer.gradient_dim)
     return jnp.swapaxes(blocks, 1, 2).reshape(shape)
 
-  out = {KERNEL: unblock(matrix[:, :rows], layer.kernel_shape).astype(
-      like[KERNEL].dtype)}
+  key = layer.kernel_key
+  out = {key: unblock(matrix[:, :rows], layer.kernel_shape).astype(
+      like[key].dtype)}
   if layer.has_bias:
     out[BIAS] = unblock(matrix[:, rows:], like[BIAS].shape).astype(
         like[BIAS].dtype)

@@ -14,6 +14,7 @@ neither. Gradients of parameters that are not registered layers pass through.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -99,6 +100,7 @@ def scale_by_kfac(
     assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
     params_partition_specs: Any = None,
     layers: LayerTable | None = None,
+    precondition_embeddings: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC gradient preconditioning (KAISA's algorithm) as an optax transform.
 
@@ -154,6 +156,13 @@ def scale_by_kfac(
       kernels of modules the capture does not know are left to the chained
       optimizer (with a warning at ``init``). ``None``: every kernel is a
       ``Dense``/``Conv`` ``[*window, in, out]``.
+    precondition_embeddings: also precondition the table's ``Embed`` layers,
+      with ``A = diag(token frequencies)`` stored and decomposed as a dense
+      ``[vocab, vocab]`` matrix (O(vocab²) memory, O(vocab³) per
+      decomposition: meant for vocabularies of a few thousand at most).
+      Off by default: embedding rows are updated only by the tokens of the
+      batch, so their curvature is a diagonal the first-order optimizer's
+      per-row scaling already approximates well, at no cost.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes the
@@ -176,6 +185,17 @@ def scale_by_kfac(
         f"{compute_eigenvalue_outer_product!r}.")
   skip = layers_lib.compile_patterns(skip_layers)
   table = layers
+  if not isinstance(precondition_embeddings, (bool, np.bool_)):
+    raise TypeError("precondition_embeddings must be a bool; got "
+                    f"{precondition_embeddings!r}.")
+  if precondition_embeddings and table is None:
+    raise ValueError(
+        "precondition_embeddings=True needs the layer table: "
+        "scale_by_kfac(..., layers=kfac_jax.trace_layers(loss_fn, params, "
+        "*batch)).")
+  find_layers = functools.partial(layers_lib.find_layers, skip=skip,
+                                  table=table,
+                                  include_embeddings=precondition_embeddings)
   factor_dtype = hp.floating_dtype("factor_dtype", factor_dtype)
   inv_dtype = hp.floating_dtype("inv_dtype", inv_dtype)
   placement = make_placement(method, compute_eigenvalue_outer_product,
@@ -190,10 +210,10 @@ def scale_by_kfac(
   def init_fn(params: Any) -> ScaleByKFACState:
     if params_partition_specs is not None:
       placement_lib.check_params_specs(params, params_partition_specs)
-    layers = layers_lib.find_layers(params, skip, table, warn_untraced=True)
+    layers = find_layers(params, warn_untraced=True)
     factors = {}
     for layer in layers.values():
-      kernel = layers_lib.get_layer_params(params, layer)[layers_lib.KERNEL]
+      kernel = layers_lib.get_layer_params(params, layer)[layer.kernel_key]
       for block in layer.block_names:
         factors[block] = init_factors(layer.activation_dim, layer.gradient_dim,
                                       factor_dtype or kernel.dtype)
@@ -302,7 +322,7 @@ def scale_by_kfac(
       **extra_args: Any,
   ) -> tuple[Any, ScaleByKFACState]:
     del params, extra_args
-    layers = layers_lib.find_layers(updates, skip, table)
+    layers = find_layers(updates)
     sharded = {}
     if params_partition_specs is not None:
       sharded = _sharded_kernels(layers, placement_lib.check_params_specs(
@@ -418,7 +438,7 @@ def _sharded_kernels(layers: Mapping[str, LayerInfo],
   for name, layer in layers.items():
     if layer.num_blocks > 1:
       continue  # its blocks are sliced from the whole gradient.
-    spec = layers_lib.get_layer_params(params_specs, layer)[layers_lib.KERNEL]
+    spec = layers_lib.get_layer_params(params_specs, layer)[layer.kernel_key]
     axes = tuple(a for entry in (spec or ()) if entry is not None
                  for a in ((entry,) if isinstance(entry, str) else entry))
     if axes:
@@ -494,7 +514,8 @@ def _check_stats(stats: Mapping[str, LayerStatistics] | None,
     _check_shapes(name, layer, layer_stats)
     active.append(name)
   for name, layer_stats in stats.items():
-    if name in layers:
+    # Embed tables are layers only with precondition_embeddings.
+    if name in layers or layer_stats.signature.num_embeddings is not None:
       continue
     path = tuple(name.split("/")) if name else ()
     if layers_lib.is_skipped_path(path, skip) or layers_lib.matches_any(
@@ -538,6 +559,10 @@ def _check_shapes(name: str, layer: LayerInfo, stats: LayerStatistics) -> None:
     elif conv is not None and x.shape[-1] != contracted[-1] * layer.groups:
       problems.append(f"input channels {x.shape[-1]} != kernel in "
                       f"{contracted[-1]} x {layer.groups} groups")
+    elif signature.num_embeddings is not None:
+      if (signature.num_embeddings,) != contracted:
+        problems.append(f"vocabulary {signature.num_embeddings} != table "
+                        f"rows {contracted}")
     elif conv is None and tuple(
         x.shape[a] for a in signature.input_axes) != contracted:
       problems.append(f"input features {tuple(x.shape[a] for a in signature.input_axes)}"
