@@ -100,8 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return {n: batch_lib.batch_factors(s) for n, s in stats.items()}
 
   out["batch_factors"] = timeit(all_batch_factors, stats, repeats=r)
-  factors = {n: LayerFactors(*f)
-             for n, f in jax.jit(all_batch_factors)(stats).items()}
+  # Dense layers: one Kronecker block each.
+  factors = {n: LayerFactors(a[0], g[0])
+             for n, (a, g) in jax.jit(all_batch_factors)(stats).items()}
   damping = jnp.float32(1e-3)
   gradient_matrices = {}
   for name in stats:

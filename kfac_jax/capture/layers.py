@@ -115,10 +115,6 @@ class LayerInfo:
       return (self.name,)
     return tuple(f"{self.name}[{i}]" for i in range(self.num_blocks))
 
-  def structure(self) -> tuple[int, tuple[int, ...], int]:
-    """What a table adds to the params: (stack_ndim, contracted, groups)."""
-    return self.stack_ndim, self.contracted_shape, self.groups
-
 
 # {layer name: LayerInfo}, as ``find_layers`` and ``trace_layers`` return it.
 LayerTable = Mapping[str, LayerInfo]

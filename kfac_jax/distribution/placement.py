@@ -80,7 +80,9 @@ def decompose_checked(
     previous: Mapping[str, Preconditioner], damping: jax.Array
 ) -> tuple[dict[str, Preconditioner], jax.Array]:
   """Decomposes ``factors`` (batched by size); non-finite results keep ``previous``."""
-  decomposed = batched.decompose_layers(factors, method.factor_fn, damping)
+  decomposed = batched.decompose_layers(
+      factors, method.factor_fn, damping,
+      batch_size=method.decomposition_batch_size)
   new, rejected = {}, jnp.zeros([], jnp.int32)
   for name, (activation, gradient) in decomposed.items():
     candidate = method.assemble(activation, gradient, damping)

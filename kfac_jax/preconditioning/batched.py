@@ -1,7 +1,8 @@
 """All of a step's factor decompositions, batched by factor size.
 
 Factors of equal size (A or G, of any layers) are stacked ``[k, d, d]`` and
-decomposed by one ``vmap``ped call. The stack is padded with identity blocks to
+decomposed by one ``vmap``ped call, or by ``lax.map`` over batches of
+``batch_size`` factors when memory is tight (many scanned layers). The stack is padded with identity blocks to
 a multiple of ``stack_multiple`` and handed to ``place_stack`` first: on a mesh,
 that shards the stack axis so each device decomposes only its share (see
 ``kfac_jax.distribution``); on one device both are no-ops.
@@ -14,6 +15,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from kfac_jax.factors.running import LayerFactors
 
@@ -33,6 +35,7 @@ def decompose_layers(
     damping: jax.Array,
     stack_multiple: int = 1,
     place_stack: Callable[[jax.Array], jax.Array] = lambda stack: stack,
+    batch_size: int | None = None,
 ) -> dict[str, tuple[Results, Results]]:
   """Applies ``factor_fn`` to every A and G, batched by ``(size, dtype)``.
 
@@ -43,6 +46,8 @@ def decompose_layers(
     stack_multiple: stacks are padded with identities to a multiple of this.
     place_stack: applied to each padded ``[k, d, d]`` stack before
       decomposing (a sharding constraint on a mesh).
+    batch_size: decompose at most this many factors of a stack at once
+      (``lax.map`` over ``vmap``ped batches); ``None``: the whole stack.
 
   Returns:
     ``{layer: (factor_fn(A), factor_fn(G))}``.
@@ -61,8 +66,13 @@ def decompose_layers(
     padding = -len(members) % stack_multiple
     if padding:
       stack = jnp.concatenate([stack, _identity_stack(padding, stack)])
-    decomposed: Sequence[jax.Array] = jax.vmap(
-        factor_fn, in_axes=(0, None))(place_stack(stack), damping)
+    stack = place_stack(stack)
+    if batch_size is None or batch_size >= len(stack):
+      decomposed: Sequence[jax.Array] = jax.vmap(
+          factor_fn, in_axes=(0, None))(stack, damping)
+    else:
+      decomposed = lax.map(lambda factor: factor_fn(factor, damping), stack,
+                           batch_size=batch_size)
     for index, (name, which, _) in enumerate(members):
       results[name][which] = tuple(array[index] for array in decomposed)
   return {name: (pair[0], pair[1]) for name, pair in results.items()}

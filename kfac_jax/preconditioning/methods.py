@@ -26,16 +26,20 @@ class Method(NamedTuple):
     assemble: ``(factor_fn(A), factor_fn(G), λ) -> Preconditioner``.
     precondition: ``(Preconditioner, ∇ [dA, dG], λ[, reshard]) -> P [dA, dG]``
       (``reshard``: see ``eigen.Reshard``).
+    decomposition_batch_size: factors decomposed at once per size
+      (``batched.decompose_layers``); ``None``: all of them.
   """
 
   init: Callable[[int, int], Preconditioner]
   factor_fn: FactorFn
   assemble: Callable[[Results, Results, jax.Array], Preconditioner]
   precondition: Callable[..., jax.Array]
+  decomposition_batch_size: int | None = None
 
 
 def make_method(use_eigen: bool, dtype: jnp.dtype,
-                precompute_damped_inverse: bool) -> Method:
+                precompute_damped_inverse: bool,
+                decomposition_batch_size: int | None = None) -> Method:
   """The eigen (``use_eigen``) or inverse method, storing results as ``dtype``."""
   if use_eigen:
     return Method(
@@ -46,9 +50,11 @@ def make_method(use_eigen: bool, dtype: jnp.dtype,
         assemble=functools.partial(
             eigen.assemble, dtype=dtype,
             precompute_damped_inverse=precompute_damped_inverse),
-        precondition=eigen.precondition)
+        precondition=eigen.precondition,
+        decomposition_batch_size=decomposition_batch_size)
   return Method(
       init=functools.partial(inverse.init_inverse, dtype=dtype),
       factor_fn=inverse.damped_inverse,
       assemble=functools.partial(inverse.assemble, dtype=dtype),
-      precondition=inverse.precondition)
+      precondition=inverse.precondition,
+      decomposition_batch_size=decomposition_batch_size)

@@ -101,6 +101,7 @@ def scale_by_kfac(
     params_partition_specs: Any = None,
     layers: LayerTable | None = None,
     precondition_embeddings: bool = False,
+    decomposition_batch_size: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC gradient preconditioning (KAISA's algorithm) as an optax transform.
 
@@ -163,6 +164,10 @@ def scale_by_kfac(
       Off by default: embedding rows are updated only by the tokens of the
       batch, so their curvature is a diagonal the first-order optimizer's
       per-row scaling already approximates well, at no cost.
+    decomposition_batch_size: same-sized factors (e.g. of many scanned
+      layers) are decomposed by one ``vmap``; with a positive integer k,
+      by ``lax.map`` over batches of k instead, bounding the decomposition
+      workspace. ``None``: all at once.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes the
@@ -198,9 +203,12 @@ def scale_by_kfac(
                                   include_embeddings=precondition_embeddings)
   factor_dtype = hp.floating_dtype("factor_dtype", factor_dtype)
   inv_dtype = hp.floating_dtype("inv_dtype", inv_dtype)
+  if decomposition_batch_size is not None:
+    decomposition_batch_size = hp.static_positive_integer(
+        "decomposition_batch_size", decomposition_batch_size)
   placement = make_placement(method, compute_eigenvalue_outer_product,
                              inv_dtype, mesh_axes, grad_worker_fraction,
-                             assignment_strategy)
+                             assignment_strategy, decomposition_batch_size)
 
   def constrain_to_params(tree: Any) -> Any:
     if params_partition_specs is None:
@@ -394,12 +402,14 @@ def make_placement(
     mesh_axes: str | Sequence[str] | None,
     grad_worker_fraction: DistributedStrategy | float,
     assignment_strategy: AssignmentStrategy | str,
+    decomposition_batch_size: int | None = None,
 ) -> placement_lib.Placement:
   """Where ``scale_by_kfac``'s preconditioners are computed and kept."""
   method = make_method(
       use_eigen=ComputeMethod.parse(compute_method) is ComputeMethod.EIGEN,
       dtype=hp.floating_dtype("inv_dtype", inv_dtype),
-      precompute_damped_inverse=compute_eigenvalue_outer_product)
+      precompute_damped_inverse=compute_eigenvalue_outer_product,
+      decomposition_batch_size=decomposition_batch_size)
   distribution = strategy.make_config(mesh_axes, grad_worker_fraction,
                                       assignment_strategy)
   if distribution is None:
