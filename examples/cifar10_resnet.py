@@ -156,20 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
   train_eval = common.head((data.x_train, data.y_train), args.eval_size)
   test_eval = common.head((data.x_test, data.y_test), args.eval_size)
-  for result in results.values():
-    evaluate = lambda x, y, r=result: per_example(r.params, r.model_state, x, y)
-    (result.metrics["train_loss"],
-     result.metrics["train_acc"]) = common.batched_means(evaluate, train_eval)
-    result.metrics["test_acc"] = common.batched_means(evaluate, test_eval)[1]
-
-  columns = common.standard_columns([
-      common.Column("final train loss", lambda r: r.metrics["train_loss"],
-                    "{:.4f}"),
-      common.Column("train acc (%)", lambda r: 100 * r.metrics["train_acc"],
-                    "{:.2f}"),
-      common.Column("test acc (%)", lambda r: 100 * r.metrics["test_acc"],
-                    "{:.2f}"),
-  ])
+  columns = common.classification_columns(
+      results, lambda r, x, y: per_example(r.params, r.model_state, x, y),
+      train_eval, test_eval)
   common.report(
       results, optimizers, columns, args.out, "cifar10_resnet",
       header=(f"{data.name}, ResNet-{args.depth} with BatchNorm, {steps} steps "

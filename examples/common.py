@@ -270,6 +270,30 @@ def standard_columns(metric_columns: Sequence[Column]) -> list[Column]:
   ]
 
 
+def classification_columns(
+    results: Mapping[str, RunResult],
+    evaluate: Callable[[RunResult, np.ndarray, np.ndarray], Sequence[jax.Array]],
+    train_eval: Sequence[np.ndarray],
+    test_eval: Sequence[np.ndarray]) -> list[Column]:
+  """Evaluates each classifier; returns the table's columns.
+
+  ``evaluate(result, x, y) -> (per-example loss, per-example correct)``. Fills
+  ``metrics`` ``train_loss`` and ``train_acc`` over ``train_eval`` and
+  ``test_acc`` over ``test_eval``.
+  """
+  for result in results.values():
+    fn = lambda x, y, r=result: evaluate(r, x, y)
+    (result.metrics["train_loss"],
+     result.metrics["train_acc"]) = batched_means(fn, train_eval)
+    result.metrics["test_acc"] = batched_means(fn, test_eval)[1]
+  return standard_columns([
+      Column("final train loss", lambda r: r.metrics["train_loss"], "{:.4f}"),
+      Column("train acc (%)", lambda r: 100 * r.metrics["train_acc"],
+             "{:.2f}"),
+      Column("test acc (%)", lambda r: 100 * r.metrics["test_acc"], "{:.2f}"),
+  ])
+
+
 def format_table(results: Mapping[str, RunResult],
                  columns: Sequence[Column]) -> str:
   """A Markdown table, one row per optimizer."""

@@ -133,28 +133,22 @@ def main(argv: list[str] | None = None) -> int:
       bar.set_postfix({n: f"{losses[n][i]:.4g}" for n in runs}, refresh=False)
       bar.update(1)
 
-  results = {}
   test = common.head((mnist.x_test, mnist.y_test), args.eval_size)
   train = common.head((mnist.x_train, mnist.y_train), args.eval_size)
-  for name, (model, _, _) in runs.items():
-    result = common.RunResult(name, losses[name], seconds[name],
-                              compile_seconds[name], params=nnx.state(model))
-    evaluate = lambda x, y, m=model: per_example(m, x, y)
-    result.metrics["train_loss"] = common.batched_means(evaluate, train)[0]
-    result.metrics["test_acc"] = common.batched_means(evaluate, test)[1]
-    results[name] = result
-
-  columns = common.standard_columns([
-      common.Column("final train loss", lambda r: r.metrics["train_loss"],
-                    "{:.4f}"),
-      common.Column("test acc (%)", lambda r: 100 * r.metrics["test_acc"],
-                    "{:.2f}"),
-  ])
+  # RunResult.params holds the trained model itself.
+  results = {
+      name: common.RunResult(name, losses[name], seconds[name],
+                             compile_seconds[name], params=model)
+      for name, (model, _, _) in runs.items()
+  }
+  columns = common.classification_columns(
+      results, lambda r, x, y: per_example(r.params, x, y), train, test)
   common.report(
       results, optimizers, columns, args.out, "nnx_mlp",
       header=(f"MNIST, NNX MLP 784-512-256-10 through nnx.Optimizer, {steps} "
               f"steps of batch {args.batch_size}, seed {args.seed}. Train "
-              f"loss over {len(train[0]):,} training images, test accuracy "
+              f"loss and accuracy over {len(train[0]):,} training images, "
+              "test accuracy "
               f"over {len(test[0]):,} test images; 'compile' is a first call "
               "on copies of the model and optimizer (compilation and one "
               "step), not counted in the train time."),
