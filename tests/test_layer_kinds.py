@@ -96,6 +96,12 @@ def _check_blocks(layer_name: str, table, state, updates,
     scale = np.abs(expected[name]).max()
     np.testing.assert_allclose(matrices[i], expected[name], rtol=1e-3,
                                atol=1e-4 * scale, err_msg=name)
+    # The exact Kronecker system: vec(P) = (A ⊗ G + λI)⁻¹ vec(∇), row-major.
+    gradient = blocks[i].gradient
+    dense = np.linalg.solve(np.kron(a, g) + DAMPING * np.eye(len(a) * len(g)),
+                            gradient.reshape(-1)).reshape(gradient.shape)
+    np.testing.assert_allclose(matrices[i], dense, rtol=1e-3,
+                               atol=1e-4 * scale, err_msg=name)
 
 
 class Wrapped(nn.Module):
@@ -413,3 +419,77 @@ def test_decomposition_in_batches_equals_all_at_once():
                results[0], results[1])
   with pytest.raises(ValueError, match="decomposition_batch_size"):
     kfac_jax.scale_by_kfac(decomposition_batch_size=0)
+
+
+class DenseBlock(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return jnp.tanh(nn.Dense(4, name="dense")(x))
+
+
+class RematScanned(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.remat_scan(DenseBlock, lengths=(2, 2))(name="layers")(x)
+
+
+def test_remat_scan_has_two_stack_axes_and_matches_unrolled():
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
+  model = RematScanned()
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x) ** 2)
+  table = kfac_jax.trace_layers(loss_fn, params)
+  (name, layer), = table.items()
+  assert layer.stack_shape == (2, 2) and layer.num_blocks == 4
+
+  kernels = params[name.split("/")[0]]
+  for key in name.split("/")[1:]:
+    kernels = kernels[key]
+  slices = [jax.tree.map(lambda a, i=i, j=j: a[i, j], kernels)
+            for i in range(2) for j in range(2)]
+
+  def unrolled_loss(p):
+    h = x
+    for k in range(4):
+      h = jnp.tanh(h @ p[k]["kernel"] + p[k]["bias"])
+    return jnp.sum(h ** 2)
+
+  tx = kfac_jax.scale_by_kfac(damping=DAMPING, kl_clip=None, layers=table)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  updates, state = tx.update(grads, tx.init(params), params, kfac_stats=stats)
+  # Reference: the same 4 dense layers unrolled, each its own Kronecker block.
+  expected_grads = jax.grad(unrolled_loss)(slices)
+  inputs, cotangents = [], []
+  h = x
+  for k in range(4):
+    inputs.append(h)
+    h = jnp.tanh(h @ slices[k]["kernel"] + slices[k]["bias"])
+  cotangent = 2 * h
+  for k in reversed(range(4)):
+    out = jnp.tanh(inputs[k] @ slices[k]["kernel"] + slices[k]["bias"])
+    cotangents.insert(0, cotangent * (1 - out ** 2))
+    cotangent = cotangents[0] @ slices[k]["kernel"].T
+  ref = reference.KFACReference(damping=DAMPING, factor_decay=0.95,
+                                learning_rate=1.0, kl_clip=None)
+  rows = [np.concatenate([np.asarray(a, np.float64), np.ones((5, 1))], 1)
+          for a in inputs]
+  tensors = {
+      f"b{k}": reference.LayerTensors(
+          rows[k], np.asarray(cotangents[k], np.float64),
+          np.concatenate([expected_grads[k]["kernel"],
+                          expected_grads[k]["bias"][None]]).astype(np.float64))
+      for k in range(4)
+  }
+  expected = ref.update([tensors])
+  node = updates
+  for key in layer.path:
+    node = node[key]
+  matrices = np.asarray(to_matrix(node, layer, jnp.float32))
+  for k in range(4):
+    np.testing.assert_allclose(matrices[k], expected[f"b{k}"], rtol=1e-3,
+                               atol=1e-5)
+    np.testing.assert_allclose(state.factors[f"{name}[{k}]"].activation_factor,
+                               ref.factors[f"b{k}"][0], rtol=1e-4, atol=1e-6)

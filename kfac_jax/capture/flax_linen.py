@@ -109,10 +109,10 @@ class _ShapeRecorder:
     return _lookup(self.params, self.paths[name] + (key,))
 
   def check_traces(self) -> None:
-    """A layer must run in one trace (two for a scanned one): see ``CallCounter``."""
+    """Each ``nn.scan`` level traces its body twice (see ``CallCounter``):
+    a layer under k of them may run in 2**k traces, no more."""
     for name, traces in self.counter.traces.items():
-      stacked = self.calls[name][0].signature.stack_ndim > 0
-      if len(traces) > (2 if stacked else 1):
+      if len(traces) > 2 ** self.calls[name][0].signature.stack_ndim:
         raise ValueError(
             f"value_grad_and_stats: layer {name!r} runs in {len(traces)} "
             "separate traces, so its calls cannot be told apart. This happens "
