@@ -493,3 +493,21 @@ def test_remat_scan_has_two_stack_axes_and_matches_unrolled():
                                atol=1e-5)
     np.testing.assert_allclose(state.factors[f"{name}[{k}]"].activation_factor,
                                ref.factors[f"b{k}"][0], rtol=1e-4, atol=1e-6)
+
+
+def test_block_states_round_trip_through_orbax(tmp_path):
+  """State keys of blocks (``layers/conv[3]``) survive an orbax checkpoint."""
+  from kfac_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  x = jnp.asarray(np.random.default_rng(7).normal(size=(4, 6, 4)), jnp.float32)
+  model = Scanned()
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x) ** 2)
+  tx = optax.chain(
+      kfac_jax.scale_by_kfac(layers=kfac_jax.trace_layers(loss_fn, params)),
+      optax.sgd(0.1))
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  _, state = tx.update(grads, tx.init(params), params, kfac_stats=stats)
+  checkpoint.save(tmp_path / "state", state)
+  restored = checkpoint.restore(tmp_path / "state", tx.init(params))
+  assert "layers/conv[5]" in restored[0].factors
+  jax.tree.map(np.testing.assert_array_equal, restored, state)
