@@ -387,8 +387,61 @@ def checkpoint(axis_type: AxisType) -> None:
       np.testing.assert_allclose(x, y, **TOLERANCE, err_msg=name)
 
 
+class ScannedGroupedBlocks(nn.Module):
+  """Three scanned slices of grouped conv -> Dense: 9 Kronecker blocks."""
+
+  @nn.compact
+  def __call__(self, x):
+
+    class Body(nn.Module):
+
+      @nn.compact
+      def __call__(self, x, _):
+        h = jnp.tanh(nn.Conv(4, (3,), feature_group_count=2, name="conv")(x))
+        return jnp.tanh(nn.Dense(4, name="dense")(h)), None
+
+    scan = nn.scan(Body, variable_axes={"params": 0},
+                   split_rngs={"params": True}, length=3)
+    x, _ = scan(name="layers")(x, None)
+    return x.reshape(x.shape[0], -1)
+
+
+def blocks(axis_type: AxisType) -> None:
+  """Blocks of scanned layers and grouped convs spread like layers."""
+  model = ScannedGroupedBlocks()
+  keys = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(keys[0], (STEPS, 16, 6, 4))
+  y = jax.random.normal(keys[1], (STEPS, 16, 24))
+  params = model.init(keys[2], x[0])["params"]
+
+  def loss_fn(params, x, y):
+    return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+
+  table = kfac_jax.trace_layers(loss_fn, params, x[0], y[0])
+  reference = train(params, loss_fn, (x, y), {"layers": table})
+  assert len(reference[1].factors) == 9
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
+  # The scanned kernels sharded over their output axis, as FSDP would.
+  specs = jax.tree.map(
+      lambda p: PartitionSpec(*([None] * (p.ndim - 1)), "fsdp")
+      if p.ndim >= 3 else PartitionSpec(), params)
+  sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  for strategy in STRATEGIES:
+    kwargs = dict(mesh_axes=("data", "fsdp"), grad_worker_fraction=strategy,
+                  layers=table, params_partition_specs=specs)
+    with jax.set_mesh(mesh):
+      run = train(params, loss_fn, (x, y), kwargs, mesh,
+                  PartitionSpec(("data", "fsdp")), sharding)
+      assert_same_run(run, reference, kwargs, {"layers": table},
+                      f"blocks {strategy.name}")
+    for update, expected in zip(jax.tree.leaves(run[0][-1]),
+                                jax.tree.leaves(sharding)):
+      assert update.sharding.is_equivalent_to(expected, update.ndim), (
+          update.sharding, expected)
+
+
 PROGRAMS = {f.__name__: f for f in (equality, fsdp, division, specs,
-                                    checkpoint)}
+                                    checkpoint, blocks)}
 
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()

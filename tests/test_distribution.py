@@ -65,6 +65,12 @@ def test_partition_specs_match_the_shardings_of_init(axis_type):
 
 
 @pytest.mark.multidevice
+def test_blocks_of_scanned_and_grouped_layers_train_as_one_device():
+  """9 blocks (3 scan slices x (2 conv groups + 1 dense)), kernels sharded."""
+  run_on_eight_devices("blocks", "Auto")
+
+
+@pytest.mark.multidevice
 def test_checkpoint_moves_a_state_to_another_strategy_and_device_count():
   run_on_eight_devices("checkpoint", "Explicit")
 
