@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from kfac_jax.capture.layers import EMBEDDING, KERNEL, LayerInfo
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
@@ -68,11 +69,18 @@ def apply_probes(outputs: jax.Array, inputs: jax.Array,
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-  """One call of a captured layer (per stack slice), from the shape pass."""
+  """One call of a captured layer (per stack slice), from the shape pass.
+
+  ``input_spec``/``output_spec``: the tensors' ``PartitionSpec`` on a mesh
+  with Explicit axes (``None`` when unsharded): a probe must match the
+  sharding of what its gradient will be.
+  """
 
   signature: LayerSignature
   inputs: jax.ShapeDtypeStruct
   outputs: jax.ShapeDtypeStruct
+  input_spec: PartitionSpec | None = None
+  output_spec: PartitionSpec | None = None
 
 
 class CallCounter:
@@ -97,11 +105,20 @@ class CallCounter:
     return 0
 
 
+def _explicit_spec(array: jax.Array) -> PartitionSpec | None:
+  """``array``'s spec if an Explicit mesh axis shards it, else ``None``."""
+  spec = getattr(jax.typeof(array).sharding, "spec", None)
+  if spec is None or all(entry is None for entry in spec):
+    return None
+  return spec
+
+
 def make_call(signature: LayerSignature, inputs: jax.Array,
               outputs: jax.Array) -> Call:
-  return Call(signature, jax.ShapeDtypeStruct(inputs.shape,
-                                              probe_inputs(inputs).dtype),
-              jax.ShapeDtypeStruct(outputs.shape, outputs.dtype))
+  return Call(signature,
+              jax.ShapeDtypeStruct(inputs.shape, probe_inputs(inputs).dtype),
+              jax.ShapeDtypeStruct(outputs.shape, outputs.dtype),
+              _explicit_spec(inputs), _explicit_spec(outputs))
 
 
 def record_call(calls: dict[str, list[Call]], counter: CallCounter, name: str,
@@ -117,10 +134,16 @@ def zero_probes(calls: Sequence[Call],
                 stack_shape: tuple[int, ...] = ()) -> tuple[ProbePair, ...]:
   """Zero probes for each call, with the layer's stack axes in front."""
 
-  def zeros(like: jax.ShapeDtypeStruct) -> jax.Array:
-    return jnp.zeros(stack_shape + like.shape, like.dtype)
+  def zeros(like: jax.ShapeDtypeStruct,
+            spec: PartitionSpec | None) -> jax.Array:
+    shape = stack_shape + like.shape
+    if spec is None:
+      return jnp.zeros(shape, like.dtype)
+    spec = PartitionSpec(*(None,) * len(stack_shape), *spec)
+    return jnp.zeros(shape, like.dtype, out_sharding=spec)
 
-  return tuple((zeros(call.inputs), zeros(call.outputs)) for call in calls)
+  return tuple((zeros(call.inputs, call.input_spec),
+                zeros(call.outputs, call.output_spec)) for call in calls)
 
 
 def statistics(calls: Mapping[str, Sequence[Call]],

@@ -86,8 +86,9 @@ def gradient_rows(output_cotangents: jax.Array,
     return output_cotangents.reshape(1, -1, features).astype(COMPUTE_DTYPE)
   groups = conv.feature_group_count
   spatial_size = math.prod(output_cotangents.shape[-1 - len(conv.window):-1])
-  rows = output_cotangents.reshape(-1, groups,
-                                   output_cotangents.shape[-1] // groups)
+  # Merge, then split: sharding rules allow one kind of change per reshape.
+  rows = output_cotangents.reshape(-1, output_cotangents.shape[-1])
+  rows = rows.reshape(rows.shape[0], groups, -1)
   return jnp.swapaxes(rows, 0, 1).astype(COMPUTE_DTYPE) / spatial_size
 
 
