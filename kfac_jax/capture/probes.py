@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from kfac_jax.capture.layers import EMBEDDING, KERNEL, LayerInfo
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
@@ -71,16 +71,16 @@ def apply_probes(outputs: jax.Array, inputs: jax.Array,
 class Call:
   """One call of a captured layer (per stack slice), from the shape pass.
 
-  ``input_spec``/``output_spec``: the tensors' ``PartitionSpec`` on a mesh
-  with Explicit axes (``None`` when unsharded): a probe must match the
+  ``input_sharding``/``output_sharding``: the tensors' sharding when
+  Explicit mesh axes shard them (``None`` otherwise): a probe must match the
   sharding of what its gradient will be.
   """
 
   signature: LayerSignature
   inputs: jax.ShapeDtypeStruct
   outputs: jax.ShapeDtypeStruct
-  input_spec: PartitionSpec | None = None
-  output_spec: PartitionSpec | None = None
+  input_sharding: NamedSharding | None = None
+  output_sharding: NamedSharding | None = None
 
 
 class CallCounter:
@@ -105,12 +105,13 @@ class CallCounter:
     return 0
 
 
-def _explicit_spec(array: jax.Array) -> PartitionSpec | None:
-  """``array``'s spec if an Explicit mesh axis shards it, else ``None``."""
-  spec = getattr(jax.typeof(array).sharding, "spec", None)
+def _explicit_sharding(array: jax.Array) -> NamedSharding | None:
+  """``array``'s sharding if an Explicit mesh axis shards it, else ``None``."""
+  sharding = jax.typeof(array).sharding
+  spec = getattr(sharding, "spec", None)
   if spec is None or all(entry is None for entry in spec):
     return None
-  return spec
+  return sharding
 
 
 def make_call(signature: LayerSignature, inputs: jax.Array,
@@ -118,7 +119,7 @@ def make_call(signature: LayerSignature, inputs: jax.Array,
   return Call(signature,
               jax.ShapeDtypeStruct(inputs.shape, probe_inputs(inputs).dtype),
               jax.ShapeDtypeStruct(outputs.shape, outputs.dtype),
-              _explicit_spec(inputs), _explicit_spec(outputs))
+              _explicit_sharding(inputs), _explicit_sharding(outputs))
 
 
 def record_call(calls: dict[str, list[Call]], counter: CallCounter, name: str,
@@ -135,15 +136,16 @@ def zero_probes(calls: Sequence[Call],
   """Zero probes for each call, with the layer's stack axes in front."""
 
   def zeros(like: jax.ShapeDtypeStruct,
-            spec: PartitionSpec | None) -> jax.Array:
+            sharding: NamedSharding | None) -> jax.Array:
     shape = stack_shape + like.shape
-    if spec is None:
+    if sharding is None:
       return jnp.zeros(shape, like.dtype)
-    spec = PartitionSpec(*(None,) * len(stack_shape), *spec)
-    return jnp.zeros(shape, like.dtype, out_sharding=spec)
+    spec = PartitionSpec(*(None,) * len(stack_shape), *sharding.spec)
+    return jnp.zeros(shape, like.dtype,
+                     out_sharding=sharding.update(spec=spec))
 
-  return tuple((zeros(call.inputs, call.input_spec),
-                zeros(call.outputs, call.output_spec)) for call in calls)
+  return tuple((zeros(call.inputs, call.input_sharding),
+                zeros(call.outputs, call.output_sharding)) for call in calls)
 
 
 def statistics(calls: Mapping[str, Sequence[Call]],
