@@ -259,7 +259,7 @@ def scale_by_kfac(
     count = state.count
     damping_value = damping_fn(count)
     dims = layers_lib.blocks_of(layers)
-    active_blocks = [b for name in active for b in layers[name].block_names]
+    active_blocks = _block_names(layers, active)
 
     def updated_factors():
       # A batch with NaN/Inf statistics or gradients never enters the factors;
@@ -351,7 +351,7 @@ def scale_by_kfac(
                             sharded)
 
     accumulator = state.accumulator
-    batch_blocks = [b for name in active for b in layers[name].block_names]
+    batch_blocks = _block_names(layers, active)
     factor_step = state.count % factor_update_steps_fn(state.count) == 0
     # Off factor steps the sums are not used; adding zeros keeps the factor
     # computation inside the cond.
@@ -454,6 +454,12 @@ def _sharded_kernels(layers: Mapping[str, LayerInfo],
     if axes:
       sharded[name] = axes
   return sharded
+
+
+def _block_names(layers: Mapping[str, LayerInfo],
+                 names: Sequence[str]) -> list[str]:
+  """State keys of the blocks of ``names``, in order."""
+  return [block for name in names for block in layers[name].block_names]
 
 
 def _replace_layers(grads: Any, layers: Mapping[str, LayerInfo],
