@@ -82,3 +82,23 @@ def resnet_loss_fn(model: CifarResNet):
     return loss, new_stats
 
   return loss_fn
+
+
+class SmallConvNet(nn.Module):
+  """A plain CNN for the convergence benchmark's CIFAR-10 task.
+
+  Three stages of a 3x3 conv (with bias) + ReLU + 2x2 max-pool, with
+  16·w, 32·w and 64·w channels, then a dense classifier on the flattened
+  ``[H/8, W/8, 64·w]`` features. No BatchNorm, so a train step is a pure
+  function of the parameters and the batch.
+  """
+
+  width: int = 1
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    for channels in (16, 32, 64):
+      x = nn.relu(nn.Conv(channels * self.width, (3, 3), padding="SAME")(x))
+      x = nn.max_pool(x, (2, 2), (2, 2))
+    return nn.Dense(self.num_classes)(x.reshape(x.shape[0], -1))

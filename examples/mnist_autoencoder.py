@@ -69,15 +69,17 @@ class Autoencoder(nn.Module):
   encoder: tuple[int, ...] = ENCODER
   code: int = CODE
   outputs: int = 784
+  kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
+    dense = lambda width: nn.Dense(width, kernel_init=self.kernel_init)
     for width in self.encoder:
-      x = jnp.tanh(nn.Dense(width)(x))
-    x = nn.Dense(self.code)(x)  # linear code layer
+      x = jnp.tanh(dense(width)(x))
+    x = dense(self.code)(x)  # linear code layer
     for width in reversed(self.encoder):
-      x = jnp.tanh(nn.Dense(width)(x))
-    return nn.Dense(self.outputs)(x)
+      x = jnp.tanh(dense(width)(x))
+    return dense(self.outputs)(x)
 
 
 def reconstruction_losses(logits: jax.Array, x: jax.Array) -> jax.Array:

@@ -1,0 +1,703 @@
+"""Time to target on real data: K-FAC against first-order optimizers.
+
+Each optimizer trains each task for a fixed budget of *training* seconds
+(compilation and evaluation excluded; the clock stops while the objective is
+evaluated). The race has two phases:
+
+1. **Sweep.** Every optimizer tries the same three-point learning-rate grid,
+   ``center × (1/3, 1, 3)`` around its customary rate (``CENTERS``), with seed
+   0 and the sweep budget. The rate with the best final metric wins.
+2. **Final.** Each optimizer's winning rate runs with every seed and the full
+   budget.
+
+The target of a task is the best first-order optimizer's final metric (median
+over seeds). For every optimizer and seed the script reports the steps and
+training seconds at the first evaluation that reaches it.
+
+Tasks:
+
+* ``autoencoder``: the MNIST deep autoencoder 784-1000-500-250-30-250-500-
+  1000-784 (tanh, linear code). The objective is the sigmoid cross-entropy,
+  summed over the 784 pixels and averaged over the training images, plus
+  ``1e-5 · ½‖θ‖²`` over all weights and biases. Batch 1000, reshuffled each
+  epoch. Weights are drawn from a normal truncated to ±2σ, σ = 1/√fan_in;
+  biases start at 0. Metric: that objective over the first ``--eval-examples``
+  training images (default all 60,000). Lower is better.
+* ``cifar``: a 3-stage CNN (``models.SmallConvNet``) on the shared CIFAR-10
+  subset (10k train / 1k test), or on scikit-learn's digits when CIFAR-10 is
+  absent. Softmax cross-entropy plus ``1e-4 · ½‖θ‖²``, batch 128. Metric: test
+  accuracy (%). Higher is better.
+* ``shakespeare``: the character transformer of
+  ``examples/shakespeare_transformer.py`` (width 64, 2 scanned blocks,
+  context 64) on Tiny Shakespeare, batch 64. Metric: validation loss
+  (nats/char) over the first ``--eval-examples`` held-out sequences (default
+  all). Lower is better.
+
+Optimizers (``--optimizers``): ``sgd`` (optax.sgd, Nesterov momentum 0.9),
+``adam`` (optax.adam), ``muon`` (optax.contrib.muon; its Adam part for
+non-matrix parameters keeps lr 1e-3), ``kron`` (PSGD Kron from the
+``distributed-kron`` package, if installed) and ``kfac`` (kfac_jax.kfac:
+scale_by_kfac + SGD momentum 0.9, with the task's settings in
+``KFAC_SETTINGS``, which come from the examples and are not tuned here).
+
+Outputs in ``--out``: ``convergence_<stamp>.json`` (every run's curve,
+settings and versions, rewritten after each run; ``--resume FILE`` continues
+an interrupted race), ``convergence_<stamp>.md`` (tables) and
+``convergence_<stamp>_<task>.png`` (metric vs steps and vs seconds).
+
+Run from the repository root::
+
+  python benchmarks/convergence.py --help
+  python benchmarks/convergence.py --smoke --out /tmp/x    # CI check, tiny
+  python benchmarks/convergence.py --tasks autoencoder     # the full race
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "examples"))
+
+import flax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import common  # pylint: disable=g-import-not-at-top,wrong-import-position
+import datasets  # pylint: disable=g-import-not-at-top,wrong-import-position
+import kfac_jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import mnist_autoencoder  # pylint: disable=g-import-not-at-top,wrong-import-position
+import models  # pylint: disable=g-import-not-at-top,wrong-import-position
+import shakespeare_transformer  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+OPTIMIZERS = ("sgd", "adam", "muon", "kron", "kfac")
+FIRST_ORDER = ("sgd", "adam", "muon", "kron")
+# Each optimizer's customary learning rate; the sweep is center × LR_GRID.
+CENTERS = {"sgd": 1e-2, "adam": 1e-3, "muon": 1e-2, "kron": 3e-4,
+           "kfac": 0.1}
+LR_GRID = (1 / 3, 1.0, 3.0)
+MUON_ADAM_LR = 1e-3
+
+# K-FAC's settings per task: those of the matching example (chosen there by
+# short sweeps; the Shakespeare ones were not tuned at all). Only the
+# learning rate is swept here, as for every other optimizer.
+KFAC_SETTINGS = {
+    "autoencoder": dict(compute_method="inverse", damping=0.1, kl_clip=1e-2,
+                        factor_decay=0.95, factor_update_steps=1,
+                        inv_update_steps=10),
+    "cifar": dict(compute_method="inverse", damping=0.1, kl_clip=1e-2,
+                  factor_decay=0.95, factor_update_steps=1,
+                  inv_update_steps=10),
+    "shakespeare": dict(compute_method="inverse", damping=0.3, kl_clip=1e-3,
+                        factor_decay=0.95, factor_update_steps=1,
+                        inv_update_steps=10),
+}
+BUDGETS = {"autoencoder": 420.0, "cifar": 300.0, "shakespeare": 300.0}
+
+
+def l2_penalty(params: Any) -> jax.Array:
+  """½‖θ‖² over every parameter."""
+  return 0.5 * sum(jnp.vdot(p, p) for p in jax.tree.leaves(params))
+
+
+@dataclasses.dataclass
+class Task:
+  """One race track.
+
+  Attributes:
+    name: ``autoencoder``, ``cifar`` or ``shakespeare``.
+    description: one line for the report.
+    metric: the metric's name (table header and plot label).
+    higher_is_better: direction of the metric.
+    data: training arrays with a leading example axis.
+    batch_size: examples per step.
+    init: ``seed -> params``.
+    loss_fn: ``loss_fn(params, *batch) -> scalar`` (the training objective).
+    evaluate: ``params -> metric`` on the task's evaluation set.
+    layers: K-FAC's layer table (``kfac_jax.trace_layers``), or None when
+      ``init`` alone describes the layers.
+  """
+
+  name: str
+  description: str
+  metric: str
+  higher_is_better: bool
+  data: tuple[np.ndarray, ...]
+  batch_size: int
+  init: Callable[[int], Any]
+  loss_fn: Callable[..., jax.Array]
+  evaluate: Callable[[Any], float]
+  layers: Any = None
+
+  def better(self, a: float, b: float) -> bool:
+    """Whether metric ``a`` is strictly better than ``b`` (NaN never is)."""
+    if not math.isfinite(a):
+      return False
+    if not math.isfinite(b):
+      return True
+    return a > b if self.higher_is_better else a < b
+
+  def reaches(self, value: float, target: float) -> bool:
+    if not math.isfinite(value):
+      return False
+    return value >= target if self.higher_is_better else value <= target
+
+
+def chunked_mean(fn: Callable[..., jax.Array], arrays: Sequence[np.ndarray],
+                 chunk: int) -> float:
+  """Mean over examples of ``fn(*chunk_arrays) -> [n]``, in chunks."""
+  return common.batched_means(lambda *a: (fn(*a),), arrays, chunk)[0]
+
+
+def truncated_fan_in_normal(key, shape, dtype=jnp.float32):
+  """Normal truncated to ±2σ with σ = 1/√fan_in (``shape[0]`` for Dense)."""
+  return (jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype) /
+          math.sqrt(shape[0]))
+
+
+def autoencoder_task(eval_examples: int | None, batch_size: int) -> Task:
+  mnist = datasets.load_mnist()
+  model = mnist_autoencoder.Autoencoder(kernel_init=truncated_fan_in_normal)
+  weight_decay = 1e-5
+
+  def loss_fn(params, x):
+    logits = model.apply({"params": params}, x)
+    return (mnist_autoencoder.reconstruction_losses(logits, x).mean() +
+            weight_decay * l2_penalty(params))
+
+  @jax.jit
+  def per_example(params, x):
+    return mnist_autoencoder.reconstruction_losses(
+        model.apply({"params": params}, x), x)
+
+  eval_x = common.head((mnist.x_train,), eval_examples)
+
+  def evaluate(params) -> float:
+    data_term = chunked_mean(lambda x: per_example(params, x), eval_x, 5000)
+    return data_term + weight_decay * float(l2_penalty(params))
+
+  return Task(
+      name="autoencoder",
+      description=(
+          "MNIST autoencoder 784-1000-500-250-30-250-500-1000-784, batch "
+          f"{batch_size}; objective = summed sigmoid cross-entropy + "
+          f"1e-5·½‖θ‖² over {len(eval_x[0]):,} training images"),
+      metric="train objective",
+      higher_is_better=False,
+      data=(mnist.x_train,),
+      batch_size=batch_size,
+      init=lambda seed: model.init(jax.random.key(seed),
+                                   mnist.x_train[:1])["params"],
+      loss_fn=loss_fn,
+      evaluate=evaluate)
+
+
+def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
+  images = datasets.load_image_classification()
+  model = models.SmallConvNet(num_classes=images.num_classes)
+  weight_decay = 1e-4
+
+  def loss_fn(params, x, y):
+    logits = model.apply({"params": params}, x)
+    return (optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+            + weight_decay * l2_penalty(params))
+
+  @jax.jit
+  def correct(params, x, y):
+    return jnp.argmax(model.apply({"params": params}, x), -1) == y
+
+  test = common.head((images.x_test, images.y_test), eval_examples)
+  return Task(
+      name="cifar",
+      description=(f"{images.name}, 3-stage CNN, batch {batch_size}; test "
+                   f"accuracy over {len(test[0]):,} test images"),
+      metric="test accuracy (%)",
+      higher_is_better=True,
+      data=(images.x_train, images.y_train),
+      batch_size=batch_size,
+      init=lambda seed: model.init(jax.random.key(seed),
+                                   images.x_train[:1])["params"],
+      loss_fn=loss_fn,
+      evaluate=lambda params: 100 * chunked_mean(
+          lambda x, y: correct(params, x, y), test, 1000))
+
+
+def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
+  text = datasets.load_shakespeare()
+  vocab = sorted(set(text))
+  ids = np.searchsorted(np.asarray(vocab), np.asarray(list(text))).astype(
+      np.int32)
+  split = int(0.9 * len(ids))
+  context = 64
+  x_train, y_train = shakespeare_transformer.sequences(ids[:split], context)
+  val = common.head(
+      shakespeare_transformer.sequences(ids[split:], context), eval_examples)
+  model = shakespeare_transformer.CharTransformer(
+      len(vocab), context, width=64, depth=2, num_heads=4)
+
+  def loss_fn(params, x, y):
+    logits = model.apply({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  @jax.jit
+  def per_sequence(params, x, y):
+    logits = model.apply({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(-1)
+
+  init = lambda seed: model.init(jax.random.key(seed), x_train[:1])["params"]
+  example = (x_train[:batch_size], y_train[:batch_size])
+  return Task(
+      name="shakespeare",
+      description=(f"Tiny Shakespeare, character transformer width 64 × 2 "
+                   f"scanned blocks, batch {batch_size} × {context}; "
+                   f"validation loss over {len(val[0]):,} sequences"),
+      metric="validation loss (nats/char)",
+      higher_is_better=False,
+      data=(x_train, y_train),
+      batch_size=batch_size,
+      init=init,
+      loss_fn=loss_fn,
+      evaluate=lambda params: chunked_mean(
+          lambda x, y: per_sequence(params, x, y), val, 512),
+      layers=kfac_jax.trace_layers(loss_fn, init(0), *example))
+
+
+TASK_BUILDERS = {"autoencoder": (autoencoder_task, 1000),
+                 "cifar": (cifar_task, 128),
+                 "shakespeare": (shakespeare_task, 64)}
+
+
+def import_kron():
+  """``distributed_kron.kron``, or None when the package is missing.
+
+  distributed-kron 2.0.0 annotates an argument as ``PartitionSpec[str, str]``,
+  which fails at import with the jax versions kfac_jax supports
+  (``PartitionSpec`` is not generic there). A no-op ``__class_getitem__``
+  lets the annotation evaluate; nothing else of jax is touched.
+  """
+  from jax.sharding import PartitionSpec  # pylint: disable=g-import-not-at-top
+  if not hasattr(PartitionSpec, "__class_getitem__"):
+    PartitionSpec.__class_getitem__ = classmethod(lambda cls, _: cls)
+  try:
+    import distributed_kron  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return distributed_kron.kron
+
+
+def build_optimizer(name: str, lr: float, task: Task) -> common.Optimizer:
+  """One contestant at learning rate ``lr``."""
+  if name == "sgd":
+    return common.Optimizer(
+        "sgd", optax.sgd(lr, momentum=0.9, nesterov=True),
+        description=f"optax.sgd(lr={lr:g}, momentum=0.9, nesterov=True)")
+  if name == "adam":
+    return common.Optimizer("adam", optax.adam(lr),
+                            description=f"optax.adam(lr={lr:g})")
+  if name == "muon":
+    return common.Optimizer(
+        "muon", optax.contrib.muon(lr, adam_learning_rate=MUON_ADAM_LR),
+        description=(f"optax.contrib.muon(lr={lr:g}, "
+                     f"adam_learning_rate={MUON_ADAM_LR:g})"))
+  if name == "kron":
+    kron = import_kron()
+    if kron is None:
+      raise SystemExit("--optimizers kron needs the distributed-kron package: "
+                       "pip install distributed-kron (or leave kron out).")
+    return common.Optimizer("kron", kron(lr, b1=0.9),
+                            description=f"distributed_kron.kron(lr={lr:g}, "
+                            "b1=0.9)")
+  if name == "kfac":
+    settings = KFAC_SETTINGS[task.name]
+    return common.Optimizer(
+        "kfac",
+        kfac_jax.kfac(learning_rate=lr, momentum=0.9, layers=task.layers,
+                      **settings),
+        uses_kfac=True,
+        description=f"kfac_jax.kfac(lr={lr:g}, momentum=0.9, " + ", ".join(
+            f"{k}={v!r}" for k, v in settings.items()) + ")")
+  raise ValueError(f"unknown optimizer {name!r}; use one of {OPTIMIZERS}.")
+
+
+def train_run(task: Task, optimizer: common.Optimizer, seed: int,
+              budget: float, eval_every: float, max_steps: int | None,
+              progress: bool, label: str) -> dict[str, Any]:
+  """Trains for ``budget`` training seconds; returns the run's record.
+
+  The metric is evaluated at the start, every ``eval_every`` training seconds
+  and at the end, with the training clock stopped. A non-finite mini-batch
+  loss ends the run (``diverged``), its last metric recorded as NaN.
+  """
+  params = task.init(seed)
+  opt_state = optimizer.tx.init(params)
+  example = tuple(a[:task.batch_size] for a in task.data)
+  start = time.perf_counter()
+  step = common.make_train_step(task.loss_fn, optimizer).lower(
+      params, opt_state, None, *example).compile()
+  compile_seconds = time.perf_counter() - start
+
+  curve = [(0, 0.0, task.evaluate(params))]
+  batches = common.epoch_batches(len(task.data[0]), task.batch_size,
+                                 epochs=10**9, seed=seed)
+  trained, steps, diverged = 0.0, 0, False
+  next_eval = eval_every
+  bar = tqdm(total=round(budget), desc=label, unit="s", disable=not progress,
+             dynamic_ncols=True, leave=False)
+  while trained < budget and (max_steps is None or steps < max_steps):
+    idx = next(batches)
+    batch = jax.device_put(tuple(a[idx] for a in task.data))
+    start = time.perf_counter()
+    params, opt_state, _, loss = jax.block_until_ready(
+        step(params, opt_state, None, *batch))
+    elapsed = time.perf_counter() - start
+    trained += elapsed
+    steps += 1
+    bar.update(min(elapsed, budget - bar.n))
+    if not math.isfinite(float(loss)):
+      diverged = True
+      curve.append((steps, trained, float("nan")))
+      break
+    done = trained >= budget or steps == max_steps
+    if trained >= next_eval or done:
+      curve.append((steps, trained, task.evaluate(params)))
+      bar.set_postfix(metric=f"{curve[-1][2]:.4g}", refresh=False)
+      while next_eval <= trained:
+        next_eval += eval_every
+  bar.close()
+  return dict(task=task.name, optimizer=optimizer.name,
+              description=optimizer.description, seed=seed, budget=budget,
+              steps=steps, train_seconds=trained,
+              ms_per_step=1000 * trained / max(steps, 1),
+              compile_seconds=compile_seconds, diverged=diverged,
+              final=curve[-1][2],
+              curve=[dict(step=s, seconds=t, metric=m) for s, t, m in curve])
+
+
+def first_reach(task: Task, run: dict[str, Any],
+                target: float) -> tuple[int, float] | None:
+  """(steps, seconds) at the run's first evaluation meeting ``target``."""
+  for point in run["curve"]:
+    if task.reaches(point["metric"], target):
+      return point["step"], point["seconds"]
+  return None
+
+
+# --------------------------------------------------------------------------
+# The race: sweep, final runs, summary.
+
+
+def run_key(run: dict[str, Any]) -> tuple:
+  return (run["phase"], run["task"], run["optimizer"], run["lr"], run["seed"],
+          run["budget"])
+
+
+class Race:
+  """Runs (or takes from a resumed JSON) every run; rewrites the JSON after each."""
+
+  def __init__(self, args: argparse.Namespace, path: pathlib.Path,
+               meta: dict[str, Any]):
+    self.args = args
+    self.path = path
+    self.meta = meta
+    self.runs: list[dict[str, Any]] = []
+    self.done: dict[tuple, dict[str, Any]] = {}
+    if args.resume is not None:
+      previous = json.loads(args.resume.read_text())
+      for run in previous["runs"]:
+        self.done[run_key(run)] = run
+
+  def run(self, phase: str, task: Task, name: str, lr: float, seed: int,
+          budget: float) -> dict[str, Any]:
+    key = (phase, task.name, name, lr, seed, budget)
+    if key in self.done:
+      record = self.done[key]
+    else:
+      optimizer = build_optimizer(name, lr, task)
+      label = f"{task.name} {phase} {name} lr={lr:.3g} seed={seed}"
+      record = train_run(task, optimizer, seed, budget, self.args.eval_every,
+                         self.args.max_steps, not self.args.no_progress, label)
+      record.update(phase=phase, lr=lr)
+      tqdm.write(f"{label}: {task.metric} {record['final']:.4g} after "
+                 f"{record['steps']} steps ({record['ms_per_step']:.0f} "
+                 f"ms/step, compile {record['compile_seconds']:.1f} s)"
+                 + (" DIVERGED" if record["diverged"] else ""))
+    self.runs.append(record)
+    self.path.write_text(json.dumps(dict(self.meta, runs=self.runs),
+                                    indent=1))
+    return record
+
+
+def sweep_rates(name: str, args: argparse.Namespace) -> list[float]:
+  center = args.center.get(name, CENTERS[name])
+  return [float(f"{center * m:.3g}") for m in LR_GRID]
+
+
+def race_task(task: Task, args: argparse.Namespace, race: Race
+              ) -> dict[str, Any]:
+  """Sweep, final runs and the time-to-target summary of one task."""
+  budget = args.budget if args.budget is not None else BUDGETS[task.name]
+  sweep_budget = (args.sweep_budget if args.sweep_budget is not None else
+                  budget)
+  best_lr, sweep = {}, {}
+  for name in args.optimizers:
+    if args.no_sweep:
+      best_lr[name] = args.center.get(name, CENTERS[name])
+      continue
+    rates = sweep_rates(name, args)
+    finals = {}
+    for lr in rates:
+      finals[lr] = race.run("sweep", task, name, lr, 0, sweep_budget)["final"]
+    sweep[name] = finals
+    best = rates[0]
+    for lr in rates[1:]:
+      if task.better(finals[lr], finals[best]):
+        best = lr
+    best_lr[name] = best
+
+  finals = {name: [race.run("final", task, name, best_lr[name], seed, budget)
+                   for seed in args.seeds] for name in args.optimizers}
+  baselines = [n for n in args.optimizers if n in FIRST_ORDER]
+  medians = {n: float(np.median([r["final"] for r in runs]))
+             for n, runs in finals.items()}
+  target_name = None
+  for name in baselines:
+    if target_name is None or task.better(medians[name], medians[target_name]):
+      target_name = name
+  target = medians[target_name] if target_name else None
+  return dict(task=task, budget=budget, sweep_budget=sweep_budget,
+              best_lr=best_lr, sweep=sweep, finals=finals, medians=medians,
+              target_name=target_name, target=target)
+
+
+def summary_table(result: dict[str, Any]) -> str:
+  """Markdown: per optimizer, best rate, final metric, time to target."""
+  task, target = result["task"], result["target"]
+  reach = {}
+  for name, runs in result["finals"].items():
+    reach[name] = [first_reach(task, r, target) if target is not None
+                   else None for r in runs]
+  base_seconds = None
+  if result["target_name"] is not None:
+    hits = [h for h in reach[result["target_name"]] if h is not None]
+    base_seconds = float(np.median([h[1] for h in hits])) if hits else None
+  header = ("| optimizer | lr | final " + task.metric + " (median; min–max) "
+            "| reached target | steps to target | seconds to target | "
+            "× best baseline's seconds | ms/step | compile s |")
+  lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for name, runs in result["finals"].items():
+    values = [r["final"] for r in runs]
+    hits = [h for h in reach[name] if h is not None]
+    steps = f"{np.median([h[0] for h in hits]):.0f}" if hits else "—"
+    seconds = float(np.median([h[1] for h in hits])) if hits else None
+    ratio = (f"{seconds / base_seconds:.2f}" if seconds is not None and
+             base_seconds else "—")
+    spread = (f" ({min(values):.4g}–{max(values):.4g})" if len(values) > 1
+              else "")
+    lines.append(
+        f"| {name} | {result['best_lr'][name]:g} | "
+        f"{np.median(values):.4g}{spread} | {len(hits)}/{len(runs)} | {steps} "
+        f"| {'—' if seconds is None else f'{seconds:.0f}'} | {ratio} | "
+        f"{np.median([r['ms_per_step'] for r in runs]):.0f} | "
+        f"{np.median([r['compile_seconds'] for r in runs]):.1f} |")
+  return "\n".join(lines)
+
+
+def sweep_table(result: dict[str, Any]) -> str:
+  if not result["sweep"]:
+    return "(no sweep)"
+  lines = ["| optimizer | " + " | ".join(
+      f"×{m:.3g}" for m in LR_GRID) + " | best |", "|---|" + "---:|" *
+           (len(LR_GRID) + 1)]
+  for name, finals in result["sweep"].items():
+    cells = [f"{lr:g}: {value:.4g}" for lr, value in finals.items()]
+    lines.append(f"| {name} | " + " | ".join(cells) +
+                 f" | {result['best_lr'][name]:g} |")
+  return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: pathlib.Path) -> None:
+  """Metric vs steps and vs training seconds; one colour per optimizer."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  task = result["task"]
+  fig, (ax_step, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+  for i, (name, runs) in enumerate(result["finals"].items()):
+    color = f"C{i}"
+    for j, run in enumerate(runs):
+      points = [p for p in run["curve"] if math.isfinite(p["metric"])]
+      label = f"{name} (lr {result['best_lr'][name]:g})" if j == 0 else None
+      for ax, x in ((ax_step, "step"), (ax_time, "seconds")):
+        ax.plot([p[x] for p in points], [p["metric"] for p in points],
+                color=color, lw=1.4, alpha=1.0 if j == 0 else 0.45,
+                label=label)
+  for ax in (ax_step, ax_time):
+    if result["target"] is not None:
+      ax.axhline(result["target"], color="k", ls="--", lw=0.8,
+                 label=f"target ({result['target_name']}'s final "
+                 f"{result['target']:.4g})")
+    ax.set_ylabel(task.metric)
+    ax.grid(True, alpha=0.3)
+    if not task.higher_is_better:
+      finite = [p["metric"] for runs in result["finals"].values()
+                for r in runs for p in r["curve"] if math.isfinite(p["metric"])]
+      if finite and result["target"] is not None:
+        # The start (an untrained model) would flatten the race's end.
+        ax.set_ylim(min(finite) - 0.02 * abs(min(finite)),
+                    result["target"] + 0.5 * (np.median(finite) -
+                                              result["target"]) + 1e-9
+                    if np.median(finite) > result["target"] else None)
+    ax.legend(fontsize=8)
+  ax_step.set_xlabel("step")
+  ax_time.set_xlabel("training seconds (compilation and evaluation excluded)")
+  fig.suptitle(task.description, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+# --------------------------------------------------------------------------
+# Command line.
+
+
+def parse_centers(values: Sequence[str]) -> dict[str, float]:
+  centers = {}
+  for value in values:
+    name, _, lr = value.partition("=")
+    if name not in OPTIMIZERS or not lr:
+      raise SystemExit(f"--center {value!r}: use NAME=LR with NAME in "
+                       f"{OPTIMIZERS}.")
+    centers[name] = float(lr)
+  return centers
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n\n")[0],
+      epilog="Protocol and outputs: see the module docstring and "
+      "benchmarks/README.md.",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--tasks", nargs="+", default=list(TASK_BUILDERS),
+                      choices=list(TASK_BUILDERS))
+  parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS),
+                      choices=OPTIMIZERS)
+  parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
+                      help="seeds of the final runs (init and shuffling)")
+  parser.add_argument("--budget", type=float, default=None,
+                      help="training seconds per final run (default per "
+                      f"task: {BUDGETS})")
+  parser.add_argument("--sweep-budget", type=float, default=None,
+                      help="training seconds per sweep run (default: the "
+                      "budget)")
+  parser.add_argument("--no-sweep", action="store_true",
+                      help="skip the sweep: every optimizer runs at its "
+                      "center rate")
+  parser.add_argument("--center", nargs="*", default=[],
+                      help="override sweep centers, e.g. kfac=0.3 adam=1e-3")
+  parser.add_argument("--eval-every", type=float, default=10.0,
+                      help="training seconds between evaluations")
+  parser.add_argument("--eval-examples", type=int, default=None,
+                      help="evaluate on the first N examples of the task's "
+                      "evaluation set (default: all)")
+  parser.add_argument("--max-steps", type=int, default=None,
+                      help="also stop every run after this many steps")
+  parser.add_argument("--out", type=pathlib.Path,
+                      default=REPO / "results")
+  parser.add_argument("--resume", type=pathlib.Path, default=None,
+                      help="a previous run's JSON: runs recorded there are "
+                      "not repeated")
+  parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--smoke", action="store_true",
+                      help="CI check: every task and optimizer, one seed, "
+                      "2-step runs on small evaluation sets, no sweep")
+  args = parser.parse_args(argv)
+  args.center = parse_centers(args.center)
+  if args.smoke:
+    args.seeds, args.no_sweep = [0], True
+    args.budget, args.max_steps = 60.0, 2
+    args.eval_examples, args.eval_every = 64, 1e9
+  for flag in ("budget", "sweep_budget", "eval_every"):
+    value = getattr(args, flag)
+    if value is not None and not value > 0:
+      raise SystemExit(f"--{flag.replace('_', '-')} must be > 0.")
+  for flag in ("eval_examples", "max_steps"):
+    value = getattr(args, flag)
+    if value is not None and value < 1:
+      raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1.")
+  if "kron" in args.optimizers and import_kron() is None:
+    tqdm.write("distributed-kron is not installed: leaving kron out.")
+    args.optimizers = [n for n in args.optimizers if n != "kron"]
+  return args
+
+
+def metadata(args: argparse.Namespace) -> dict[str, Any]:
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, text=True,
+                            capture_output=True, check=True).stdout.strip()
+    dirty = bool(subprocess.run(
+        ["git", "status", "--porcelain", "kfac_jax", "benchmarks", "examples"],
+        cwd=REPO, text=True, capture_output=True, check=True).stdout.strip())
+  except (OSError, subprocess.CalledProcessError):
+    commit, dirty = None, None
+  return dict(
+      command=" ".join([sys.executable.rsplit("/", 1)[-1],
+                        *map(str, sys.argv)]),
+      args={k: (str(v) if isinstance(v, pathlib.Path) else v)
+            for k, v in vars(args).items()},
+      centers=CENTERS, lr_grid=LR_GRID, kfac_settings=KFAC_SETTINGS,
+      git_commit=commit, git_dirty=dirty, jax=jax.__version__,
+      optax=optax.__version__, flax=flax.__version__,
+      machine=platform.machine(),
+      cpus=os.cpu_count(),
+      blas_threads=os.environ.get("OPENBLAS_NUM_THREADS"),
+      started=datetime.datetime.now().isoformat(timespec="seconds"))
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
+  args.out.mkdir(parents=True, exist_ok=True)
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  stem = args.out / f"convergence_{stamp}"
+  race = Race(args, stem.with_suffix(".json"), metadata(args))
+  report = [f"`{race.meta['command']}`", ""]
+  for name in args.tasks:
+    builder, batch_size = TASK_BUILDERS[name]
+    task = builder(args.eval_examples, batch_size)
+    result = race_task(task, args, race)
+    png = pathlib.Path(f"{stem}_{name}.png")
+    plot(result, png)
+    target = ("no first-order optimizer ran" if result["target"] is None else
+              f"{result['target_name']}'s median final {task.metric}, "
+              f"{result['target']:.4g}")
+    report += [
+        f"## {name}: {task.description}", "",
+        f"Budget {result['budget']:g} training seconds per run, seeds "
+        f"{args.seeds}; sweep {result['sweep_budget']:g} s, seed 0. Target: "
+        f"{target}.", "", summary_table(result), "", "Sweep (final metric):",
+        "", sweep_table(result), "", f"Plot: `{png.name}`", ""]
+    print("\n".join(report[-12:]), flush=True)
+  pathlib.Path(f"{stem}.md").write_text("\n".join(report))
+  print(f"Wrote {stem}.json, {stem}.md and the plots.", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
