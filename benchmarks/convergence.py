@@ -6,7 +6,9 @@ evaluated). The race has two phases:
 
 1. **Sweep.** Every optimizer tries the same three-point learning-rate grid,
    ``center × (1/3, 1, 3)`` around its customary rate (``CENTERS``), with seed
-   0 and the sweep budget. The rate with the best final metric wins.
+   0 and the sweep budget; when an edge of the grid wins, the grid grows past
+   it by factors of 3 (``--max-extensions``). The rate with the best final
+   metric wins.
 2. **Final.** Each optimizer's winning rate runs with every seed and the full
    budget.
 
@@ -93,6 +95,7 @@ FIRST_ORDER = ("sgd", "adam", "muon", "kron")
 CENTERS = {"sgd": 1e-2, "adam": 1e-3, "muon": 1e-2, "kron": 3e-4,
            "kfac": 0.1}
 LR_GRID = (1 / 3, 1.0, 3.0)
+EXTENSION_FACTOR = 3.0  # beyond a winning edge of the grid
 MUON_ADAM_LR = 1e-3
 
 # K-FAC's settings per task: those of the matching example (chosen there by
@@ -240,26 +243,19 @@ def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
 
 
 def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
-  text = datasets.load_shakespeare()
-  vocab = sorted(set(text))
-  ids = np.searchsorted(np.asarray(vocab), np.asarray(list(text))).astype(
-      np.int32)
-  split = int(0.9 * len(ids))
   context = 64
-  x_train, y_train = shakespeare_transformer.sequences(ids[:split], context)
-  val = common.head(
-      shakespeare_transformer.sequences(ids[split:], context), eval_examples)
+  vocab_size, (x_train, y_train), val = shakespeare_transformer.load_sequences(
+      context)
+  val = common.head(val, eval_examples)
   model = shakespeare_transformer.CharTransformer(
-      len(vocab), context, width=64, depth=2, num_heads=4)
+      vocab_size, context, width=64, depth=2, num_heads=4)
 
   def loss_fn(params, x, y):
-    logits = model.apply({"params": params}, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return shakespeare_transformer.token_losses(model, params, x, y).mean()
 
   @jax.jit
   def per_sequence(params, x, y):
-    logits = model.apply({"params": params}, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(-1)
+    return shakespeare_transformer.token_losses(model, params, x, y).mean(-1)
 
   init = lambda seed: model.init(jax.random.key(seed), x_train[:1])["params"]
   example = (x_train[:batch_size], y_train[:batch_size])
@@ -444,9 +440,43 @@ class Race:
     return record
 
 
-def sweep_rates(name: str, args: argparse.Namespace) -> list[float]:
+def rounded(lr: float) -> float:
+  return float(f"{lr:.3g}")
+
+
+def sweep(task: Task, name: str, args: argparse.Namespace, race: Race,
+          budget: float) -> tuple[float, dict[float, float]]:
+  """The best rate of ``center × LR_GRID``, and every rate's final metric.
+
+  When the best rate is at an edge of the rates tried, the grid grows by one
+  more factor of 3 past that edge, up to ``args.max_extensions`` times, so
+  that no optimizer is left at the edge of its sweep.
+  """
   center = args.center.get(name, CENTERS[name])
-  return [float(f"{center * m:.3g}") for m in LR_GRID]
+  finals: dict[float, float] = {}
+
+  def best() -> float:
+    rates = sorted(finals)
+    winner = rates[0]
+    for lr in rates[1:]:
+      if task.better(finals[lr], finals[winner]):
+        winner = lr
+    return winner
+
+  def run(lr: float) -> None:
+    finals[lr] = race.run("sweep", task, name, lr, 0, budget)["final"]
+
+  for multiple in LR_GRID:
+    run(rounded(center * multiple))
+  for _ in range(args.max_extensions):
+    winner = best()
+    if winner == min(finals):
+      run(rounded(winner / EXTENSION_FACTOR))
+    elif winner == max(finals):
+      run(rounded(winner * EXTENSION_FACTOR))
+    else:
+      break
+  return best(), dict(sorted(finals.items()))
 
 
 def race_task(task: Task, args: argparse.Namespace, race: Race
@@ -455,21 +485,12 @@ def race_task(task: Task, args: argparse.Namespace, race: Race
   budget = args.budget if args.budget is not None else BUDGETS[task.name]
   sweep_budget = (args.sweep_budget if args.sweep_budget is not None else
                   budget)
-  best_lr, sweep = {}, {}
+  best_lr, sweeps = {}, {}
   for name in args.optimizers:
     if args.no_sweep:
       best_lr[name] = args.center.get(name, CENTERS[name])
       continue
-    rates = sweep_rates(name, args)
-    finals = {}
-    for lr in rates:
-      finals[lr] = race.run("sweep", task, name, lr, 0, sweep_budget)["final"]
-    sweep[name] = finals
-    best = rates[0]
-    for lr in rates[1:]:
-      if task.better(finals[lr], finals[best]):
-        best = lr
-    best_lr[name] = best
+    best_lr[name], sweeps[name] = sweep(task, name, args, race, sweep_budget)
 
   finals = {name: [race.run("final", task, name, best_lr[name], seed, budget)
                    for seed in args.seeds] for name in args.optimizers}
@@ -482,7 +503,7 @@ def race_task(task: Task, args: argparse.Namespace, race: Race
       target_name = name
   target = medians[target_name] if target_name else None
   return dict(task=task, budget=budget, sweep_budget=sweep_budget,
-              best_lr=best_lr, sweep=sweep, finals=finals, medians=medians,
+              best_lr=best_lr, sweep=sweeps, finals=finals, medians=medians,
               target_name=target_name, target=target)
 
 
@@ -522,13 +543,11 @@ def summary_table(result: dict[str, Any]) -> str:
 def sweep_table(result: dict[str, Any]) -> str:
   if not result["sweep"]:
     return "(no sweep)"
-  lines = ["| optimizer | " + " | ".join(
-      f"×{m:.3g}" for m in LR_GRID) + " | best |", "|---|" + "---:|" *
-           (len(LR_GRID) + 1)]
+  lines = ["| optimizer | learning rate: final metric | best |",
+           "|---|---|---:|"]
   for name, finals in result["sweep"].items():
-    cells = [f"{lr:g}: {value:.4g}" for lr, value in finals.items()]
-    lines.append(f"| {name} | " + " | ".join(cells) +
-                 f" | {result['best_lr'][name]:g} |")
+    cells = ", ".join(f"{lr:g}: {value:.4g}" for lr, value in finals.items())
+    lines.append(f"| {name} | {cells} | {result['best_lr'][name]:g} |")
   return "\n".join(lines)
 
 
@@ -610,6 +629,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--no-sweep", action="store_true",
                       help="skip the sweep: every optimizer runs at its "
                       "center rate")
+  parser.add_argument("--max-extensions", type=int, default=2,
+                      help="times the sweep may grow past a winning edge of "
+                      "its grid")
   parser.add_argument("--center", nargs="*", default=[],
                       help="override sweep centers, e.g. kfac=0.3 adam=1e-3")
   parser.add_argument("--eval-every", type=float, default=10.0,
@@ -638,6 +660,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     value = getattr(args, flag)
     if value is not None and not value > 0:
       raise SystemExit(f"--{flag.replace('_', '-')} must be > 0.")
+  if args.max_extensions < 0:
+    raise SystemExit("--max-extensions must be >= 0.")
   for flag in ("eval_examples", "max_steps"):
     value = getattr(args, flag)
     if value is not None and value < 1:

@@ -103,6 +103,29 @@ def sequences(ids: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray]:
   return inputs, targets
 
 
+def load_sequences(context: int) -> tuple[int, tuple[np.ndarray, np.ndarray],
+                                          tuple[np.ndarray, np.ndarray]]:
+  """Tiny Shakespeare as character ids.
+
+  Returns the vocabulary size, then ``(inputs, targets)`` windows of the
+  first 90% of the text (training) and of the last 10% (validation).
+  """
+  text = datasets.load_shakespeare()
+  vocab = sorted(set(text))
+  ids = np.searchsorted(np.asarray(vocab), np.asarray(list(text))).astype(
+      np.int32)
+  split = int(0.9 * len(ids))
+  return (len(vocab), sequences(ids[:split], context),
+          sequences(ids[split:], context))
+
+
+def token_losses(model: CharTransformer, params, x: jax.Array,
+                 y: jax.Array) -> jax.Array:
+  """Next-character cross-entropy of every position: ``[batch, context]``."""
+  logits = model.apply({"params": params}, x)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = common.base_parser(__doc__.split("\n\n")[0], **DEFAULTS)
   parser.add_argument("--context", type=int, default=64,
@@ -114,21 +137,14 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   common.check_args(args)
 
-  text = datasets.load_shakespeare()
-  vocab = sorted(set(text))
-  ids = np.searchsorted(np.asarray(vocab), np.asarray(list(text))).astype(
-      np.int32)
-  split = int(0.9 * len(ids))
-  x_train, y_train = sequences(ids[:split], args.context)
-  x_val, y_val = sequences(ids[split:], args.context)
-
-  model = CharTransformer(len(vocab), args.context, args.width, args.depth,
+  vocab_size, (x_train, y_train), (x_val, y_val) = load_sequences(
+      args.context)
+  model = CharTransformer(vocab_size, args.context, args.width, args.depth,
                           args.heads)
   params = model.init(jax.random.key(args.seed), x_train[:1])["params"]
 
   def loss_fn(params, x, y):
-    logits = model.apply({"params": params}, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return token_losses(model, params, x, y).mean()
 
   @jax.jit
   def per_sequence(params, x, y):
@@ -141,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
   optimizers = common.build_optimizers(args, layers=table)
   steps = common.num_steps(len(x_train), args.batch_size, args.epochs,
                            args.steps)
-  print(f"Tiny Shakespeare, {len(vocab)} characters, transformer width "
+  print(f"Tiny Shakespeare, {vocab_size} characters, transformer width "
         f"{args.width} x {args.depth} scanned blocks: {args.epochs} epoch(s) "
         f"capped at {steps} steps of {args.batch_size} x {args.context} "
         f"characters; K-FAC preconditions {len(table)} layers "

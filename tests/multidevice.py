@@ -143,11 +143,17 @@ def assert_same_run(run, reference, kwargs, reference_kwargs, label):
 
 
 def equality(axis_type: AxisType) -> None:
-  """Every strategy on every mesh trains as one device does."""
+  """Every strategy on every mesh trains as one device does.
+
+  Auto axes run the eigen method on every mesh; the inverse method, and
+  Explicit axes (whose own concern is how shardings reach the capture, the
+  same on any mesh), run on the two-axis (2, 4) mesh only, to keep CI short.
+  """
   params, loss_fn, batches = conv_problem()
   for method in ("eigen", "inverse"):
     reference = train(params, loss_fn, batches, {"compute_method": method})
-    meshes = MESHES if method == "eigen" else MESHES[1:2]
+    every_mesh = method == "eigen" and axis_type == AxisType.Auto
+    meshes = MESHES if every_mesh else MESHES[1:2]
     for shape, names in meshes:
       mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
       for strategy in STRATEGIES:

@@ -39,3 +39,46 @@ def test_scaling_smoke(tmp_path):
       # Two devices share the decompositions (the smoke layers are balanced
       # to within one layer).
       assert row["decomposition_share"] < 0.75, row
+
+
+def run_convergence(*args: str) -> subprocess.CompletedProcess[str]:
+  result = subprocess.run(
+      [sys.executable, "benchmarks/convergence.py", "--no-progress", *args],
+      cwd=REPO, capture_output=True, text=True, timeout=240)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  return result
+
+
+def test_convergence_smoke_and_resume(tmp_path):
+  optimizers = ("sgd", "kron", "kfac")
+  first = run_convergence("--smoke", "--tasks", "cifar", "--optimizers",
+                          *optimizers, "--out", str(tmp_path / "first"))
+  (path,) = (tmp_path / "first").glob("convergence_*.json")
+  runs = json.loads(path.read_text())["runs"]
+  assert [r["optimizer"] for r in runs] == list(optimizers)
+  for run in runs:
+    assert run["steps"] == 2 and not run["diverged"]
+    assert [p["step"] for p in run["curve"]] == [0, 2]
+    assert all(0 <= p["metric"] <= 100 for p in run["curve"])
+  # The target is the best first-order final accuracy (one seed: its value);
+  # K-FAC reaches it iff one of its evaluations is at least as high.
+  target = max(r["final"] for r in runs if r["optimizer"] != "kfac")
+  kfac_run = runs[-1]
+  reached = any(p["metric"] >= target for p in kfac_run["curve"])
+  (table,) = (tmp_path / "first").glob("convergence_*.md")
+  kfac_row = next(line for line in table.read_text().splitlines()
+                  if line.startswith("| kfac |"))
+  assert ("| 1/1 |" if reached else "| 0/1 |") in kfac_row
+  assert list((tmp_path / "first").glob("convergence_*_cifar.png"))
+  assert "after 2 steps" in first.stdout
+
+  # A resumed race takes every run from the JSON: nothing is retrained and
+  # the tables are the same.
+  second = run_convergence("--smoke", "--tasks", "cifar", "--optimizers",
+                           *optimizers, "--resume", str(path), "--out",
+                           str(tmp_path / "second"))
+  assert "after 2 steps" not in second.stdout
+  (table2,) = (tmp_path / "second").glob("convergence_*.md")
+  strip = lambda text: text.split("\n", 1)[1]  # the first line is the command
+  assert strip(table2.read_text()).replace(
+      table2.stem, "") == strip(table.read_text()).replace(table.stem, "")

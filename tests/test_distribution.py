@@ -41,7 +41,8 @@ def run_on_eight_devices(program: str, axis_type: str) -> None:
 @pytest.mark.multidevice
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_every_strategy_on_every_mesh_equals_one_device(axis_type):
-  """COMM/HYBRID/MEM on (8,), (2,4), (4,2): updates and states within 1e-5."""
+  """COMM/HYBRID/MEM on (8,), (2,4), (4,2) (Explicit: (2,4)): updates and
+  states within 1e-5."""
   run_on_eight_devices("equality", axis_type)
 
 
