@@ -576,14 +576,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     ax.set_ylabel(task.metric)
     ax.grid(True, alpha=0.3)
     if not task.higher_is_better:
-      finite = [p["metric"] for runs in result["finals"].values()
-                for r in runs for p in r["curve"] if math.isfinite(p["metric"])]
-      if finite and result["target"] is not None:
-        # The start (an untrained model) would flatten the race's end.
-        ax.set_ylim(min(finite) - 0.02 * abs(min(finite)),
-                    result["target"] + 0.5 * (np.median(finite) -
-                                              result["target"]) + 1e-9
-                    if np.median(finite) > result["target"] else None)
+      ax.set_yscale("log")  # losses fall by orders of magnitude at first
     ax.legend(fontsize=8)
   ax_step.set_xlabel("step")
   ax_time.set_xlabel("training seconds (compilation and evaluation excluded)")
