@@ -20,9 +20,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def run_example(script: str, out: pathlib.Path, *extra: str,
-                data_dir: pathlib.Path | None = None
-                ) -> subprocess.CompletedProcess[str]:
-  env = dict(os.environ, MPLBACKEND="Agg", TQDM_MININTERVAL="5")
+                data_dir: pathlib.Path | None = None,
+                **env_overrides: str) -> subprocess.CompletedProcess[str]:
+  env = dict(os.environ, MPLBACKEND="Agg", TQDM_MININTERVAL="5",
+             **env_overrides)
   if data_dir is not None:
     env["KFAC_JAX_DATA"] = str(data_dir)
   return subprocess.run(
@@ -85,7 +86,9 @@ def test_resnet_example_falls_back_to_digits_without_cifar10(
 
 def test_sharded_example_runs_on_eight_simulated_devices(
     tmp_path: pathlib.Path) -> None:
-  result = run_example("sharded_mnist.py", tmp_path, "--strategy", "mem_opt")
+  # JAX_PLATFORMS: simulated CPU devices also where an accelerator is present.
+  result = run_example("sharded_mnist.py", tmp_path, "--strategy", "mem_opt",
+                       JAX_PLATFORMS="cpu")
   assert result.returncode == 0, (
       f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}")
   assert "8 devices, mesh {'data': 2, 'fsdp': 4}, mem_opt" in result.stdout

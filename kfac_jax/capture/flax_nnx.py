@@ -53,7 +53,7 @@ def _signature(module: nnx.Module, module_type: str,
 
 def _instrument(model: nnx.Module, hook: Hook) -> None:
   """Routes every captured module call of ``model`` (a private copy) through ``hook``."""
-  top_trace = jax.core.get_opaque_trace_state()
+  top_trace = probes_lib.trace_state()
   for path, module in nnx.iter_modules(model):
     if not isinstance(module, CAPTURED_MODULES):
       continue
@@ -65,7 +65,7 @@ def _instrument(model: nnx.Module, hook: Hook) -> None:
       signature = _signature(self, _cls.__name__, inputs)
       if signature is None:
         return outputs
-      if jax.core.get_opaque_trace_state() != top_trace:
+      if probes_lib.trace_state() != top_trace:
         raise ValueError(
             f"value_grad_and_stats: NNX layer {_name!r} runs under a lifted "
             "transform (nnx.scan, nnx.vmap, nnx.remat), which the NNX capture "

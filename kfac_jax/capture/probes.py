@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -83,6 +84,18 @@ class Call:
   output_sharding: NamedSharding | None = None
 
 
+def trace_state() -> Any:
+  """An opaque token of the current trace: equal tokens, same trace.
+
+  jax 0.11 moved ``jax.core.get_opaque_trace_state`` to ``jax.extend.core``;
+  jax 0.9 has it only in ``jax.core``.
+  """
+  get_state = getattr(jax.extend.core, "get_opaque_trace_state", None)
+  if get_state is None:
+    get_state = jax.core.get_opaque_trace_state
+  return get_state()
+
+
 class CallCounter:
   """Numbers a layer's calls within each trace.
 
@@ -95,7 +108,7 @@ class CallCounter:
     self.traces: dict[str, list[tuple[Any, int]]] = {}
 
   def next(self, name: str) -> int:
-    trace = jax.core.get_opaque_trace_state()
+    trace = trace_state()
     entries = self.traces.setdefault(name, [])
     for i, (seen, count) in enumerate(entries):
       if seen == trace:
