@@ -88,11 +88,14 @@ def test_poisoned_batches_are_skipped_and_training_recovers(compute_method,
                                          grad_poison)
     assert _all_finite(params), t
     assert _all_finite(_kfac_state(opt_state)) and _all_finite(bare_state), t
-    if t in poisoned_steps:
+    if t in poisoned_steps and poison != "gradients":
       for a, b in zip(jax.tree.leaves(bare_before.factors),
                       jax.tree.leaves(bare_state.factors)):
         np.testing.assert_array_equal(a, b)
-  assert int(bare_state.skipped_factor_updates) == len(poisoned_steps)
+  # Poisoned gradients do not touch the statistics the factors come from, so
+  # those factor updates go ahead.
+  skipped = 0 if poison == "gradients" else len(poisoned_steps)
+  assert int(bare_state.skipped_factor_updates) == skipped
   assert int(bare_state.count) == steps
   assert int(opt_state.total_notfinite) == len(poisoned_steps)
   assert int(_kfac_state(opt_state).count) == steps - len(poisoned_steps)
@@ -114,8 +117,9 @@ def test_corrupted_factors_restart(compute_method):
   corrupted["Dense_0"] = corrupted["Dense_0"]._replace(
       activation_factor=corrupted["Dense_0"].activation_factor.at[0, 0].set(
           jnp.nan))
-  # The corrupted factor restarts from the identity with the next batch: the
-  # decomposition and the update stay finite.
+  # The corrupted factor restarts from the identity at the next
+  # decomposition (every step here): the decomposition, the update and the
+  # state stay finite.
   updates, state = step(params, state._replace(factors=corrupted), *sample())
   assert _all_finite(updates) and _all_finite(state)
   assert int(state.rejected_decompositions) == 0

@@ -21,7 +21,7 @@ A layer called several times contributes the sum of its calls' factors.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -123,3 +123,19 @@ def batch_factors(stats: LayerStatistics) -> tuple[jax.Array, jax.Array]:
       covariance(_per_block(gradient_rows, g, signature))
       for g in stats.output_cotangents)
   return activation_factor, gradient_factor
+
+
+def covariances_finite(factors: Iterable[jax.Array]) -> jax.Array:
+  """Whether every batch factor ``xᵀx / N`` is finite, from their traces.
+
+  A NaN or ±Inf in column i of ``x`` makes the diagonal entry ``(i, i)``
+  non-finite, and finite diagonals bound every other entry
+  (``|Σ x_i x_j| ≤ √(Σ x_i² · Σ x_j²)``), so the sum of the traces decides
+  in O(d) what an elementwise check decides in O(d²) (a pass over every
+  factor on every factor step). Sums of such factors (micro-batch
+  accumulation) qualify too. A trace sum that overflows float32 counts as
+  non-finite.
+  """
+  total = sum(jnp.trace(f, axis1=-2, axis2=-1).sum(dtype=COMPUTE_DTYPE)
+              for f in factors)
+  return jnp.isfinite(total) if not isinstance(total, int) else jnp.array(True)

@@ -8,6 +8,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kfac_jax import finite
+
 
 class LayerFactors(NamedTuple):
   """Running Kronecker factors of one layer.
@@ -46,3 +48,15 @@ def update_factors(factors: LayerFactors, batch: LayerFactors,
     return mixed.astype(running.dtype)
 
   return LayerFactors(*map(average, factors, batch))
+
+
+def restart_if_non_finite(factors: LayerFactors) -> LayerFactors:
+  """The identity in place of a running factor holding NaN/Inf (exact check).
+
+  Factor updates only ever average finite batches into finite factors, so a
+  non-finite running factor comes from outside (a corrupted restore, float16
+  storage overflowing); it restarts as ``init_factors`` does.
+  """
+  return LayerFactors(*(
+      finite.select(finite.all_finite(f), f, jnp.eye(f.shape[0], dtype=f.dtype))
+      for f in factors))
