@@ -125,6 +125,48 @@ def test_corrupted_factors_restart(compute_method):
   assert int(state.rejected_decompositions) == 0
 
 
+def test_corrupted_factor_restarts_at_the_next_decomposition_step():
+  params, sample, loss_fn = _problem()
+  # Factor steps at 0, 3, ...; decompositions at 0, 2, ...
+  tx = kfac_jax.scale_by_kfac(damping=1e-2, compute_method="inverse",
+                              factor_update_steps=3, inv_update_steps=2)
+
+  @jax.jit
+  def step(params, state, x, y):
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+    return tx.update(grads, state, params, kfac_stats=stats)
+
+  _, state = step(params, tx.init(params), *sample())
+  previous = state.preconditioners
+  corrupted = dict(state.factors)
+  corrupted["Dense_0"] = corrupted["Dense_0"]._replace(
+      gradient_factor=corrupted["Dense_0"].gradient_factor.at[1, 0].set(
+          jnp.inf))
+  # Step 1 neither updates factors nor decomposes: the last decomposition
+  # stays in use and the update is finite.
+  updates, state = step(params, state._replace(factors=corrupted), *sample())
+  assert _all_finite(updates)
+  for a, b in zip(jax.tree.leaves(previous), jax.tree.leaves(
+      state.preconditioners)):
+    np.testing.assert_array_equal(a, b)
+  # Step 2 decomposes (no factor update is due): the corrupted factor
+  # restarts as the identity, the others are untouched.
+  before = state.factors
+  updates, state = step(params, state, *sample())
+  np.testing.assert_array_equal(
+      state.factors["Dense_0"].gradient_factor,
+      np.eye(before["Dense_0"].gradient_factor.shape[0]))
+  np.testing.assert_array_equal(state.factors["Dense_0"].activation_factor,
+                                before["Dense_0"].activation_factor)
+  for name in before:
+    if name != "Dense_0":
+      for a, b in zip(before[name], state.factors[name]):
+        np.testing.assert_array_equal(a, b)
+  assert _all_finite(updates) and _all_finite(state)
+  assert int(state.rejected_decompositions) == 0
+  assert int(state.skipped_factor_updates) == 0
+
+
 def test_non_finite_decomposition_keeps_the_previous_one():
   params, sample, loss_fn = _problem()
   # Inverse method with a factor whose damped Cholesky must fail: inject -inf

@@ -50,13 +50,13 @@ def update_factors(factors: LayerFactors, batch: LayerFactors,
   return LayerFactors(*map(average, factors, batch))
 
 
-def restart_if_non_finite(factors: LayerFactors) -> LayerFactors:
-  """The identity in place of a running factor holding NaN/Inf (exact check).
+def non_finite(factors: LayerFactors) -> LayerFactors:
+  """Per factor, whether it holds NaN/Inf: bool scalars (exact, O(d²))."""
+  return LayerFactors(*(~finite.all_finite(f) for f in factors))
 
-  Factor updates only ever average finite batches into finite factors, so a
-  non-finite running factor comes from outside (a corrupted restore, float16
-  storage overflowing); it restarts as ``init_factors`` does.
-  """
+
+def restart(factors: LayerFactors, flags: LayerFactors) -> LayerFactors:
+  """The identity (as ``init_factors``) in place of each flagged factor."""
   return LayerFactors(*(
-      finite.select(finite.all_finite(f), f, jnp.eye(f.shape[0], dtype=f.dtype))
-      for f in factors))
+      finite.select(flag, jnp.eye(f.shape[0], dtype=f.dtype), f)
+      for f, flag in zip(factors, flags)))

@@ -34,9 +34,9 @@ from kfac_jax.distribution import placement as placement_lib
 from kfac_jax.distribution import strategy
 from kfac_jax.distribution.placement import ShardedPreconditioners
 from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
+from kfac_jax.factors import running
 from kfac_jax.factors.running import (LayerFactors, factor_dims,
-                                      init_factors, restart_if_non_finite,
-                                      update_factors)
+                                      init_factors, update_factors)
 from kfac_jax.preconditioning.gradient_matrix import from_matrix, to_matrix
 from kfac_jax.preconditioning.methods import Preconditioner, make_method
 from kfac_jax.preconditioning.kl_clip import kl_clip_scale
@@ -262,6 +262,20 @@ def scale_by_kfac(
     dims = layers_lib.blocks_of(layers)
     active_blocks = _block_names(layers, active)
 
+    factor_step = count % factor_update_steps_fn(count) == 0
+    decomposition_step = count % inv_update_steps_fn(count) == 0
+    # Factor updates only average finite batches into finite factors, so a
+    # non-finite running factor comes from outside (a corrupted restore,
+    # float16 storage overflowing). The exact O(d²) check runs on
+    # decomposition steps only; a flagged factor restarts from the identity
+    # in a factor update forced on that step, before it is decomposed.
+    corrupted = lax.cond(
+        decomposition_step,
+        lambda: {b: running.non_finite(f) for b, f in state.factors.items()},
+        lambda: {b: LayerFactors(jnp.array(False), jnp.array(False))
+                 for b in state.factors})
+    any_corrupted = jnp.any(jnp.stack(jax.tree.leaves(corrupted)))
+
     def updated_factors():
       # A batch whose factors hold NaN/Inf never enters the running factors.
       # (The gradients are not checked: they do not enter the factors, and
@@ -270,33 +284,31 @@ def scale_by_kfac(
       ok = batch_lib.covariances_finite(
           f for factors in new.values() for f in factors)
       decay_value = factor_decay_fn(count)
-      # A select, not a cond: it fuses into the averaging pass.
-      factors = {
-          name: (finite.select(ok, update_factors(old, new[name], decay_value),
-                               old) if name in new else old)
-          for name, old in state.factors.items()}
-      return factors, state.skipped_factor_updates + (~ok).astype(jnp.int32)
+      factors = {}
+      for name, old in state.factors.items():
+        start = running.restart(old, corrupted[name])
+        # Selects, not conds: they fuse into the averaging pass.
+        factors[name] = (finite.select(
+            ok & factor_step, update_factors(start, new[name], decay_value),
+            start) if name in new else start)
+      skipped = state.skipped_factor_updates + (factor_step & ~ok).astype(
+          jnp.int32)
+      return factors, skipped
 
     factors, skipped = lax.cond(
-        count % factor_update_steps_fn(count) == 0, updated_factors,
+        factor_step | any_corrupted, updated_factors,
         lambda: (dict(state.factors), state.skipped_factor_updates))
 
     def decomposed():
-      # A running factor that is itself non-finite (a corrupted restore)
-      # restarts from the identity here, where the O(d²) check runs once per
-      # decomposition rather than on every factor step. A decomposition that
-      # comes out non-finite keeps the previous one.
-      restarted = {block: restart_if_non_finite(factors[block])
-                   for block in active_blocks}
+      # A decomposition that comes out non-finite keeps the previous one.
       preconditioners, rejected = placement.decompose(
-          dims, restarted, state.preconditioners, damping_value)
-      return ({**factors, **restarted}, preconditioners,
-              state.rejected_decompositions + rejected)
+          dims, {block: factors[block] for block in active_blocks},
+          state.preconditioners, damping_value)
+      return preconditioners, state.rejected_decompositions + rejected
 
-    factors, preconditioners, rejected = lax.cond(
-        count % inv_update_steps_fn(count) == 0, decomposed,
-        lambda: (factors, state.preconditioners,
-                 state.rejected_decompositions))
+    preconditioners, rejected = lax.cond(
+        decomposition_step, decomposed,
+        lambda: (state.preconditioners, state.rejected_decompositions))
 
     gradient_matrices = {}
     for name in active:
