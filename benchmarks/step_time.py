@@ -15,18 +15,25 @@ formulas.
   python benchmarks/step_time.py --models autoencoder --batch-sizes 256
   python benchmarks/step_time.py --dm                  # + DeepMind kfac-jax
   python benchmarks/step_time.py --smoke --out /tmp/x  # CI-cheap, < 30 s
+  python benchmarks/step_time.py --variants sgd kfac-inverse --kfac-revs HEAD~1
+                                    # A/B: the working tree against HEAD~1
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
+import io
 import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -91,6 +98,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--variants", nargs="+", choices=ALL_VARIANTS, default=None,
                  help="optimizers to time; sgd is the baseline, keep it "
                  "(default: all; with --smoke: all but adamw)")
+  p.add_argument("--kfac-revs", nargs="+", default=[], metavar="REV",
+                 help="A/B in one run: also time every K-FAC variant with "
+                 "kfac_jax as of these git revisions (named "
+                 "<variant>@<commit>), interleaved with the working tree's")
   p.add_argument("--rounds", type=int, default=4,
                  help="round-robin rounds per configuration")
   p.add_argument("--steps-per-round", type=int, default=10,
@@ -176,15 +187,45 @@ def kfac_jax_provenance() -> dict[str, Any]:
 # Optimizers and step functions.
 
 
-def make_tx(variant: str, args: argparse.Namespace) -> optax.GradientTransformation:
+def load_kfac_revision(rev: str) -> tuple[str, Any]:
+  """``(commit, module)``: kfac_jax as of git revision ``rev``.
+
+  ``git archive`` copies the package into a temporary directory as
+  ``kfac_jax_<commit>`` (its own imports renamed), so it imports beside the
+  working tree's ``kfac_jax`` in one process.
+  """
+  git = lambda *a: subprocess.run(["git", *a], cwd=HERE.parent,
+                                  capture_output=True, check=True).stdout
+  commit = git("rev-parse", "--short", rev).decode().strip()
+  name = f"kfac_jax_{commit}"
+  root = pathlib.Path(tempfile.mkdtemp(prefix="kfac_rev_"))
+  with tarfile.open(fileobj=io.BytesIO(git("archive", commit, "kfac_jax")),
+                    mode="r") as archive:
+    # (Our own repository's archive; the filter exists from Python 3.11.4.)
+    archive.extractall(root, **({"filter": "data"} if hasattr(
+        tarfile, "data_filter") else {}))
+  (root / "kfac_jax").rename(root / name)
+  for source in (root / name).rglob("*.py"):
+    source.write_text(re.sub(r"\bkfac_jax\b", name, source.read_text()))
+  sys.path.insert(0, str(root))
+  return commit, importlib.import_module(name)
+
+
+def kfac_method(variant: str) -> str:
+  """``eigen`` or ``inverse`` of ``kfac-<method>[@<commit>]``."""
+  return variant.split("-", 1)[1].split("@")[0]
+
+
+def make_tx(variant: str, args: argparse.Namespace,
+            lib: Any = kfac_jax) -> optax.GradientTransformation:
   lr = args.learning_rate
   if variant == "sgd":
     return optax.sgd(lr, momentum=0.9)
   if variant == "adamw":
     return optax.adamw(1e-3, weight_decay=1e-4)
-  method = variant.split("-", 1)[1]
+  method = kfac_method(variant)
   return optax.chain(
-      kfac_jax.scale_by_kfac(
+      lib.scale_by_kfac(
           learning_rate=lr, damping=args.damping, factor_decay=0.95,
           kl_clip=1e-3, factor_update_steps=1,
           inv_update_steps=args.inv_update_steps, compute_method=method),
@@ -255,16 +296,17 @@ def resnet_config(args: argparse.Namespace) -> Config:
   return c
 
 
-def make_contestant(variant: str, config: Config,
-                    args: argparse.Namespace) -> Contestant:
-  tx = make_tx(variant, args)
+def make_contestant(variant: str, config: Config, args: argparse.Namespace,
+                    lib: Any = kfac_jax) -> Contestant:
+  """``lib``: the kfac_jax module to time (``load_kfac_revision``)."""
+  tx = make_tx(variant, args, lib)
   opt_state = tx.init(config.params)
   loss_fn = config.loss_fn
 
   if is_kfac(variant):
 
     def step(params, extra, opt_state, *data):
-      (loss, extra), grads, stats = kfac_jax.value_grad_and_stats(
+      (loss, extra), grads, stats = lib.value_grad_and_stats(
           loss_fn, has_aux=True)(params, extra, *data)
       updates, opt_state = tx.update(grads, opt_state, params,
                                      kfac_stats=stats)
@@ -365,6 +407,10 @@ def flop_floor(shapes: Sequence[dict[str, int]], method: str, period: int,
 
 def run_config(config: Config, args: argparse.Namespace) -> dict[str, Any]:
   contestants = [make_contestant(v, config, args) for v in args.variants]
+  contestants += [
+      make_contestant(f"{v}@{commit}", config, args, lib)
+      for commit, lib in args.kfac_libs.items()
+      for v in args.variants if is_kfac(v)]
   meta, summary = bench_common.run_with_progress(
       contestants, args, f"{config.name} b={config.batch}")
   shapes = layer_shapes(config)
@@ -372,7 +418,7 @@ def run_config(config: Config, args: argparse.Namespace) -> dict[str, Any]:
     s = summary[c.name]
     s["final_loss"] = float(c.carry[3])
     if is_kfac(c.name):
-      floor = flop_floor(shapes, c.name.split("-", 1)[1],
+      floor = flop_floor(shapes, kfac_method(c.name),
                          args.inv_update_steps, args.eigh_flops,
                          args.inverse_flops)
       s.update(floor)
@@ -548,6 +594,7 @@ def markdown(results: list[dict[str, Any]], comparison: dict[str, Any] | None,
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
+  args.kfac_libs = dict(map(load_kfac_revision, args.kfac_revs))
   started = time.time()
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   args.out.mkdir(parents=True, exist_ok=True)
@@ -567,7 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     record = dict(
         command=command,
         args={k: str(v) if isinstance(v, pathlib.Path) else v
-              for k, v in vars(args).items()},
+              for k, v in vars(args).items() if k != "kfac_libs"},
         environment=env,
         load_average_at_end=bench_common.load_average(),
         wall_s=time.time() - started,

@@ -11,11 +11,11 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_smoke(script: str, out,
+def run_smoke(script: str, out, *extra: str,
               **env: str) -> subprocess.CompletedProcess[str]:
   result = subprocess.run(
       [sys.executable, f"benchmarks/{script}", "--smoke", "--no-progress",
-       "--out", str(out)],
+       "--out", str(out), *extra],
       cwd=REPO, env=dict(os.environ, **env), capture_output=True, text=True,
       timeout=240)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -23,12 +23,19 @@ def run_smoke(script: str, out,
 
 
 def test_step_time_smoke(tmp_path):
-  result = run_smoke("step_time.py", tmp_path)
+  result = run_smoke("step_time.py", tmp_path, "--kfac-revs", "HEAD")
   (results_file,) = tmp_path.glob("step_time_*.json")
   results = json.loads(results_file.read_text())
   assert results  # a non-empty record of the run
   for variant in ("sgd", "kfac-eigen", "kfac-inverse"):
     assert variant in result.stdout
+  # --kfac-revs: the committed package, timed beside the working tree's.
+  head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                        capture_output=True, text=True,
+                        check=True).stdout.strip()
+  timed = results["results"][0]["variants"]
+  for variant in ("kfac-eigen", "kfac-inverse"):
+    assert timed[f"{variant}@{head}"]["n_plain"] > 0
 
 
 def test_scaling_smoke(tmp_path):
