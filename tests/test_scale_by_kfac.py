@@ -212,7 +212,9 @@ def test_unregistered_gradients_pass_through_and_skip_layers():
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
   for skip, preconditioned in [(None, {"encoder", "head"}),
                                (["^head$"], {"encoder"}),
-                               (["Dense"], set())]:
+                               (["Dense"], set()),
+                               # By path: no K-FAC state at all.
+                               (["encoder|head"], set())]:
     tx = kfac_jax.scale_by_kfac(skip_layers=skip)
     state = tx.init(params)
     updates, _ = tx.update(grads, state, params, kfac_stats=stats)

@@ -274,7 +274,8 @@ def scale_by_kfac(
         lambda: {b: running.non_finite(f) for b, f in state.factors.items()},
         lambda: {b: LayerFactors(jnp.array(False), jnp.array(False))
                  for b in state.factors})
-    any_corrupted = jnp.any(jnp.stack(jax.tree.leaves(corrupted)))
+    any_corrupted = functools.reduce(jnp.logical_or, jax.tree.leaves(corrupted),
+                                     jnp.array(False))  # no layers: False
 
     def updated_factors():
       # A batch whose factors hold NaN/Inf never enters the running factors.
