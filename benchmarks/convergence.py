@@ -38,9 +38,13 @@ Tasks:
 Optimizers (``--optimizers``): ``sgd`` (optax.sgd, Nesterov momentum 0.9),
 ``adam`` (optax.adam), ``muon`` (optax.contrib.muon; its Adam part for
 non-matrix parameters keeps lr 1e-3), ``kron`` (PSGD Kron from the
-``distributed-kron`` package, if installed) and ``kfac`` (kfac_jax.kfac:
+``distributed-kron`` package, if installed), ``kfac`` (kfac_jax.kfac:
 scale_by_kfac + SGD momentum 0.9, with the task's settings in
-``KFAC_SETTINGS``, which come from the examples and are not tuned here).
+``KFAC_SETTINGS``, which come from the examples and are not tuned here) and
+``kfac_adaptive`` (``scale_by_kfac(adaptive=...)``: learning rate, momentum
+and damping from the exact quadratic model, with DeepMind kfac-jax's
+autoencoder-example settings, ``KFAC_ADAPTIVE_SETTINGS``). Having no learning
+rate, ``kfac_adaptive`` is not swept.
 
 Outputs in ``--out``: ``convergence_<stamp>.json`` (every run's curve,
 settings and versions, rewritten after each run; ``--resume FILE`` continues
@@ -89,8 +93,9 @@ import mnist_autoencoder  # pylint: disable=g-import-not-at-top,wrong-import-pos
 import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 import shakespeare_transformer  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-OPTIMIZERS = ("sgd", "adam", "muon", "kron", "kfac")
+OPTIMIZERS = ("sgd", "adam", "muon", "kron", "kfac", "kfac_adaptive")
 FIRST_ORDER = ("sgd", "adam", "muon", "kron")
+NO_LEARNING_RATE = ("kfac_adaptive",)
 # Each optimizer's customary learning rate; the sweep is center × LR_GRID.
 CENTERS = {"sgd": 1e-2, "adam": 1e-3, "muon": 1e-2, "kron": 3e-4,
            "kfac": 0.1}
@@ -114,6 +119,13 @@ KFAC_SETTINGS = {
                         factor_decay=0.95, factor_update_steps=1,
                         inv_update_steps=10),
 }
+# DeepMind kfac-jax's examples/autoencoder_mnist settings (initial damping
+# 150, adapted every 5 steps by 0.95^5 within [1e-5, 1000], inverses every 5
+# steps, factor decay 0.95), used for every task.
+KFAC_ADAPTIVE_SETTINGS = dict(
+    compute_method="eigen", compute_eigenvalue_outer_product=False,
+    damping=150.0, factor_decay=0.95, factor_update_steps=1,
+    inv_update_steps=5, kl_clip=None)
 BUDGETS = {"autoencoder": 420.0, "cifar": 300.0, "shakespeare": 300.0}
 
 
@@ -138,6 +150,8 @@ class Task:
     evaluate: ``params -> metric`` on the task's evaluation set.
     layers: K-FAC's layer table (``kfac_jax.trace_layers``), or None when
       ``init`` alone describes the layers.
+    split_loss: ``split_loss(*batch) -> kfac_jax.SplitLoss``, the objective
+      split into network and loss (for ``kfac_adaptive``).
   """
 
   name: str
@@ -150,6 +164,7 @@ class Task:
   loss_fn: Callable[..., jax.Array]
   evaluate: Callable[[Any], float]
   layers: Any = None
+  split_loss: Callable[..., kfac_jax.SplitLoss] | None = None
 
   def better(self, a: float, b: float) -> bool:
     """Whether metric ``a`` is strictly better than ``b`` (NaN never is)."""
@@ -187,6 +202,13 @@ def autoencoder_task(eval_examples: int | None, batch_size: int) -> Task:
     return (mnist_autoencoder.reconstruction_losses(logits, x).mean() +
             weight_decay * l2_penalty(params))
 
+  def split_loss(x):
+    return kfac_jax.SplitLoss(
+        outputs_fn=lambda params: model.apply({"params": params}, x),
+        loss_fn=lambda logits: mnist_autoencoder.reconstruction_losses(
+            logits, x).mean(),
+        regularizer=lambda params: weight_decay * l2_penalty(params))
+
   @jax.jit
   def per_example(params, x):
     return mnist_autoencoder.reconstruction_losses(
@@ -211,7 +233,8 @@ def autoencoder_task(eval_examples: int | None, batch_size: int) -> Task:
       init=lambda seed: model.init(jax.random.key(seed),
                                    mnist.x_train[:1])["params"],
       loss_fn=loss_fn,
-      evaluate=evaluate)
+      evaluate=evaluate,
+      split_loss=split_loss)
 
 
 def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
@@ -223,6 +246,13 @@ def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
     logits = model.apply({"params": params}, x)
     return (optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
             + weight_decay * l2_penalty(params))
+
+  def split_loss(x, y):
+    return kfac_jax.SplitLoss(
+        outputs_fn=lambda params: model.apply({"params": params}, x),
+        loss_fn=lambda logits: optax.softmax_cross_entropy_with_integer_labels(
+            logits, y).mean(),
+        regularizer=lambda params: weight_decay * l2_penalty(params))
 
   @jax.jit
   def correct(params, x, y):
@@ -241,7 +271,8 @@ def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
                                    images.x_train[:1])["params"],
       loss_fn=loss_fn,
       evaluate=lambda params: 100 * chunked_mean(
-          lambda x, y: correct(params, x, y), test, 1000))
+          lambda x, y: correct(params, x, y), test, 1000),
+      split_loss=split_loss)
 
 
 def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
@@ -254,6 +285,12 @@ def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
 
   def loss_fn(params, x, y):
     return shakespeare_transformer.token_losses(model, params, x, y).mean()
+
+  def split_loss(x, y):
+    return kfac_jax.SplitLoss(
+        outputs_fn=lambda params: model.apply({"params": params}, x),
+        loss_fn=lambda logits: optax.softmax_cross_entropy_with_integer_labels(
+            logits, y).mean())
 
   @jax.jit
   def per_sequence(params, x, y):
@@ -274,7 +311,8 @@ def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
       loss_fn=loss_fn,
       evaluate=lambda params: chunked_mean(
           lambda x, y: per_sequence(params, x, y), val, 512),
-      layers=kfac_jax.trace_layers(loss_fn, init(0), *example))
+      layers=kfac_jax.trace_layers(loss_fn, init(0), *example),
+      split_loss=split_loss)
 
 
 TASK_BUILDERS = {"autoencoder": (autoencoder_task, 1000),
@@ -300,8 +338,9 @@ def import_kron():
   return distributed_kron.kron
 
 
-def build_optimizer(name: str, lr: float, task: Task) -> common.Optimizer:
-  """One contestant at learning rate ``lr``."""
+def build_optimizer(name: str, lr: float | None,
+                    task: Task) -> common.Optimizer:
+  """One contestant at learning rate ``lr`` (None for ``NO_LEARNING_RATE``)."""
   if name == "sgd":
     return common.Optimizer(
         "sgd", optax.sgd(lr, momentum=0.9, nesterov=True),
@@ -331,6 +370,16 @@ def build_optimizer(name: str, lr: float, task: Task) -> common.Optimizer:
         uses_kfac=True,
         description=f"kfac_jax.kfac(lr={lr:g}, momentum=0.9, " + ", ".join(
             f"{k}={v!r}" for k, v in settings.items()) + ")")
+  if name == "kfac_adaptive":
+    return common.Optimizer(
+        "kfac_adaptive",
+        kfac_jax.scale_by_kfac(layers=task.layers,
+                               adaptive=kfac_jax.AdaptiveConfig(),
+                               **KFAC_ADAPTIVE_SETTINGS),
+        uses_kfac=True, needs_split_loss=True,
+        description="kfac_jax.scale_by_kfac(adaptive=AdaptiveConfig(), " +
+        ", ".join(f"{k}={v!r}" for k, v in KFAC_ADAPTIVE_SETTINGS.items()) +
+        ")")
   raise ValueError(f"unknown optimizer {name!r}; use one of {OPTIMIZERS}.")
 
 
@@ -347,7 +396,8 @@ def train_run(task: Task, optimizer: common.Optimizer, seed: int,
   opt_state = optimizer.tx.init(params)
   example = tuple(a[:task.batch_size] for a in task.data)
   start = time.perf_counter()
-  step = common.make_train_step(task.loss_fn, optimizer).lower(
+  step = common.make_train_step(
+      task.loss_fn, optimizer, split_loss=task.split_loss).lower(
       params, opt_state, None, *example).compile()
   compile_seconds = time.perf_counter() - start
 
@@ -428,7 +478,7 @@ class Race:
       record = self.done[key]
     else:
       optimizer = build_optimizer(name, lr, task)
-      label = f"{task.name} {phase} {name} lr={lr:.3g} seed={seed}"
+      label = f"{task.name} {phase} {name} lr={format_lr(lr)} seed={seed}"
       record = train_run(task, optimizer, seed, budget, self.args.eval_every,
                          self.args.max_steps, not self.args.no_progress, label)
       record.update(phase=phase, lr=lr)
@@ -440,6 +490,10 @@ class Race:
     self.path.write_text(json.dumps(dict(self.meta, runs=self.runs),
                                     indent=1))
     return record
+
+
+def format_lr(lr: float | None) -> str:
+  return "adaptive" if lr is None else f"{lr:.3g}"
 
 
 def rounded(lr: float) -> float:
@@ -489,6 +543,9 @@ def race_task(task: Task, args: argparse.Namespace, race: Race
                   budget)
   best_lr, sweeps = {}, {}
   for name in args.optimizers:
+    if name in NO_LEARNING_RATE:
+      best_lr[name] = None
+      continue
     if args.no_sweep:
       best_lr[name] = args.center.get(name, CENTERS[name])
       continue
@@ -534,7 +591,7 @@ def summary_table(result: dict[str, Any]) -> str:
     spread = (f" ({min(values):.4g}–{max(values):.4g})" if len(values) > 1
               else "")
     lines.append(
-        f"| {name} | {result['best_lr'][name]:g} | "
+        f"| {name} | {format_lr(result['best_lr'][name])} | "
         f"{np.median(values):.4g}{spread} | {len(hits)}/{len(runs)} | {steps} "
         f"| {'—' if seconds is None else f'{seconds:.0f}'} | {ratio} | "
         f"{np.median([r['ms_per_step'] for r in runs]):.0f} | "
@@ -565,7 +622,8 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     color = f"C{i}"
     for j, run in enumerate(runs):
       points = [p for p in run["curve"] if math.isfinite(p["metric"])]
-      label = f"{name} (lr {result['best_lr'][name]:g})" if j == 0 else None
+      label = (f"{name} (lr {format_lr(result['best_lr'][name])})"
+               if j == 0 else None)
       for ax, x in ((ax_step, "step"), (ax_time, "seconds")):
         ax.plot([p[x] for p in points], [p["metric"] for p in points],
                 color=color, lw=1.4, alpha=1.0 if j == 0 else 0.45,
@@ -596,9 +654,9 @@ def parse_centers(values: Sequence[str]) -> dict[str, float]:
   centers = {}
   for value in values:
     name, _, lr = value.partition("=")
-    if name not in OPTIMIZERS or not lr:
+    if name not in CENTERS or not lr:
       raise SystemExit(f"--center {value!r}: use NAME=LR with NAME in "
-                       f"{OPTIMIZERS}.")
+                       f"{tuple(CENTERS)}.")
     centers[name] = float(lr)
   return centers
 
@@ -682,6 +740,7 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
       args={k: (str(v) if isinstance(v, pathlib.Path) else v)
             for k, v in vars(args).items()},
       centers=CENTERS, lr_grid=LR_GRID, kfac_settings=KFAC_SETTINGS,
+      kfac_adaptive_settings=KFAC_ADAPTIVE_SETTINGS,
       git_commit=commit, git_dirty=dirty, jax=jax.__version__,
       optax=optax.__version__, flax=flax.__version__,
       machine=platform.machine(),

@@ -43,12 +43,15 @@ class Optimizer:
     tx: the optax transformation.
     uses_kfac: whether ``tx.update`` needs ``kfac_stats`` (K-FAC).
     description: hyper-parameters, printed under the table.
+    needs_split_loss: whether ``tx.update`` also needs ``split_loss``
+      (``scale_by_kfac(adaptive=...)``).
   """
 
   name: str
   tx: optax.GradientTransformation
   uses_kfac: bool = False
   description: str = ""
+  needs_split_loss: bool = False
 
 
 @dataclasses.dataclass
@@ -87,16 +90,22 @@ class RunResult:
     return 1000 * self.train_seconds / max(self.steps, 1)
 
 
-def make_train_step(loss_fn: LossFn, optimizer: Optimizer,
-                    stateful: bool = False) -> Callable[..., Any]:
+def make_train_step(
+    loss_fn: LossFn, optimizer: Optimizer, stateful: bool = False,
+    split_loss: Callable[..., kfac_jax.SplitLoss] | None = None,
+) -> Callable[..., Any]:
   """``step(params, opt_state, model_state, *batch) -> (params, opt_state,
   model_state, loss)``, jitted.
 
   ``stateful``: ``loss_fn(params, model_state, *batch)`` returns ``(loss,
   new_model_state)``; otherwise ``loss_fn(params, *batch)`` returns the loss
-  and ``model_state`` passes through.
+  and ``model_state`` passes through. ``split_loss(*batch)``: the batch
+  loss as a ``kfac_jax.SplitLoss``, for optimizers that need it.
   """
   tx = optimizer.tx
+  if optimizer.needs_split_loss and (split_loss is None or stateful):
+    raise ValueError(f"{optimizer.name} needs a split_loss (and a stateless "
+                     "loss_fn).")
 
   def loss_and_state(params, model_state, *batch):
     if stateful:
@@ -107,7 +116,10 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer,
     if optimizer.uses_kfac:
       (loss, model_state), grads, stats = kfac_jax.value_grad_and_stats(
           loss_and_state, has_aux=True)(params, model_state, *batch)
-      updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+      extra = (dict(split_loss=split_loss(*batch))
+               if optimizer.needs_split_loss else {})
+      updates, opt_state = tx.update(grads, opt_state, params,
+                                     kfac_stats=stats, **extra)
     else:
       (loss, model_state), grads = jax.value_and_grad(
           loss_and_state, has_aux=True)(params, model_state, *batch)

@@ -13,6 +13,9 @@ from kfac_jax.preconditioning.inverse import InversePreconditioner
 from kfac_jax.transform.alias import kfac
 from kfac_jax.transform.hyperparameters import ComputeMethod
 from kfac_jax.transform.partition_specs import get_opt_state_partition_specs
+from kfac_jax.transform.quadratic_model import AdaptiveConfig
+from kfac_jax.transform.quadratic_model import QuadraticModelState
+from kfac_jax.transform.quadratic_model import SplitLoss
 from kfac_jax.transform.scale_by_kfac import AccumulatorState
 from kfac_jax.transform.scale_by_kfac import ScaleByKFACState
 from kfac_jax.transform.scale_by_kfac import scale_by_kfac
@@ -21,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccumulatorState",
+    "AdaptiveConfig",
     "AssignmentStrategy",
     "ComputeMethod",
     "DistributedStrategy",
@@ -29,8 +33,10 @@ __all__ = [
     "LayerInfo",
     "LayerFactors",
     "LayerStatistics",
+    "QuadraticModelState",
     "ScaleByKFACState",
     "ShardedPreconditioners",
+    "SplitLoss",
     "get_opt_state_partition_specs",
     "kfac",
     "scale_by_kfac",

@@ -109,19 +109,51 @@ def _per_block(rows_fn: Callable[[jax.Array, LayerSignature], jax.Array],
   return rows.reshape((-1,) + rows.shape[2:])
 
 
-def batch_factors(stats: LayerStatistics) -> tuple[jax.Array, jax.Array]:
-  """``(A [blocks, dA, dA], G [blocks, dG, dG])`` of one batch, summed over calls."""
+def fisher_scales(output_cotangent: jax.Array,
+                  signature: LayerSignature) -> tuple[float, float]:
+  """``(A scale, G scale)`` that bring one call's factors to the Fisher's.
+
+  The captured cotangents are those of a loss averaged over the ``N`` rows
+  (examples, or tokens), ``c = ∇ℓ / N``, so for a dense layer ``A ⊗ N²G``
+  is K-FAC's estimate of that loss's Fisher ``(1/N) Σ ∇ℓ ∇ℓᵀ``: ``(1, N²)``.
+  A convolution with ``T`` output positions (``N = B·T`` rows) has both of
+  KAISA's factors divided by ``T`` (``A = Ω/T²``, ``G = Γ/(B²T²)`` with
+  ``Ω``, ``Γ`` the per-position covariances of inputs and of ``∇ℓ``), while
+  KFC's estimate is ``Ω ⊗ TΓ``: ``(T², N²T)``.
+  """
+  stack = signature.stack_ndim
+  if signature.conv is None:
+    rows = math.prod(
+        output_cotangent.shape[stack:output_cotangent.ndim -
+                               signature.output_ndim])
+    return 1.0, float(rows)**2
+  positions = math.prod(
+      output_cotangent.shape[-1 - len(signature.conv.window):-1])
+  rows = math.prod(output_cotangent.shape[stack:-1])
+  return float(positions)**2, float(rows)**2 * positions
+
+
+def batch_factors(stats: LayerStatistics,
+                  fisher_scaled: bool = False) -> tuple[jax.Array, jax.Array]:
+  """``(A [blocks, dA, dA], G [blocks, dG, dG])`` of one batch, summed over calls.
+
+  ``fisher_scaled`` scales each call's factors by ``fisher_scales``, so that
+  ``A ⊗ G`` estimates the Fisher of the mean loss rather than KAISA's
+  ``1/N²`` of it (whose damping values assume the latter).
+  """
   signature = stats.signature
+  scales = [fisher_scales(g, signature) if fisher_scaled else (1.0, 1.0)
+            for g in stats.output_cotangents]
   if signature.num_embeddings is not None:
     activation_factor = sum(_per_block(token_frequencies, ids, signature)
                             for ids in stats.inputs)
   else:
     activation_factor = sum(
-        covariance(_per_block(activation_rows, x, signature))
-        for x in stats.inputs)
+        covariance(_per_block(activation_rows, x, signature)) * scale
+        for x, (scale, _) in zip(stats.inputs, scales))
   gradient_factor = sum(
-      covariance(_per_block(gradient_rows, g, signature))
-      for g in stats.output_cotangents)
+      covariance(_per_block(gradient_rows, g, signature)) * scale
+      for g, (_, scale) in zip(stats.output_cotangents, scales))
   return activation_factor, gradient_factor
 
 

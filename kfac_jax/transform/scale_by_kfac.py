@@ -41,6 +41,9 @@ from kfac_jax.preconditioning.gradient_matrix import from_matrix, to_matrix
 from kfac_jax.preconditioning.methods import Preconditioner, make_method
 from kfac_jax.preconditioning.kl_clip import kl_clip_scale
 from kfac_jax.transform import hyperparameters as hp
+from kfac_jax.transform import quadratic_model
+from kfac_jax.transform.quadratic_model import (AdaptiveConfig,
+                                                QuadraticModelState, SplitLoss)
 from kfac_jax.transform.hyperparameters import ComputeMethod, ScalarOrSchedule
 
 class AccumulatorState(NamedTuple):
@@ -72,6 +75,8 @@ class ScaleByKFACState(NamedTuple):
       held NaN/Inf (int32 scalar).
     rejected_decompositions: per-layer decompositions that came out non-finite
       and were discarded, keeping the previous one (int32 scalar).
+    quadratic_model: with ``adaptive``, the damping, previous update and
+      step sizes (``QuadraticModelState``); else None.
   """
 
   count: jax.Array
@@ -80,6 +85,7 @@ class ScaleByKFACState(NamedTuple):
   accumulator: AccumulatorState | None
   skipped_factor_updates: jax.Array
   rejected_decompositions: jax.Array
+  quadratic_model: QuadraticModelState | None = None
 
 
 def scale_by_kfac(
@@ -103,6 +109,7 @@ def scale_by_kfac(
     layers: LayerTable | None = None,
     precondition_embeddings: bool = False,
     decomposition_batch_size: int | None = None,
+    adaptive: AdaptiveConfig | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC gradient preconditioning (KAISA's algorithm) as an optax transform.
 
@@ -169,10 +176,23 @@ def scale_by_kfac(
       layers) are decomposed by one ``vmap``; with a positive integer k,
       by ``lax.map`` over batches of k instead, bounding the decomposition
       workspace. ``None``: all at once.
+    adaptive: an ``AdaptiveConfig`` turns on DeepMind kfac-jax's adaptive
+      mode (``transform.quadratic_model``): the update is ``α Δ + μ δ`` with
+      ``Δ`` the negated K-FAC direction, ``δ`` the previous update and
+      ``(α, μ)`` minimising the exact Gauss-Newton quadratic model of the
+      batch loss, and ``damping`` (the initial λ, a constant) follows the
+      Levenberg-Marquardt rule. ``G`` is kept at the scale of the mean loss's
+      Fisher (``factors.batch.fisher_scale``), so λ means what it means in
+      kfac-jax. The updates are then the final parameter updates (apply them
+      with ``optax.apply_updates``; chain nothing that rescales them), and
+      ``update`` also needs ``params`` and ``split_loss=SplitLoss(...)``.
+      Needs ``kl_clip=None`` and ``accumulation_steps=1``; ``learning_rate``
+      is unused.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes the
-    keyword argument ``kfac_stats`` (from ``value_grad_and_stats``).
+    keyword argument ``kfac_stats`` (from ``value_grad_and_stats``), and
+    with ``adaptive`` also ``split_loss``.
   """
   learning_rate_fn = hp.positive("learning_rate", learning_rate)
   damping_fn = hp.positive("damping", damping)
@@ -191,6 +211,23 @@ def scale_by_kfac(
         f"{compute_eigenvalue_outer_product!r}.")
   skip = layers_lib.compile_patterns(skip_layers)
   table = layers
+  if adaptive is not None:
+    AdaptiveConfig.check(adaptive)
+    if kl_clip is not None:
+      raise ValueError(
+          "scale_by_kfac(adaptive=...) chooses the step size from the "
+          f"quadratic model; pass kl_clip=None (got kl_clip={kl_clip!r}).")
+    if accumulation_steps != 1:
+      raise ValueError(
+          "scale_by_kfac(adaptive=...) evaluates the quadratic model on the "
+          "batch of the step; it does not support accumulation_steps="
+          f"{accumulation_steps} (use accumulation_steps=1 and a larger "
+          "batch).")
+    if callable(damping):
+      raise TypeError(
+          "scale_by_kfac(adaptive=...): damping is the initial λ, which the "
+          "Levenberg-Marquardt rule then adapts; pass a number, not a "
+          "schedule.")
   if not isinstance(precondition_embeddings, (bool, np.bool_)):
     raise TypeError("precondition_embeddings must be a bool; got "
                     f"{precondition_embeddings!r}.")
@@ -242,7 +279,9 @@ def scale_by_kfac(
         preconditioners=placement.init(layers_lib.blocks_of(layers)),
         accumulator=accumulator,
         skipped_factor_updates=jnp.zeros([], jnp.int32),
-        rejected_decompositions=jnp.zeros([], jnp.int32))
+        rejected_decompositions=jnp.zeros([], jnp.int32),
+        quadratic_model=(None if adaptive is None else quadratic_model.init(
+            constrain_to_params(params), damping)))
 
   def optimizer_step(
       state: ScaleByKFACState, grads: Any, layers: Mapping[str, LayerInfo],
@@ -258,7 +297,8 @@ def scale_by_kfac(
     after the step (accumulator untouched).
     """
     count = state.count
-    damping_value = damping_fn(count)
+    damping_value = (damping_fn(count) if adaptive is None else
+                     state.quadratic_model.damping)
     dims = layers_lib.blocks_of(layers)
     active_blocks = _block_names(layers, active)
 
@@ -345,9 +385,12 @@ def scale_by_kfac(
       params: Any = None,
       *,
       kfac_stats: Mapping[str, LayerStatistics] | None = None,
+      split_loss: SplitLoss | None = None,
       **extra_args: Any,
   ) -> tuple[Any, ScaleByKFACState]:
-    del params, extra_args
+    del extra_args
+    if adaptive is not None:
+      _check_split_loss(split_loss, params)
     layers = find_layers(updates)
     sharded = {}
     if params_partition_specs is not None:
@@ -359,14 +402,23 @@ def scale_by_kfac(
     def stats_factors() -> dict[str, LayerFactors]:
       blocks = {}
       for name in active:
-        factors = batch_lib.batch_factors(kfac_stats[name])
+        factors = batch_lib.batch_factors(kfac_stats[name],
+                                          fisher_scaled=adaptive is not None)
         blocks.update((block, LayerFactors(a, g)) for block, a, g in zip(
             layers[name].block_names, *factors))
       return blocks
 
     if accumulation_steps == 1:
-      return optimizer_step(state, updates, layers, active, stats_factors,
-                            sharded)
+      preconditioned, new_state = optimizer_step(state, updates, layers,
+                                                 active, stats_factors, sharded)
+      if adaptive is None:
+        return preconditioned, new_state
+      step_updates, model_state = quadratic_model.step(
+          state.quadratic_model, jax.tree.map(jnp.negative, preconditioned),
+          updates, params, split_loss,
+          state.count % adaptive.damping_adaptation_interval == 0, adaptive)
+      return constrain_to_params(step_updates), new_state._replace(
+          quadratic_model=model_state)
 
     accumulator = state.accumulator
     batch_blocks = _block_names(layers, active)
@@ -450,13 +502,19 @@ def state_partition_specs(state: ScaleByKFACState,
     accumulator = AccumulatorState(
         micro_step=PartitionSpec(), gradients=params_specs,
         factors=replicated(accumulator.factors))
+  model = state.quadratic_model
+  if model is not None:
+    model = QuadraticModelState(
+        damping=PartitionSpec(), previous_update=params_specs,
+        step_sizes=PartitionSpec(), reduction_ratio=PartitionSpec())
   return ScaleByKFACState(
       count=PartitionSpec(),
       factors=replicated(state.factors),
       preconditioners=placement.partition_specs(dims),
       accumulator=accumulator,
       skipped_factor_updates=PartitionSpec(),
-      rejected_decompositions=PartitionSpec())
+      rejected_decompositions=PartitionSpec(),
+      quadratic_model=model)
 
 
 def _sharded_kernels(layers: Mapping[str, LayerInfo],
@@ -517,6 +575,28 @@ def _check_state(layers: Mapping[str, LayerInfo],
             f"Layer {block!r}: state factors A{a_shape}, G{g_shape} do not fit "
             f"a kernel {layer.kernel_shape} (bias={layer.has_bias}); re-run "
             "tx.init with the current params.")
+
+
+def _check_split_loss(split_loss: SplitLoss | None, params: Any) -> None:
+  """The adaptive mode's extra arguments must be there."""
+  if split_loss is None or params is None:
+    raise ValueError(
+        "scale_by_kfac(adaptive=...).update needs params and split_loss: "
+        "tx.update(grads, state, params, kfac_stats=stats, "
+        "split_loss=kfac_jax.SplitLoss(outputs_fn, loss_fn)) with the batch "
+        "loss = loss_fn(outputs_fn(params)) of the same batch.")
+  if not isinstance(split_loss, SplitLoss):
+    raise TypeError(
+        "split_loss must be a kfac_jax.SplitLoss(outputs_fn, loss_fn, "
+        f"regularizer=None); got {type(split_loss).__name__}.")
+  for name in ("outputs_fn", "loss_fn"):
+    if not callable(getattr(split_loss, name)):
+      raise TypeError(f"SplitLoss.{name} must be callable; got "
+                      f"{getattr(split_loss, name)!r}.")
+  if split_loss.regularizer is not None and not callable(
+      split_loss.regularizer):
+    raise TypeError("SplitLoss.regularizer must be callable or None; got "
+                    f"{split_loss.regularizer!r}.")
 
 
 def _check_stats(stats: Mapping[str, LayerStatistics] | None,

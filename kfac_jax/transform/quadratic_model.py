@@ -1,0 +1,286 @@
+"""Adaptive step sizes and damping from an exact quadratic model (Martens & Grosse).
+
+With ``adaptive=AdaptiveConfig(...)``, ``scale_by_kfac`` turns the K-FAC
+direction ``Δ = −(F̂ + λI)⁻¹ ∇`` and the previous update ``δ`` into the update
+``α Δ + μ δ`` that minimises the local quadratic model of the loss
+
+  ``M(v) = L(θ) + ∇ᵀv + ½ vᵀ(C + λI)v``
+
+over ``(α, μ)``, where ``C`` is the exact Gauss-Newton matrix of the batch
+loss (plus the regularizer's Hessian). With ``K = [Δ, δ]``:
+
+  ``[α, μ]ᵀ = −(Kᵀ(C + λI)K)⁻¹ Kᵀ∇``,
+
+a 2×2 solve whose entries need only the products ``J Δ`` and ``J δ`` of the
+network's output Jacobian ``J`` (forward mode) and the loss's Hessian with
+respect to the outputs (``SplitLoss``). Every ``interval`` steps the
+Levenberg-Marquardt rule compares the achieved reduction with the predicted
+one, ``ρ = (L(θ + v) − L(θ)) / (M(v) − L(θ))`` (by default with the
+``λ`` term left out of ``M``, as kfac-jax does), and multiplies ``λ`` by
+``ω = decay^interval`` when ``ρ > ¾`` or divides it by ``ω`` when ``ρ < ¼``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kfac_jax import finite
+
+# Below this determinant (relative to the diagonal's product) the 2×2 system
+# is treated as singular: δ is (nearly) parallel to Δ, or δ = 0 at step 0.
+_SINGULAR_TOLERANCE = 1e-6
+
+
+class SplitLoss(NamedTuple):
+  """The batch loss, split where the Gauss-Newton matrix needs it.
+
+  ``loss(params) = loss_fn(outputs_fn(params)) + regularizer(params)``, for
+  the batch whose gradients and stats are passed to the same ``update``.
+
+  Attributes:
+    outputs_fn: ``params -> outputs`` (any pytree, e.g. the logits), the
+      network applied to the batch.
+    loss_fn: ``outputs -> scalar``, the batch loss from the outputs (targets
+      closed over); convex in the outputs (cross-entropies, squared error) so
+      that the Gauss-Newton matrix ``Jᵀ ∇²loss_fn J`` is positive
+      semi-definite.
+    regularizer: optional ``params -> scalar`` added to the loss (e.g.
+      ``1e-5 · ½‖θ‖²``); its exact Hessian enters the curvature. The
+      gradients passed to ``update`` must include it.
+  """
+
+  outputs_fn: Callable[[Any], Any]
+  loss_fn: Callable[[Any], jax.Array]
+  regularizer: Callable[[Any], jax.Array] | None = None
+
+
+class AdaptiveConfig(NamedTuple):
+  """Settings of the adaptive mode of ``scale_by_kfac`` (DeepMind kfac-jax's).
+
+  Attributes:
+    min_damping: lower bound of λ, > 0.
+    max_damping: upper bound of λ, ≥ ``min_damping``.
+    damping_adaptation_decay: per-step factor ``decay`` in (0, 1); λ changes
+      by ``ω = decay^damping_adaptation_interval`` at a time.
+    damping_adaptation_interval: λ is adapted every that many steps, which
+      costs one extra forward pass of ``outputs_fn`` on those steps.
+    use_momentum: solve for ``(α, μ)``; ``False`` solves for ``α`` alone.
+    include_damping_in_quadratic_change: whether the predicted change that ρ
+      divides by includes the ``½λ‖v‖²`` term. Without it (kfac-jax's
+      default), ρ measures the Gauss-Newton model alone, and a λ much larger
+      than the curvature does not by itself read as a poor model (ρ ≈ 2).
+  """
+
+  min_damping: float = 1e-5
+  max_damping: float = 1000.0
+  damping_adaptation_decay: float = 0.95
+  damping_adaptation_interval: int = 5
+  use_momentum: bool = True
+  include_damping_in_quadratic_change: bool = False
+
+  def check(self) -> AdaptiveConfig:
+    """Raises a clear error on an invalid setting; returns ``self``."""
+    if not isinstance(self, AdaptiveConfig):
+      raise TypeError(f"adaptive must be a kfac_jax.AdaptiveConfig; got "
+                      f"{type(self).__name__}.")
+    if not 0 < self.min_damping <= self.max_damping:
+      raise ValueError(
+          "AdaptiveConfig needs 0 < min_damping <= max_damping; got "
+          f"min_damping={self.min_damping!r}, max_damping={self.max_damping!r}.")
+    if not 0 < self.damping_adaptation_decay < 1:
+      raise ValueError("AdaptiveConfig.damping_adaptation_decay must be in "
+                       f"(0, 1); got {self.damping_adaptation_decay!r}.")
+    interval = self.damping_adaptation_interval
+    if isinstance(interval, bool) or not isinstance(
+        interval, (int, np.integer)) or interval < 1:
+      raise ValueError("AdaptiveConfig.damping_adaptation_interval must be a "
+                       f"positive integer; got {interval!r}.")
+    for name in ("use_momentum", "include_damping_in_quadratic_change"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise TypeError(f"AdaptiveConfig.{name} must be a bool; got "
+                        f"{getattr(self, name)!r}.")
+    return self
+
+
+class QuadraticModelState(NamedTuple):
+  """What the adaptive mode carries between steps.
+
+  Attributes:
+    damping: the current λ (float32 scalar).
+    previous_update: the last emitted update δ (structure of the params).
+    step_sizes: ``[α, μ]`` of the last step (float32 ``[2]``).
+    reduction_ratio: ρ at the last damping adaptation (float32 scalar; 1
+      before the first one).
+  """
+
+  damping: jax.Array
+  previous_update: Any
+  step_sizes: jax.Array
+  reduction_ratio: jax.Array
+
+
+def init(params: Any, damping: float) -> QuadraticModelState:
+  return QuadraticModelState(
+      damping=jnp.asarray(damping, jnp.float32),
+      previous_update=optax.tree.zeros_like(params),
+      step_sizes=jnp.zeros([2], jnp.float32),
+      reduction_ratio=jnp.ones([], jnp.float32))
+
+
+def _dot(x: Any, y: Any) -> jax.Array:
+  """``Σ x ⊙ y`` over all leaves, in float32."""
+  return sum((jnp.vdot(a.astype(jnp.float32), b.astype(jnp.float32))
+              for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y))),
+             jnp.zeros([], jnp.float32))
+
+
+def loss_value(split_loss: SplitLoss, params: Any) -> jax.Array:
+  """``loss_fn(outputs_fn(params)) + regularizer(params)`` (float32)."""
+  value = split_loss.loss_fn(split_loss.outputs_fn(params))
+  if split_loss.regularizer is not None:
+    value = value + split_loss.regularizer(params)
+  return jnp.asarray(value, jnp.float32)
+
+
+def curvature_products(split_loss: SplitLoss, params: Any,
+                       vectors: Sequence[Any]) -> tuple[jax.Array, jax.Array]:
+  """The batch loss and ``[vᵢᵀ C vⱼ]`` (``[k, k]``) for the k ``vectors``.
+
+  ``C = Jᵀ H J + ∇²regularizer``: ``J vᵢ`` by forward mode through
+  ``outputs_fn`` (one linearisation, k cheap applications), ``H (J vⱼ)`` by
+  forward-over-reverse through ``loss_fn`` on the outputs only.
+  """
+  outputs, jacobian_product = jax.linearize(split_loss.outputs_fn, params)
+  loss = jnp.asarray(split_loss.loss_fn(outputs), jnp.float32)
+  output_tangents = [jacobian_product(v) for v in vectors]
+  _, hessian_product = jax.linearize(jax.grad(split_loss.loss_fn), outputs)
+  curved = [hessian_product(t) for t in output_tangents]
+  matrix = jnp.stack([jnp.stack([_dot(t, h) for h in curved])
+                      for t in output_tangents])
+  if split_loss.regularizer is not None:
+    loss = loss + jnp.asarray(split_loss.regularizer(params), jnp.float32)
+    _, regularizer_hessian = jax.linearize(jax.grad(split_loss.regularizer),
+                                           params)
+    curved_params = [regularizer_hessian(v) for v in vectors]
+    matrix = matrix + jnp.stack([jnp.stack([_dot(v, h) for h in curved_params])
+                                 for v in vectors])
+  return loss, (matrix + matrix.T) / 2
+
+
+def solve_step_sizes(curvature: jax.Array, inner_products: jax.Array,
+                     gradient_products: jax.Array, damping: jax.Array,
+                     use_momentum: bool) -> jax.Array:
+  """Minimiser ``c = [α, μ]`` of ``gᵀc + ½ cᵀ(Q + λ P)c``.
+
+  Args:
+    curvature: ``Q = [vᵢᵀ C vⱼ]``, ``[2, 2]`` for ``v = (Δ, δ)``.
+    inner_products: ``P = [vᵢᵀ vⱼ]``, ``[2, 2]``.
+    gradient_products: ``g = [∇ᵀΔ, ∇ᵀδ]``, ``[2]``.
+    damping: λ.
+    use_momentum: ``False`` fixes ``μ = 0``.
+
+  Returns:
+    ``[α, μ]``. When the 2×2 system is singular (``δ = 0`` at the first step,
+    or ``δ ∥ Δ``) μ is 0; when even ``ΔᵀQΔ + λΔᵀΔ`` is not positive, both
+    are 0.
+  """
+  system = curvature + damping * inner_products
+  alpha_only = jnp.where(system[0, 0] > 0,
+                         -gradient_products[0] / jnp.where(
+                             system[0, 0] > 0, system[0, 0], 1.0), 0.0)
+  one_dimensional = jnp.stack([alpha_only, jnp.zeros([], alpha_only.dtype)])
+  if use_momentum:
+    determinant = system[0, 0] * system[1, 1] - system[0, 1] * system[1, 0]
+    regular = determinant > _SINGULAR_TOLERANCE * jnp.abs(
+        system[0, 0] * system[1, 1])
+    safe = jnp.where(regular, system, jnp.eye(2, dtype=system.dtype))
+    two_dimensional = -jnp.linalg.solve(safe, gradient_products)
+    coefficients = jnp.where(regular, two_dimensional, one_dimensional)
+  else:
+    coefficients = one_dimensional
+  return coefficients
+
+
+def quadratic_change(coefficients: jax.Array, curvature: jax.Array,
+                     gradient_products: jax.Array) -> jax.Array:
+  """``gᵀc + ½ cᵀQc``: the model's change of the loss for ``v = Kc``."""
+  return (gradient_products @ coefficients +
+          0.5 * coefficients @ curvature @ coefficients)
+
+
+def adapt_damping(damping: jax.Array, reduction_ratio: jax.Array,
+                  config: AdaptiveConfig) -> jax.Array:
+  """Levenberg-Marquardt: ``λ·ω`` if ``ρ > ¾``, ``λ/ω`` if ``ρ < ¼`` or ρ is NaN.
+
+  ``ω = decay^interval``; the result is clipped to ``[min, max]``.
+  """
+  omega = config.damping_adaptation_decay**config.damping_adaptation_interval
+  new = jnp.where(reduction_ratio > 0.75, damping * omega,
+                  jnp.where(reduction_ratio >= 0.25, damping, damping / omega))
+  return jnp.clip(new, config.min_damping, config.max_damping)
+
+
+def step(state: QuadraticModelState, direction: Any, gradients: Any,
+         params: Any, split_loss: SplitLoss, adapt: jax.Array,
+         config: AdaptiveConfig) -> tuple[Any, QuadraticModelState]:
+  """The update ``α Δ + μ δ`` and the state after it.
+
+  Args:
+    state: the state before the step.
+    direction: ``Δ``, the (negated) K-FAC-preconditioned gradient.
+    gradients: ``∇`` of the batch loss.
+    params: θ.
+    split_loss: the batch loss (``SplitLoss``).
+    adapt: bool scalar, whether this step adapts λ (costs one more
+      ``loss_value`` at ``θ + v``).
+    config: the ``AdaptiveConfig``.
+
+  A non-finite result (NaN/Inf gradients or outputs) emits a zero update,
+  keeps δ and raises λ by ``1/ω``, so the next steps are more cautious.
+  """
+  previous = state.previous_update
+  vectors = (direction, previous)
+  loss, curvature = curvature_products(split_loss, params, vectors)
+  inner_products = jnp.stack([jnp.stack([_dot(u, v) for v in vectors])
+                              for u in vectors])
+  gradient_products = jnp.stack([_dot(gradients, v) for v in vectors])
+  coefficients = solve_step_sizes(curvature, inner_products,
+                                  gradient_products, state.damping,
+                                  config.use_momentum)
+  predicted = quadratic_change(
+      coefficients, curvature + state.damping * inner_products
+      if config.include_damping_in_quadratic_change else curvature,
+      gradient_products)
+  update = jax.tree.map(
+      lambda d, p: (coefficients[0] * d.astype(jnp.float32) +
+                    coefficients[1] * p.astype(jnp.float32)).astype(p.dtype),
+      direction, previous)
+  ok = jnp.isfinite(predicted) & finite.all_finite(update)
+
+  def measured_ratio():
+    new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params,
+                              update)
+    # predicted < 0 whenever the solve found a descent step; 0 when it
+    # found none, in which case ρ is left NaN and λ grows.
+    return (loss_value(split_loss, new_params) - loss) / jnp.where(
+        predicted < 0, predicted, jnp.nan)
+
+  ratio = jax.lax.cond(adapt & ok, measured_ratio,
+                       lambda: state.reduction_ratio)
+  damping = jnp.where(
+      ok, jnp.where(adapt, adapt_damping(state.damping, ratio, config),
+                    state.damping),
+      adapt_damping(state.damping, jnp.asarray(jnp.nan, jnp.float32), config))
+  update = finite.select(ok, update, optax.tree.zeros_like(previous))
+  new_state = QuadraticModelState(
+      damping=damping,
+      previous_update=finite.select(ok, update, previous),
+      step_sizes=jnp.where(ok, coefficients, jnp.zeros_like(coefficients)),
+      reduction_ratio=ratio)
+  return update, new_state
