@@ -121,11 +121,11 @@ KFAC_SETTINGS = {
 }
 # DeepMind kfac-jax's examples/autoencoder_mnist settings (initial damping
 # 150, adapted every 5 steps by 0.95^5 within [1e-5, 1000], inverses every 5
-# steps, factor decay 0.95), used for every task.
+# steps, factor decay 0.95), used for every task. The inverse method (with
+# π-split damping in this mode) costs less per step than the eigen method.
 KFAC_ADAPTIVE_SETTINGS = dict(
-    compute_method="eigen", compute_eigenvalue_outer_product=False,
-    damping=150.0, factor_decay=0.95, factor_update_steps=1,
-    inv_update_steps=5, kl_clip=None)
+    compute_method="inverse", damping=150.0, factor_decay=0.95,
+    factor_update_steps=1, inv_update_steps=5, kl_clip=None)
 BUDGETS = {"autoencoder": 420.0, "cifar": 300.0, "shakespeare": 300.0}
 
 

@@ -60,6 +60,27 @@ def invert(factors: LayerFactors, damping: jax.Array,
                   dtype)
 
 
+def factored_damping_scaled(factors: LayerFactors,
+                            damping: jax.Array) -> LayerFactors:
+  """``(A / (π√λ), G·π/√λ)``: with damping 1, Martens & Grosse's factored damping.
+
+  ``(A/(π√λ) + I)⁻¹ ∇ (Gπ/√λ + I)⁻¹ = λ · (A + π√λI)⁻¹ ∇ (G + √λ/π I)⁻¹``,
+  with ``π = √((tr A / dA) / (tr G / dG))``: the damping split between the
+  factors in proportion to their average eigenvalues (K-FAC §6.3), rather
+  than KAISA's λ on each. The result is ``λ`` times that preconditioned
+  gradient, a scale the adaptive mode's step size absorbs.
+  """
+  activation, gradient = (f.astype(DECOMPOSITION_DTYPE) for f in factors)
+  activation_mean = jnp.trace(activation) / activation.shape[0]
+  gradient_mean = jnp.trace(gradient) / gradient.shape[0]
+  # A zero factor (a dead layer) gets π = 1 rather than 0 or ∞.
+  pi = jnp.where((activation_mean > 0) & (gradient_mean > 0),
+                 jnp.sqrt(activation_mean / jnp.where(
+                     gradient_mean > 0, gradient_mean, 1.0)), 1.0)
+  root = jnp.sqrt(damping)
+  return LayerFactors(activation / (pi * root), gradient * (pi / root))
+
+
 def precondition(preconditioner: InversePreconditioner, gradient: jax.Array,
                  damping: jax.Array,
                  reshard: Reshard = no_reshard) -> jax.Array:

@@ -37,6 +37,7 @@ from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrate
 from kfac_jax.factors import running
 from kfac_jax.factors.running import (LayerFactors, factor_dims,
                                       init_factors, update_factors)
+from kfac_jax.preconditioning import inverse as inverse_lib
 from kfac_jax.preconditioning.gradient_matrix import from_matrix, to_matrix
 from kfac_jax.preconditioning.methods import Preconditioner, make_method
 from kfac_jax.preconditioning.kl_clip import kl_clip_scale
@@ -244,6 +245,9 @@ def scale_by_kfac(
   if decomposition_batch_size is not None:
     decomposition_batch_size = hp.static_positive_integer(
         "decomposition_batch_size", decomposition_batch_size)
+  # The adaptive mode's λ is on the Fisher's scale: the inverse method then
+  # splits it between the factors (π-damping) instead of adding λ to each.
+  factored_damping = adaptive is not None and method is ComputeMethod.INVERSE
   placement = make_placement(method, compute_eigenvalue_outer_product,
                              inv_dtype, mesh_axes, grad_worker_fraction,
                              assignment_strategy, decomposition_batch_size)
@@ -342,9 +346,15 @@ def scale_by_kfac(
 
     def decomposed():
       # A decomposition that comes out non-finite keeps the previous one.
+      to_decompose = {block: factors[block] for block in active_blocks}
+      decomposition_damping = damping_value
+      if factored_damping:
+        to_decompose = {
+            block: inverse_lib.factored_damping_scaled(f, damping_value)
+            for block, f in to_decompose.items()}
+        decomposition_damping = jnp.ones([], jnp.float32)
       preconditioners, rejected = placement.decompose(
-          dims, {block: factors[block] for block in active_blocks},
-          state.preconditioners, damping_value)
+          dims, to_decompose, state.preconditioners, decomposition_damping)
       return preconditioners, state.rejected_decompositions + rejected
 
     preconditioners, rejected = lax.cond(
@@ -359,6 +369,12 @@ def scale_by_kfac(
       gradient_matrices.update(zip(layer.block_names, blocks))
     preconditioned = placement.precondition(
         dims, preconditioners, gradient_matrices, damping_value, sharded)
+    if factored_damping:
+      # Undo the λ of `factored_damping_scaled` (λ of the last decomposition;
+      # the current one differs from it by at most ω until the next), so
+      # the layers keep their scale against unregistered parameters' ∇.
+      preconditioned = {b: p / damping_value
+                        for b, p in preconditioned.items()}
     if kl_clip_fn is not None and active:
       nu = kl_clip_scale([preconditioned[b] for b in active_blocks],
                          [gradient_matrices[b] for b in active_blocks],

@@ -1,0 +1,356 @@
+"""The adaptive mode (``transform.quadratic_model``) against dense references."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+from jax.flatten_util import ravel_pytree
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax
+from kfac_jax.capture.statistics import ConvGeometry, LayerSignature
+from kfac_jax.factors import batch as batch_lib
+from kfac_jax.factors.running import LayerFactors
+from kfac_jax.preconditioning import inverse as inverse_lib
+from kfac_jax.transform import quadratic_model
+
+L2 = 1e-3
+
+
+class MLP(nn.Module):
+  outputs: int = 3
+
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.tanh(nn.Dense(6)(x))
+    return nn.Dense(self.outputs)(x)
+
+
+def sigmoid_problem(batch: int = 32, seed: int = 0):
+  """A small MLP with a summed sigmoid cross-entropy, its split and its loss."""
+  rng = np.random.default_rng(seed)
+  model = MLP()
+  x = jnp.asarray(rng.normal(size=(batch, 4)), jnp.float32)
+  y = jnp.asarray(np.asarray(x)[:, :3] > 0, jnp.float32)  # learnable
+  params = model.init(jax.random.PRNGKey(seed), x)["params"]
+
+  def outputs_fn(p):
+    return model.apply({"params": p}, x)
+
+  def data_loss(logits):
+    return optax.sigmoid_binary_cross_entropy(logits, y).sum(-1).mean()
+
+  def regularizer(p):
+    return L2 * 0.5 * sum(jnp.vdot(v, v) for v in jax.tree.leaves(p))
+
+  split = kfac_jax.SplitLoss(outputs_fn, data_loss, regularizer)
+
+  def loss_fn(p, x_batch, y_batch):
+    logits = model.apply({"params": p}, x_batch)
+    return (optax.sigmoid_binary_cross_entropy(logits, y_batch).sum(-1).mean()
+            + regularizer(p))
+
+  return params, (x, y), split, loss_fn
+
+
+def dense_gauss_newton(split: kfac_jax.SplitLoss, params) -> np.ndarray:
+  """``Jᵀ H J + L2·I`` as a dense float64 matrix, with the closed-form H.
+
+  For ``mean_b Σ_k sigmoid_ce(z_bk)``, ``H = diag(σ(z)(1 − σ(z))) / B``.
+  """
+  flat, unravel = ravel_pytree(params)
+  logits = np.asarray(split.outputs_fn(params), np.float64)
+  jacobian = np.asarray(
+      jax.jacobian(lambda f: split.outputs_fn(unravel(f)))(flat),
+      np.float64).reshape(logits.size, flat.size)
+  s = 1 / (1 + np.exp(-logits))
+  hessian = np.diag((s * (1 - s)).reshape(-1)) / logits.shape[0]
+  return jacobian.T @ hessian @ jacobian + L2 * np.eye(flat.size)
+
+
+def random_like(params, seed):
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+      lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+
+
+def flat64(tree) -> np.ndarray:
+  return np.asarray(ravel_pytree(tree)[0], np.float64)
+
+
+def test_curvature_products_match_the_dense_gauss_newton_matrix():
+  params, _, split, _ = sigmoid_problem()
+  vectors = [random_like(params, 1), random_like(params, 2)]
+  loss, matrix = quadratic_model.curvature_products(split, params, vectors)
+  dense = dense_gauss_newton(split, params)
+  flat = np.stack([flat64(v) for v in vectors])
+  np.testing.assert_allclose(np.asarray(matrix), flat @ dense @ flat.T,
+                             rtol=1e-4)
+  np.testing.assert_allclose(float(loss),
+                             float(quadratic_model.loss_value(split, params)),
+                             rtol=1e-6)
+
+
+def test_step_sizes_minimise_the_two_dimensional_model():
+  rng = np.random.default_rng(0)
+  basis = rng.normal(size=(2, 2))
+  curvature = basis @ basis.T + 0.1 * np.eye(2)
+  vectors = rng.normal(size=(2, 5))
+  inner = vectors @ vectors.T
+  gradient_products = rng.normal(size=2)
+  damping = 0.3
+  coefficients = quadratic_model.solve_step_sizes(
+      jnp.asarray(curvature, jnp.float32), jnp.asarray(inner, jnp.float32),
+      jnp.asarray(gradient_products, jnp.float32), jnp.float32(damping), True)
+  expected = -np.linalg.solve(curvature + damping * inner, gradient_products)
+  np.testing.assert_allclose(np.asarray(coefficients), expected, rtol=1e-4)
+  alpha_only = quadratic_model.solve_step_sizes(
+      jnp.asarray(curvature, jnp.float32), jnp.asarray(inner, jnp.float32),
+      jnp.asarray(gradient_products, jnp.float32), jnp.float32(damping), False)
+  np.testing.assert_allclose(
+      np.asarray(alpha_only),
+      [-gradient_products[0] / (curvature[0, 0] + damping * inner[0, 0]), 0],
+      rtol=1e-5)
+
+
+def test_zero_previous_update_falls_back_to_the_learning_rate_alone():
+  curvature = jnp.asarray([[2.0, 0.0], [0.0, 0.0]])
+  inner = jnp.asarray([[1.0, 0.0], [0.0, 0.0]])
+  coefficients = quadratic_model.solve_step_sizes(
+      curvature, inner, jnp.asarray([-3.0, 0.0]), jnp.float32(1.0), True)
+  np.testing.assert_allclose(np.asarray(coefficients), [1.0, 0.0])
+
+
+@pytest.mark.parametrize("ratio, factor", [(0.9, 0.5), (0.5, 1.0), (0.1, 2.0),
+                                           (np.nan, 2.0)])
+def test_levenberg_marquardt_rule(ratio, factor):
+  config = kfac_jax.AdaptiveConfig(damping_adaptation_decay=0.5**0.5,
+                                   damping_adaptation_interval=2)
+  new = quadratic_model.adapt_damping(jnp.float32(1.0), jnp.float32(ratio),
+                                      config)
+  np.testing.assert_allclose(float(new), factor, rtol=1e-6)
+  clipped = quadratic_model.adapt_damping(
+      jnp.float32(config.max_damping), jnp.float32(ratio), config)
+  assert float(clipped) <= config.max_damping
+
+
+def adaptive_tx(damping=1.0, compute_method="eigen", **config):
+  return kfac_jax.scale_by_kfac(
+      damping=damping, kl_clip=None, compute_eigenvalue_outer_product=False,
+      compute_method=compute_method,
+      adaptive=kfac_jax.AdaptiveConfig(**config))
+
+
+def run_steps(tx, params, batch, split, loss_fn, steps, initial_state=None):
+  state = tx.init(params) if initial_state is None else initial_state
+  history = []
+
+  @jax.jit
+  def step(params, state):
+    loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, *batch)
+    updates, new_state = tx.update(grads, state, params, kfac_stats=stats,
+                                   split_loss=split)
+    return updates, new_state, loss, grads
+
+  for _ in range(steps):
+    updates, new_state, loss, grads = step(params, state)
+    history.append((params, state, updates, grads, float(loss)))
+    params = optax.apply_updates(params, updates)
+    state = new_state
+  return params, state, history
+
+
+@pytest.mark.parametrize("compute_method", ["eigen", "inverse"])
+def test_update_is_optimal_along_the_previous_update(compute_method):
+  """``δᵀ(∇ + (C + λI) v) = 0``: μ minimises the dense model along δ."""
+  params, batch, split, loss_fn = sigmoid_problem()
+  _, _, history = run_steps(adaptive_tx(compute_method=compute_method),
+                            params, batch, split, loss_fn, 3)
+  for params_t, state_t, updates, grads, _ in history[1:]:
+    previous = flat64(state_t.quadratic_model.previous_update)
+    damping = float(state_t.quadratic_model.damping)
+    dense = dense_gauss_newton(split, params_t)
+    update = flat64(updates)
+    residual = flat64(grads) + (dense + damping * np.eye(len(update))) @ update
+    assert np.linalg.norm(previous) > 0
+    scale = np.linalg.norm(flat64(grads)) * np.linalg.norm(previous)
+    assert abs(previous @ residual) < 1e-4 * scale
+    # And v is not a multiple of δ: the K-FAC direction contributes.
+    cosine = update @ previous / np.linalg.norm(update) / np.linalg.norm(
+        previous)
+    assert abs(cosine) < 0.999
+  # At the first step (δ = 0) the update is α·Δ, optimal along itself.
+  params_0, state_0, updates_0, grads_0, _ = history[0]
+  update = flat64(updates_0)
+  dense = dense_gauss_newton(split, params_0)
+  residual = flat64(grads_0) + (
+      dense + float(state_0.quadratic_model.damping) * np.eye(len(update))
+  ) @ update
+  assert abs(update @ residual) < 1e-4 * np.linalg.norm(
+      flat64(grads_0)) * np.linalg.norm(update)
+
+
+def test_quadratic_loss_gives_reduction_ratio_one_and_lowers_damping():
+  """Linear model + squared error: the model is exact, so ρ = 1 (λ excluded)."""
+  rng = np.random.default_rng(0)
+  model = nn.Dense(3)
+  x = jnp.asarray(rng.normal(size=(64, 5)), jnp.float32)
+  y = jnp.asarray(rng.normal(size=(64, 3)), jnp.float32)
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+
+  def loss_fn(p, x, y):
+    return 0.5 * jnp.mean(jnp.sum((model.apply({"params": p}, x) - y)**2, -1))
+
+  split = kfac_jax.SplitLoss(
+      lambda p: model.apply({"params": p}, x),
+      lambda out: 0.5 * jnp.mean(jnp.sum((out - y)**2, -1)))
+  tx = adaptive_tx(damping=1.0, damping_adaptation_interval=2,
+                   damping_adaptation_decay=0.5)
+  _, state, history = run_steps(tx, params, (x, y), split, loss_fn, 5)
+  np.testing.assert_allclose(float(state.quadratic_model.reduction_ratio), 1.0,
+                             atol=2e-3)
+  # Adapted at steps 0, 2 and 4 (ρ > ¾ each time): λ·(0.5²)³.
+  np.testing.assert_allclose(float(state.quadratic_model.damping), 0.25**3,
+                             rtol=1e-5)
+  losses = [h[-1] for h in history]
+  assert all(b < a for a, b in zip(losses, losses[1:]))
+
+
+def test_fisher_scaled_gradient_factor_is_the_per_example_covariance():
+  """Dense: ``G = (1/N) Σ ∇ℓᵢ ∇ℓᵢᵀ`` of the output layer, in closed form."""
+  params, batch, _, loss_fn = sigmoid_problem()
+  _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, *batch)
+  _, gradient_factor = batch_lib.batch_factors(stats["Dense_1"],
+                                               fisher_scaled=True)
+  x, y = batch
+  hidden = np.tanh(np.asarray(x, np.float64) @ np.asarray(
+      params["Dense_0"]["kernel"], np.float64) + np.asarray(
+          params["Dense_0"]["bias"], np.float64))
+  logits = hidden @ np.asarray(params["Dense_1"]["kernel"],
+                               np.float64) + np.asarray(
+                                   params["Dense_1"]["bias"], np.float64)
+  per_example = 1 / (1 + np.exp(-logits)) - np.asarray(y, np.float64)
+  np.testing.assert_allclose(
+      np.asarray(gradient_factor[0]),
+      per_example.T @ per_example / len(per_example), rtol=1e-4, atol=1e-7)
+
+
+def test_fisher_scales_of_a_convolution():
+  conv = LayerSignature("Conv", True, conv=ConvGeometry(
+      (3, 3), (1, 1), "SAME", (1, 1), (1, 1)))
+  # B = 2 examples, T = 4·5 output positions: (T², N²·T) with N = B·T.
+  assert batch_lib.fisher_scales(jnp.zeros((2, 4, 5, 7)), conv) == (
+      20.0**2, 40.0**2 * 20)
+
+
+def test_non_finite_gradients_emit_zeros_and_raise_the_damping():
+  params, batch, split, loss_fn = sigmoid_problem()
+  tx = adaptive_tx(damping=1.0)
+  params_1, state_1, _ = run_steps(tx, params, batch, split, loss_fn, 2)
+
+  @jax.jit
+  def poisoned_step(params, state):
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, *batch)
+    grads = jax.tree.map(lambda g: g * jnp.nan, grads)
+    return tx.update(grads, state, params, kfac_stats=stats, split_loss=split)
+
+  updates, state_2 = poisoned_step(params_1, state_1)
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+  omega = 0.95**5
+  np.testing.assert_allclose(float(state_2.quadratic_model.damping),
+                             float(state_1.quadratic_model.damping) / omega,
+                             rtol=1e-5)
+  for before, after in zip(
+      jax.tree.leaves(state_1.quadratic_model.previous_update),
+      jax.tree.leaves(state_2.quadratic_model.previous_update)):
+    np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
+  assert all(np.all(np.isfinite(np.asarray(leaf)))
+             for leaf in jax.tree.leaves(state_2))
+  # Clean steps from the poisoned state train on.
+  _, _, history = run_steps(tx, params_1, batch, split, loss_fn, 2,
+                            initial_state=state_2)
+  assert all(np.isfinite(h[-1]) for h in history)
+
+
+def test_adaptive_kfac_fits_a_learnable_problem():
+  """Sanity: the loss falls steadily and λ moves down from its start."""
+  params, batch, split, loss_fn = sigmoid_problem(batch=64)
+  _, state, history = run_steps(adaptive_tx(damping=10.0), params, batch,
+                                split, loss_fn, 25)
+  losses = [h[-1] for h in history]
+  assert losses[-1] < 0.7 * losses[0]
+  assert float(state.quadratic_model.damping) < 10.0
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(kl_clip=0.01), ValueError, "kl_clip=None"),
+    (dict(kl_clip=None, accumulation_steps=2), ValueError,
+     "accumulation_steps"),
+    (dict(kl_clip=None, damping=optax.constant_schedule(1.0)), TypeError,
+     "initial"),
+])
+def test_incompatible_settings_are_rejected(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    kfac_jax.scale_by_kfac(adaptive=kfac_jax.AdaptiveConfig(), **kwargs)
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(min_damping=0.0), "min_damping"),
+    (dict(min_damping=2.0, max_damping=1.0), "max_damping"),
+    (dict(damping_adaptation_decay=1.0), "decay"),
+    (dict(damping_adaptation_interval=0), "interval"),
+])
+def test_invalid_adaptive_config(config, match):
+  with pytest.raises(ValueError, match=match):
+    kfac_jax.scale_by_kfac(kl_clip=None,
+                           adaptive=kfac_jax.AdaptiveConfig(**config))
+
+
+def test_update_without_split_loss_says_what_to_pass():
+  params, batch, split, loss_fn = sigmoid_problem()
+  tx = adaptive_tx()
+  state = tx.init(params)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, *batch)
+  with pytest.raises(ValueError, match="split_loss"):
+    tx.update(grads, state, params, kfac_stats=stats)
+  with pytest.raises(TypeError, match="SplitLoss"):
+    tx.update(grads, state, params, kfac_stats=stats,
+              split_loss=(split.outputs_fn, split.loss_fn))
+
+
+def test_factored_damping_splits_lambda_by_the_trace_ratio():
+  """``(A/(π√λ) + I)⁻¹ ∇ (Gπ/√λ + I)⁻¹ = λ (A + π√λI)⁻¹ ∇ (G + √λ/π I)⁻¹``."""
+  rng = np.random.default_rng(0)
+  a_root, g_root = rng.normal(size=(5, 5)), rng.normal(size=(3, 3))
+  activation, gradient = a_root @ a_root.T, 40.0 * g_root @ g_root.T
+  grad = rng.normal(size=(5, 3))
+  damping = 0.7
+  scaled = inverse_lib.factored_damping_scaled(
+      LayerFactors(jnp.asarray(activation, jnp.float32),
+                   jnp.asarray(gradient, jnp.float32)), jnp.float32(damping))
+  result = (np.linalg.inv(np.asarray(scaled.activation_factor) + np.eye(5)) @
+            grad @ np.linalg.inv(np.asarray(scaled.gradient_factor) +
+                                 np.eye(3)))
+  pi = np.sqrt((np.trace(activation) / 5) / (np.trace(gradient) / 3))
+  expected = damping * (
+      np.linalg.inv(activation + pi * np.sqrt(damping) * np.eye(5)) @ grad @
+      np.linalg.inv(gradient + np.sqrt(damping) / pi * np.eye(3)))
+  np.testing.assert_allclose(result, expected, rtol=1e-4)
+
+
+def test_partition_specs_cover_the_quadratic_model_state():
+  params, _, _, _ = sigmoid_problem()
+  kwargs = dict(kl_clip=None, adaptive=kfac_jax.AdaptiveConfig())
+  specs = kfac_jax.get_opt_state_partition_specs(params, **kwargs)
+  state = kfac_jax.scale_by_kfac(**kwargs).init(params)
+  assert jax.tree.structure(specs) == jax.tree.structure(
+      jax.tree.map(lambda _: jax.sharding.PartitionSpec(), state))
+  model = specs.quadratic_model
+  assert model.damping == jax.sharding.PartitionSpec()
+  assert jax.tree.structure(model.previous_update) == jax.tree.structure(
+      params)
+  assert all(spec == jax.sharding.PartitionSpec()
+             for spec in jax.tree.leaves(model.previous_update))
