@@ -44,7 +44,9 @@ scale_by_kfac + SGD momentum 0.9, with the task's settings in
 ``kfac_adaptive`` (``scale_by_kfac(adaptive=...)``: learning rate, momentum
 and damping from the exact quadratic model, with DeepMind kfac-jax's
 autoencoder-example settings, ``KFAC_ADAPTIVE_SETTINGS``). Having no learning
-rate, ``kfac_adaptive`` is not swept.
+rate, ``kfac_adaptive`` is not swept; its quadratic model is evaluated on
+the first ``--curvature-fraction`` of each batch (default 1/4), Martens'
+curvature mini-batch.
 
 Outputs in ``--out``: ``convergence_<stamp>.json`` (every run's curve,
 settings and versions, rewritten after each run; ``--resume FILE`` continues
@@ -383,21 +385,38 @@ def build_optimizer(name: str, lr: float | None,
   raise ValueError(f"unknown optimizer {name!r}; use one of {OPTIMIZERS}.")
 
 
+def curvature_split_loss(task: Task, fraction: float
+                         ) -> Callable[..., kfac_jax.SplitLoss] | None:
+  """``task.split_loss`` on the first ``fraction`` of each batch.
+
+  Martens' curvature mini-batch (Hessian-free optimisation, 2010): the
+  quadratic model's curvature products and its reduction ratio use part of
+  the batch, the gradient all of it.
+  """
+  if task.split_loss is None:
+    return None
+  examples = max(1, math.ceil(fraction * task.batch_size))
+  return lambda *batch: task.split_loss(*(a[:examples] for a in batch))
+
+
 def train_run(task: Task, optimizer: common.Optimizer, seed: int,
               budget: float, eval_every: float, max_steps: int | None,
-              progress: bool, label: str) -> dict[str, Any]:
+              progress: bool, label: str,
+              curvature_fraction: float = 1.0) -> dict[str, Any]:
   """Trains for ``budget`` training seconds; returns the run's record.
 
   The metric is evaluated at the start, every ``eval_every`` training seconds
   and at the end, with the training clock stopped. A non-finite mini-batch
   loss ends the run (``diverged``), its last metric recorded as NaN.
+  ``curvature_fraction``: see ``curvature_split_loss``.
   """
   params = task.init(seed)
   opt_state = optimizer.tx.init(params)
   example = tuple(a[:task.batch_size] for a in task.data)
   start = time.perf_counter()
   step = common.make_train_step(
-      task.loss_fn, optimizer, split_loss=task.split_loss).lower(
+      task.loss_fn, optimizer,
+      split_loss=curvature_split_loss(task, curvature_fraction)).lower(
       params, opt_state, None, *example).compile()
   compile_seconds = time.perf_counter() - start
 
@@ -480,7 +499,8 @@ class Race:
       optimizer = build_optimizer(name, lr, task)
       label = f"{task.name} {phase} {name} lr={format_lr(lr)} seed={seed}"
       record = train_run(task, optimizer, seed, budget, self.args.eval_every,
-                         self.args.max_steps, not self.args.no_progress, label)
+                         self.args.max_steps, not self.args.no_progress, label,
+                         self.args.curvature_fraction)
       record.update(phase=phase, lr=lr)
       tqdm.write(f"{label}: {task.metric} {record['final']:.4g} after "
                  f"{record['steps']} steps ({record['ms_per_step']:.0f} "
@@ -692,6 +712,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--eval-examples", type=int, default=None,
                       help="evaluate on the first N examples of the task's "
                       "evaluation set (default: all)")
+  parser.add_argument("--curvature-fraction", type=float, default=0.25,
+                      help="kfac_adaptive: fraction of each batch on which "
+                      "the quadratic model's curvature and reduction ratio "
+                      "are evaluated (Martens' curvature mini-batch)")
   parser.add_argument("--max-steps", type=int, default=None,
                       help="also stop every run after this many steps")
   parser.add_argument("--out", type=pathlib.Path,
@@ -713,6 +737,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     value = getattr(args, flag)
     if value is not None and not value > 0:
       raise SystemExit(f"--{flag.replace('_', '-')} must be > 0.")
+  if not 0 < args.curvature_fraction <= 1:
+    raise SystemExit("--curvature-fraction must be in (0, 1].")
   if args.max_extensions < 0:
     raise SystemExit("--max-extensions must be >= 0.")
   for flag in ("eval_examples", "max_steps"):

@@ -39,7 +39,9 @@ from kfac_jax.factors.running import factor_dims
 from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
 from kfac_jax.transform import hyperparameters as hp
 from kfac_jax.transform.hyperparameters import ComputeMethod, ScalarOrSchedule
-from kfac_jax.transform.scale_by_kfac import ScaleByKFACState, make_placement
+from kfac_jax.transform.scale_by_kfac import (ScaleByKFACState,
+                                              decomposition_inputs,
+                                              make_placement)
 
 _KeyPath = tuple[str, ...]
 
@@ -141,7 +143,9 @@ def recompute_preconditioners(
   Each state's factors go through the decomposition ``update`` makes on a
   decomposition step (the same placement: one device, or spread over
   ``mesh_axes`` of the mesh set by ``jax.set_mesh``), with
-  ``λ = damping(state.count)``: the preconditioners the next update would make
+  ``λ = damping(state.count)`` (a state of the adaptive mode uses its own
+  λ, ``state.quadratic_model.damping``): the preconditioners the next update
+  would make
   if it were a decomposition step, without its factor update. Pass the
   arguments given to ``scale_by_kfac`` so they have the structure, layout and
   dtypes its ``update`` expects; since they do not depend on the saved
@@ -167,6 +171,7 @@ def recompute_preconditioners(
     ``rejected_decompositions``) replaced.
   """
   damping_fn = hp.positive("damping", damping)
+  method = ComputeMethod.parse(compute_method)
   placement = make_placement(compute_method, compute_eigenvalue_outer_product,
                              inv_dtype, mesh_axes, grad_worker_fraction,
                              assignment_strategy)
@@ -174,8 +179,12 @@ def recompute_preconditioners(
   @jax.jit
   def decompose_all(state: ScaleByKFACState) -> ScaleByKFACState:
     dims = factor_dims(state.factors)
+    adaptive = state.quadratic_model is not None
+    factors, damping_value = decomposition_inputs(
+        state.factors, state.quadratic_model.damping if adaptive else
+        damping_fn(state.count), adaptive and method is ComputeMethod.INVERSE)
     preconditioners, rejected = placement.decompose(
-        dims, state.factors, placement.init(dims), damping_fn(state.count))
+        dims, factors, placement.init(dims), damping_value)
     return state._replace(
         preconditioners=preconditioners,
         rejected_decompositions=state.rejected_decompositions + rejected)

@@ -290,3 +290,45 @@ def test_saved_on_eight_devices_restores_on_four_and_on_one(tmp_path,
     reference = expected[f"arr_{i}"]
     assert (leaf.dtype, leaf.shape) == (reference.dtype, reference.shape)
     assert np.asarray(leaf).tobytes() == reference.tobytes()
+
+
+def test_adaptive_state_round_trip_and_recompute(tmp_path):
+  """The adaptive mode's state (λ, δ) survives; recomputing uses its own λ."""
+  model = MLP()
+  params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 5)))["params"]
+  tx = kfac_jax.scale_by_kfac(damping=1.0, kl_clip=None,
+                              compute_method="inverse", inv_update_steps=1,
+                              adaptive=kfac_jax.AdaptiveConfig())
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    _, grads, stats = kfac_jax.value_grad_and_stats(
+        lambda p: loss_fn(model, p, x, y))(params)
+    split = kfac_jax.SplitLoss(
+        lambda p: model.apply({"params": p}, x),
+        lambda logits: optax.softmax_cross_entropy_with_integer_labels(
+            logits, y).mean())
+    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats,
+                                   split_loss=split)
+    return optax.apply_updates(params, updates), opt_state
+
+  data = batches()
+  # Step 0 adapts λ and step 1 decomposes with the adapted λ, which the saved
+  # state holds: the reference for the recomputed inverses.
+  params, opt_state = train(step, params, tx.init(params), data, 2)
+  assert float(opt_state.quadratic_model.damping) != 1.0
+  saved = {"params": params, "opt_state": opt_state}
+  checkpoint.save(tmp_path / "ckpt", saved, include_preconditioners=False)
+  restored = checkpoint.restore(tmp_path / "ckpt",
+                                jax.eval_shape(lambda: saved))
+  assert_bit_exact(restored["opt_state"].quadratic_model,
+                   opt_state.quadratic_model)
+  restored = checkpoint.recompute_preconditioners(
+      restored, damping=123.0, compute_method="inverse")
+  for a, b in zip(jax.tree.leaves(restored["opt_state"].preconditioners),
+                  jax.tree.leaves(opt_state.preconditioners)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  later = [next(data) for _ in range(2)]
+  assert_bit_exact(
+      train(step, restored["params"], restored["opt_state"], iter(later), 2),
+      train(step, params, opt_state, iter(later), 2))

@@ -346,13 +346,9 @@ def scale_by_kfac(
 
     def decomposed():
       # A decomposition that comes out non-finite keeps the previous one.
-      to_decompose = {block: factors[block] for block in active_blocks}
-      decomposition_damping = damping_value
-      if factored_damping:
-        to_decompose = {
-            block: inverse_lib.factored_damping_scaled(f, damping_value)
-            for block, f in to_decompose.items()}
-        decomposition_damping = jnp.ones([], jnp.float32)
+      to_decompose, decomposition_damping = decomposition_inputs(
+          {block: factors[block] for block in active_blocks}, damping_value,
+          factored_damping)
       preconditioners, rejected = placement.decompose(
           dims, to_decompose, state.preconditioners, decomposition_damping)
       return preconditioners, state.rejected_decompositions + rejected
@@ -501,6 +497,21 @@ def make_placement(
   if distribution is None:
     return placement_lib.local_placement(method)
   return placement_lib.mesh_placement(method, distribution)
+
+
+def decomposition_inputs(
+    factors: Mapping[str, LayerFactors], damping: jax.Array,
+    factored_damping: bool) -> tuple[dict[str, LayerFactors], jax.Array]:
+  """The factors and λ a decomposition step hands to the placement.
+
+  As given, or, for the adaptive mode's inverse method (``factored_damping``),
+  pre-scaled for π-split damping (``inverse.factored_damping_scaled``) with
+  λ = 1.
+  """
+  if not factored_damping:
+    return dict(factors), damping
+  return ({block: inverse_lib.factored_damping_scaled(f, damping)
+           for block, f in factors.items()}, jnp.ones([], jnp.float32))
 
 
 def state_partition_specs(state: ScaleByKFACState,
