@@ -61,7 +61,7 @@ def run_convergence(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_convergence_smoke_and_resume(tmp_path):
-  optimizers = ("sgd", "kron", "kfac")
+  optimizers = ("sgd", "kron", "kfac", "kfac_adaptive")
   first = run_convergence("--smoke", "--tasks", "cifar", "--optimizers",
                           *optimizers, "--out", str(tmp_path / "first"))
   (path,) = (tmp_path / "first").glob("convergence_*.json")
@@ -73,13 +73,16 @@ def test_convergence_smoke_and_resume(tmp_path):
     assert all(0 <= p["metric"] <= 100 for p in run["curve"])
   # The target is the best first-order final accuracy (one seed: its value);
   # K-FAC reaches it iff one of its evaluations is at least as high.
-  target = max(r["final"] for r in runs if r["optimizer"] != "kfac")
-  kfac_run = runs[-1]
+  target = max(r["final"] for r in runs
+               if r["optimizer"] not in ("kfac", "kfac_adaptive"))
+  kfac_run = next(r for r in runs if r["optimizer"] == "kfac")
   reached = any(p["metric"] >= target for p in kfac_run["curve"])
   (table,) = (tmp_path / "first").glob("convergence_*.md")
   kfac_row = next(line for line in table.read_text().splitlines()
                   if line.startswith("| kfac |"))
   assert ("| 1/1 |" if reached else "| 0/1 |") in kfac_row
+  # The adaptive mode has no learning rate, and was not swept.
+  assert "| kfac_adaptive | adaptive |" in table.read_text()
   assert list((tmp_path / "first").glob("convergence_*_cifar.png"))
   assert "after 2 steps" in first.stdout
 

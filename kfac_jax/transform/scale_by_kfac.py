@@ -183,8 +183,9 @@ def scale_by_kfac(
       ``(α, μ)`` minimising the exact Gauss-Newton quadratic model of the
       batch loss, and ``damping`` (the initial λ, a constant) follows the
       Levenberg-Marquardt rule. ``G`` is kept at the scale of the mean loss's
-      Fisher (``factors.batch.fisher_scale``), so λ means what it means in
-      kfac-jax. The updates are then the final parameter updates (apply them
+      Fisher (``factors.batch.fisher_scales``), so λ means what it means in
+      kfac-jax; the inverse method splits λ between the factors
+      (``inverse.factored_damping_scaled``) instead of adding it to each. The updates are then the final parameter updates (apply them
       with ``optax.apply_updates``; chain nothing that rescales them), and
       ``update`` also needs ``params`` and ``split_loss=SplitLoss(...)``.
       Needs ``kl_clip=None`` and ``accumulation_steps=1``; ``learning_rate``
@@ -366,9 +367,10 @@ def scale_by_kfac(
     preconditioned = placement.precondition(
         dims, preconditioners, gradient_matrices, damping_value, sharded)
     if factored_damping:
-      # Undo the λ of `factored_damping_scaled` (λ of the last decomposition;
-      # the current one differs from it by at most ω until the next), so
-      # the layers keep their scale against unregistered parameters' ∇.
+      # Undo the λ factor of `factored_damping_scaled` so the layers keep
+      # their scale against unregistered parameters' ∇ (with the current λ,
+      # off from the decomposition's by the adaptations since, a factor ω
+      # each, which the step size absorbs).
       preconditioned = {b: p / damping_value
                         for b, p in preconditioned.items()}
     if kl_clip_fn is not None and active:
