@@ -161,7 +161,9 @@ def compare(optimizers: Sequence[Optimizer],
             max_steps: int | None = None,
             seed: int = 0,
             desc: str = "training",
-            model_state: Any = None) -> dict[str, RunResult]:
+            model_state: Any = None,
+            split_loss: Callable[..., kfac_jax.SplitLoss] | None = None
+            ) -> dict[str, RunResult]:
   """Trains every optimizer on the same batches, one step each in turn.
 
   Args:
@@ -178,6 +180,8 @@ def compare(optimizers: Sequence[Optimizer],
     desc: progress-bar label.
     model_state: initial non-param model state; when given, ``loss_fn(params,
       model_state, *batch)`` returns ``(loss, new_model_state)``.
+    split_loss: ``split_loss(*batch) -> kfac_jax.SplitLoss``, the loss split
+      into network and outputs' loss (for ``kfac-adaptive``).
 
   Returns:
     ``{name: RunResult}`` in the order of ``optimizers``.
@@ -199,7 +203,8 @@ def compare(optimizers: Sequence[Optimizer],
     opt_state = opt.tx.init(init_params)
     start = time.perf_counter()
     steps[opt.name] = make_train_step(
-        loss_fn, opt, stateful=model_state is not None).lower(
+        loss_fn, opt, stateful=model_state is not None,
+        split_loss=split_loss).lower(
             init_params, opt_state, model_state, *example).compile()
     compile_seconds[opt.name] = time.perf_counter() - start
     states[opt.name] = (init_params, opt_state, model_state)
@@ -422,7 +427,9 @@ def base_parser(description: str, *, epochs: int, batch_size: int,
                       help="evaluate on the first N training and test images "
                       "only, for quick runs (None: all)")
   parser.add_argument("--optimizers", default=optimizers,
-                      help="comma-separated subset of kfac,sgd,adam,adamw")
+                      help="comma-separated subset of kfac,kfac-adaptive,sgd,"
+                      "adam,adamw (kfac-adaptive where the example splits "
+                      "its loss)")
   group = parser.add_argument_group("K-FAC (scale_by_kfac + SGD momentum 0.9)")
   group.add_argument("--kfac-lr", type=float, default=kfac_lr,
                      help="learning rate of the SGD after K-FAC")
@@ -442,6 +449,12 @@ def base_parser(description: str, *, epochs: int, batch_size: int,
                      help="steps between updates of the Kronecker factors")
   group.add_argument("--factor-decay", type=float, default=factor_decay,
                      help="running-average decay of the Kronecker factors")
+  group = parser.add_argument_group(
+      "K-FAC adaptive (scale_by_kfac(adaptive=...): no learning rate; "
+      "inverse method, factors every step, inverses every 5 steps)")
+  group.add_argument("--initial-damping", type=float, default=150.0,
+                     help="initial λ, then adapted (DeepMind kfac-jax's "
+                     "autoencoder value)")
   group = parser.add_argument_group("baselines")
   group.add_argument("--sgd-lr", type=float, default=sgd_lr,
                      help="learning rate of SGD with momentum 0.9")
@@ -482,6 +495,18 @@ def build_optimizers(args: argparse.Namespace,
               f"{args.factor_update_steps}, "
               f"inv_update_steps {args.inv_update_steps}, "
               f"compute_method {args.compute_method!r}")),
+      "kfac-adaptive": lambda: Optimizer(
+          "K-FAC adaptive",
+          kfac_jax.scale_by_kfac(
+              damping=args.initial_damping, kl_clip=None,
+              factor_decay=args.factor_decay, compute_method="inverse",
+              inv_update_steps=5, layers=layers,
+              adaptive=kfac_jax.AdaptiveConfig()),
+          uses_kfac=True, needs_split_loss=True,
+          description=(
+              "kfac_jax.scale_by_kfac(adaptive=AdaptiveConfig()): initial "
+              f"damping {args.initial_damping:g}, factor_decay "
+              f"{args.factor_decay:g}, inverse method, inv_update_steps 5")),
       "sgd": lambda: Optimizer(
           "SGD",
           optax.sgd(args.sgd_lr, momentum=0.9),

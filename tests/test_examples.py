@@ -45,7 +45,8 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("script, stem, names", [
     ("mnist_classifier.py", "mnist_classifier", ("K-FAC", "SGD", "Adam")),
-    ("mnist_autoencoder.py", "mnist_autoencoder", ("K-FAC", "SGD", "Adam")),
+    ("mnist_autoencoder.py", "mnist_autoencoder",
+     ("K-FAC", "K-FAC adaptive", "SGD", "Adam")),
     ("shakespeare_transformer.py", "shakespeare_transformer",
      ("K-FAC", "SGD", "AdamW")),
     ("nnx_mlp.py", "nnx_mlp", ("K-FAC", "SGD", "AdamW")),
