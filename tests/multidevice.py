@@ -68,16 +68,27 @@ def conv_problem():
 
 
 def train(params, loss_fn, batches, kwargs, mesh=None, batch_spec=None,
-          params_sharding=None):
-  """``STEPS`` steps of K-FAC + SGD; returns (updates per step, K-FAC state, tx)."""
-  tx = optax.chain(
-      kfac_jax.scale_by_kfac(damping=0.01, inv_update_steps=2, **kwargs),
-      optax.sgd(0.1, momentum=0.9))
+          params_sharding=None, split_loss=None):
+  """``STEPS`` steps of K-FAC + SGD; returns (updates per step, K-FAC state, tx).
+
+  With ``split_loss(x, y) -> SplitLoss``: K-FAC's adaptive mode alone.
+  """
+  if split_loss is None:
+    tx = optax.chain(
+        kfac_jax.scale_by_kfac(damping=0.01, inv_update_steps=2, **kwargs),
+        optax.sgd(0.1, momentum=0.9))
+  else:
+    tx = kfac_jax.scale_by_kfac(
+        damping=1.0, kl_clip=None, inv_update_steps=2,
+        adaptive=kfac_jax.AdaptiveConfig(damping_adaptation_interval=2),
+        **kwargs)
 
   @jax.jit
   def step(params, state, x, y):
     _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
-    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    extra = {} if split_loss is None else dict(split_loss=split_loss(x, y))
+    updates, state = tx.update(grads, state, params, kfac_stats=stats,
+                               **extra)
     return optax.apply_updates(params, updates), state, updates
 
   if mesh is not None:  # Explicit axes need the params placed on the mesh.
@@ -93,7 +104,7 @@ def train(params, loss_fn, batches, kwargs, mesh=None, batch_spec=None,
     # One step in flight at a time: simulated CPU devices can deadlock in a
     # collective otherwise (examples/sharded_mnist.py).
     all_updates.append(jax.block_until_ready(updates))
-  return all_updates, state[0], tx
+  return all_updates, (state if split_loss else state[0]), tx
 
 
 def comparable(preconditioner) -> list[np.ndarray]:
@@ -446,7 +457,47 @@ def blocks(axis_type: AxisType) -> None:
           update.sharding, expected)
 
 
-PROGRAMS = {f.__name__: f for f in (equality, fsdp, division, specs,
+def adaptive(axis_type: AxisType) -> None:
+  """The adaptive mode (π-split inverses, quadratic model over batch-sharded
+  outputs, the previous update sharded like FSDP kernels) trains as on one
+  device."""
+  params, loss_fn, batches = conv_problem()
+  model = ConvNet()
+
+  def split_loss(x, y):
+    return kfac_jax.SplitLoss(
+        lambda p: model.apply({"params": p}, x),
+        lambda logits: optax.softmax_cross_entropy_with_integer_labels(
+            logits, y).mean())
+
+  base = dict(compute_method="inverse")
+  reference = train(params, loss_fn, batches, base, split_loss=split_loss)
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
+  specs = jax.tree.map(
+      lambda p: PartitionSpec(*([None] * (p.ndim - 1)), "fsdp")
+      if p.ndim >= 2 and p.shape[-1] % 4 == 0 else PartitionSpec(), params)
+  sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  kwargs = dict(base, mesh_axes=("data", "fsdp"),
+                grad_worker_fraction=kfac_jax.DistributedStrategy.MEM_OPT,
+                params_partition_specs=specs)
+  with jax.set_mesh(mesh):
+    run = train(params, loss_fn, batches, kwargs, mesh, PartitionSpec("data"),
+                sharding, split_loss=split_loss)
+    assert_same_run(run, reference, kwargs, base, "adaptive MEM_OPT, FSDP")
+  model_state, ref_model_state = (r[1].quadratic_model for r in (run,
+                                                                 reference))
+  for x, y in zip(jax.tree.leaves(model_state),
+                  jax.tree.leaves(ref_model_state)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOLERANCE,
+                               err_msg="adaptive: quadratic-model state")
+  assert float(model_state.damping) != 1.0  # adapted at steps 0 and 2
+  for leaf, expected in zip(jax.tree.leaves(model_state.previous_update),
+                            jax.tree.leaves(sharding)):
+    assert leaf.sharding.is_equivalent_to(expected, leaf.ndim)
+  print("ok")
+
+
+PROGRAMS = {f.__name__: f for f in (adaptive, equality, fsdp, division, specs,
                                     checkpoint, blocks)}
 
 if __name__ == "__main__":

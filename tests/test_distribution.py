@@ -54,6 +54,11 @@ def test_fsdp_sharded_kernels_train_as_one_device_and_keep_their_specs():
 
 
 @pytest.mark.multidevice
+def test_adaptive_mode_on_a_mesh_with_fsdp_kernels_equals_one_device():
+  run_on_eight_devices("adaptive", "Auto")
+
+
+@pytest.mark.multidevice
 def test_compiled_program_divides_decompositions_and_memory():
   """Per-device eigh/Cholesky FLOPs ≤ 1.25/n; MEM_OPT bytes ≤ 1.25/n."""
   run_on_eight_devices("division", "Auto")
