@@ -137,6 +137,63 @@ def test_nnx_optimizer_matches_the_linen_path():
       "blocks/0", "blocks/1", "conv[0]", "conv[1]", "heads", "hidden"]
 
 
+def test_adaptive_mode_through_nnx_optimizer_matches_the_linen_path():
+  """The adaptive mode's extra ``split_loss`` reaches it through
+  ``nnx.Optimizer.update``; its ``outputs_fn`` gets the Param state."""
+  x, target = _data()
+  squared_error = lambda outputs: jnp.mean((outputs - target)**2)
+  make_tx = lambda table: kfac_jax.scale_by_kfac(
+      damping=1.0, kl_clip=None, compute_method="inverse", layers=table,
+      adaptive=kfac_jax.AdaptiveConfig(damping_adaptation_interval=2))
+
+  model = NnxModel(nnx.Rngs(0))
+  params = _linen_params(model)
+  optimizer = nnx.Optimizer(
+      model, make_tx(kfac_jax.trace_layers(_nnx_loss, model, x, target)),
+      wrt=nnx.Param)
+
+  @nnx.jit
+  def nnx_step(model, optimizer, x):
+    loss, grads, stats = kfac_jax.value_grad_and_stats(_nnx_loss)(model, x,
+                                                                  target)
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+
+    def outputs_fn(param_state):
+      # A copy: its BatchNorm statistics update the copy inside the
+      # linearisation's trace, not the model's variables.
+      return nnx.merge(graphdef, param_state, rest, copy=True)(x)
+
+    split = kfac_jax.SplitLoss(outputs_fn, squared_error)
+    optimizer.update(model, grads, kfac_stats=stats, split_loss=split)
+    return loss
+
+  linen = LinenModel()
+  linen_loss = lambda p, x, t: jnp.mean((linen.apply({"params": p}, x) - t)**2)
+  tx = make_tx(kfac_jax.trace_layers(linen_loss, params, x, target))
+  state = tx.init(params)
+
+  @jax.jit
+  def linen_step(params, state, x):
+    loss, grads, stats = kfac_jax.value_grad_and_stats(linen_loss)(params, x,
+                                                                   target)
+    split = kfac_jax.SplitLoss(lambda p: linen.apply({"params": p}, x),
+                               squared_error)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats,
+                               split_loss=split)
+    return optax.apply_updates(params, updates), state, loss
+
+  for _ in range(3):
+    nnx_loss = nnx_step(model, optimizer, x)
+    params, state, loss = linen_step(params, state, x)
+    np.testing.assert_allclose(nnx_loss, loss, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
+                                                       atol=1e-6),
+               _linen_params(model), params)
+  np.testing.assert_allclose(optimizer.opt_state.quadratic_model.damping[...],
+                             state.quadratic_model.damping, rtol=1e-5)
+  assert float(state.quadratic_model.damping) != 1.0
+
+
 def test_layer_under_lifted_transform_is_refused():
 
   class Remat(nnx.Module):
