@@ -10,6 +10,11 @@ At optimizer step ``t`` (``count``), for every registered layer:
 
 Steps 1 and 2 run under ``lax.cond``: a step that does neither pays for
 neither. Gradients of parameters that are not registered layers pass through.
+
+With ``adaptive``, λ is state, ``G`` is on the Fisher's scale, the inverse
+method splits λ between the factors, there is no KL clipping, and step 3 is
+followed by ``transform.quadratic_model.step``, which turns ``−P`` and the
+previous update into the final update and adapts λ.
 """
 
 from __future__ import annotations
