@@ -94,13 +94,15 @@ def _linen_params(model: NnxModel) -> dict:
   return jax.tree.map(jnp.asarray, params)
 
 
-def test_nnx_optimizer_matches_the_linen_path():
-  """Three K-FAC steps through nnx.Optimizer equal the same steps in Linen."""
-  x, target = _data()
-  make_tx = lambda table: optax.chain(
-      kfac_jax.scale_by_kfac(damping=0.01, kl_clip=0.01, layers=table),
-      optax.sgd(0.1, momentum=0.9))
+def _train_nnx_and_linen(make_tx, nnx_extra=lambda model, x: {},
+                         linen_extra=lambda linen, x: {}):
+  """Three K-FAC steps through nnx.Optimizer and the same steps in Linen.
 
+  ``make_tx(layer_table)`` builds the transformation; ``nnx_extra(model, x)``
+  and ``linen_extra(linen, x)`` give the extra ``update`` arguments. Checks
+  losses and params agree; returns the NNX optimizer and the Linen state.
+  """
+  x, target = _data()
   model = NnxModel(nnx.Rngs(0))
   params = _linen_params(model)
   optimizer = nnx.Optimizer(
@@ -111,7 +113,7 @@ def test_nnx_optimizer_matches_the_linen_path():
   def nnx_step(model, optimizer, x, target):
     loss, grads, stats = kfac_jax.value_grad_and_stats(_nnx_loss)(model, x,
                                                                   target)
-    optimizer.update(model, grads, kfac_stats=stats)
+    optimizer.update(model, grads, kfac_stats=stats, **nnx_extra(model, x))
     return loss
 
   linen = LinenModel()
@@ -123,7 +125,8 @@ def test_nnx_optimizer_matches_the_linen_path():
   def linen_step(params, state, x, target):
     loss, grads, stats = kfac_jax.value_grad_and_stats(linen_loss)(params, x,
                                                                    target)
-    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats,
+                               **linen_extra(linen, x))
     return optax.apply_updates(params, updates), state, loss
 
   for _ in range(3):
@@ -133,6 +136,14 @@ def test_nnx_optimizer_matches_the_linen_path():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
                                                        atol=1e-6),
                _linen_params(model), params)
+  return optimizer, state
+
+
+def test_nnx_optimizer_matches_the_linen_path():
+  """Three K-FAC steps through nnx.Optimizer equal the same steps in Linen."""
+  optimizer, _ = _train_nnx_and_linen(lambda table: optax.chain(
+      kfac_jax.scale_by_kfac(damping=0.01, kl_clip=0.01, layers=table),
+      optax.sgd(0.1, momentum=0.9)))
   assert sorted(optimizer.opt_state[0].factors) == [
       "blocks/0", "blocks/1", "conv[0]", "conv[1]", "heads", "hidden"]
 
@@ -140,55 +151,26 @@ def test_nnx_optimizer_matches_the_linen_path():
 def test_adaptive_mode_through_nnx_optimizer_matches_the_linen_path():
   """The adaptive mode's extra ``split_loss`` reaches it through
   ``nnx.Optimizer.update``; its ``outputs_fn`` gets the Param state."""
-  x, target = _data()
+  _, target = _data()
   squared_error = lambda outputs: jnp.mean((outputs - target)**2)
-  make_tx = lambda table: kfac_jax.scale_by_kfac(
-      damping=1.0, kl_clip=None, compute_method="inverse", layers=table,
-      adaptive=kfac_jax.AdaptiveConfig(damping_adaptation_interval=2))
 
-  model = NnxModel(nnx.Rngs(0))
-  params = _linen_params(model)
-  optimizer = nnx.Optimizer(
-      model, make_tx(kfac_jax.trace_layers(_nnx_loss, model, x, target)),
-      wrt=nnx.Param)
-
-  @nnx.jit
-  def nnx_step(model, optimizer, x):
-    loss, grads, stats = kfac_jax.value_grad_and_stats(_nnx_loss)(model, x,
-                                                                  target)
+  def nnx_split(model, x):
     graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    # A copy: its BatchNorm statistics update the copy inside the
+    # linearisation's trace, not the model's variables.
+    return dict(split_loss=kfac_jax.SplitLoss(
+        lambda param_state: nnx.merge(graphdef, param_state, rest,
+                                      copy=True)(x), squared_error))
 
-    def outputs_fn(param_state):
-      # A copy: its BatchNorm statistics update the copy inside the
-      # linearisation's trace, not the model's variables.
-      return nnx.merge(graphdef, param_state, rest, copy=True)(x)
+  def linen_split(linen, x):
+    return dict(split_loss=kfac_jax.SplitLoss(
+        lambda p: linen.apply({"params": p}, x), squared_error))
 
-    split = kfac_jax.SplitLoss(outputs_fn, squared_error)
-    optimizer.update(model, grads, kfac_stats=stats, split_loss=split)
-    return loss
-
-  linen = LinenModel()
-  linen_loss = lambda p, x, t: jnp.mean((linen.apply({"params": p}, x) - t)**2)
-  tx = make_tx(kfac_jax.trace_layers(linen_loss, params, x, target))
-  state = tx.init(params)
-
-  @jax.jit
-  def linen_step(params, state, x):
-    loss, grads, stats = kfac_jax.value_grad_and_stats(linen_loss)(params, x,
-                                                                   target)
-    split = kfac_jax.SplitLoss(lambda p: linen.apply({"params": p}, x),
-                               squared_error)
-    updates, state = tx.update(grads, state, params, kfac_stats=stats,
-                               split_loss=split)
-    return optax.apply_updates(params, updates), state, loss
-
-  for _ in range(3):
-    nnx_loss = nnx_step(model, optimizer, x)
-    params, state, loss = linen_step(params, state, x)
-    np.testing.assert_allclose(nnx_loss, loss, rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
-                                                       atol=1e-6),
-               _linen_params(model), params)
+  optimizer, state = _train_nnx_and_linen(
+      lambda table: kfac_jax.scale_by_kfac(
+          damping=1.0, kl_clip=None, compute_method="inverse", layers=table,
+          adaptive=kfac_jax.AdaptiveConfig(damping_adaptation_interval=2)),
+      nnx_split, linen_split)
   np.testing.assert_allclose(optimizer.opt_state.quadratic_model.damping[...],
                              state.quadratic_model.damping, rtol=1e-5)
   assert float(state.quadratic_model.damping) != 1.0
