@@ -354,3 +354,19 @@ def test_partition_specs_cover_the_quadratic_model_state():
       params)
   assert all(spec == jax.sharding.PartitionSpec()
              for spec in jax.tree.leaves(model.previous_update))
+
+
+def test_without_momentum_the_update_is_alpha_times_the_direction():
+  """``use_momentum=False``: ``v = αΔ`` with α optimal along v itself."""
+  params, batch, split, loss_fn = sigmoid_problem()
+  _, _, history = run_steps(adaptive_tx(use_momentum=False), params, batch,
+                            split, loss_fn, 3)
+  for params_t, state_t, updates, grads, _ in history:
+    update = flat64(updates)
+    dense = dense_gauss_newton(split, params_t)
+    residual = flat64(grads) + (
+        dense + float(state_t.quadratic_model.damping) * np.eye(len(update))
+    ) @ update
+    assert abs(update @ residual) < 1e-4 * np.linalg.norm(
+        flat64(grads)) * np.linalg.norm(update)
+  assert float(history[-1][1].quadratic_model.step_sizes[1]) == 0.0

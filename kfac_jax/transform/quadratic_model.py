@@ -245,11 +245,16 @@ def step(state: QuadraticModelState, direction: Any, gradients: Any,
   keeps δ and raises λ by ``1/ω``, so the next steps are more cautious.
   """
   previous = state.previous_update
-  vectors = (direction, previous)
+  # Without momentum δ's products are not needed: zeros in their place.
+  vectors = (direction, previous) if config.use_momentum else (direction,)
+  padding = [(0, 2 - len(vectors))]
   loss, curvature = curvature_products(split_loss, params, vectors)
-  inner_products = jnp.stack([jnp.stack([_dot(u, v) for v in vectors])
-                              for u in vectors])
-  gradient_products = jnp.stack([_dot(gradients, v) for v in vectors])
+  curvature = jnp.pad(curvature, padding * 2)
+  inner_products = jnp.pad(
+      jnp.stack([jnp.stack([_dot(u, v) for v in vectors]) for u in vectors]),
+      padding * 2)
+  gradient_products = jnp.pad(
+      jnp.stack([_dot(gradients, v) for v in vectors]), padding)
   coefficients = solve_step_sizes(curvature, inner_products,
                                   gradient_products, state.damping,
                                   config.use_momentum)
