@@ -163,34 +163,42 @@ def run_steps(tx, params, batch, split, loss_fn, steps, initial_state=None):
   return params, state, history
 
 
+def model_gradient(split, step) -> tuple[np.ndarray, np.ndarray]:
+  """``(v, ∇ + (C + λI) v)`` of one recorded step, with the dense C.
+
+  The model's gradient is orthogonal to every direction the step was
+  optimised along.
+  """
+  params_t, state_t, updates, grads, _ = step
+  update = flat64(updates)
+  dense = dense_gauss_newton(split, params_t)
+  damping = float(state_t.quadratic_model.damping)
+  return update, flat64(grads) + (dense + damping * np.eye(len(update))) @ update
+
+
+def assert_orthogonal(direction, residual, grads):
+  assert abs(direction @ residual) < 1e-4 * np.linalg.norm(
+      flat64(grads)) * np.linalg.norm(direction)
+
+
 @pytest.mark.parametrize("compute_method", ["eigen", "inverse"])
 def test_update_is_optimal_along_the_previous_update(compute_method):
   """``δᵀ(∇ + (C + λI) v) = 0``: μ minimises the dense model along δ."""
   params, batch, split, loss_fn = sigmoid_problem()
   _, _, history = run_steps(adaptive_tx(compute_method=compute_method),
                             params, batch, split, loss_fn, 3)
-  for params_t, state_t, updates, grads, _ in history[1:]:
-    previous = flat64(state_t.quadratic_model.previous_update)
-    damping = float(state_t.quadratic_model.damping)
-    dense = dense_gauss_newton(split, params_t)
-    update = flat64(updates)
-    residual = flat64(grads) + (dense + damping * np.eye(len(update))) @ update
+  for step in history[1:]:
+    previous = flat64(step[1].quadratic_model.previous_update)
+    update, residual = model_gradient(split, step)
     assert np.linalg.norm(previous) > 0
-    scale = np.linalg.norm(flat64(grads)) * np.linalg.norm(previous)
-    assert abs(previous @ residual) < 1e-4 * scale
+    assert_orthogonal(previous, residual, step[3])
     # And v is not a multiple of δ: the K-FAC direction contributes.
     cosine = update @ previous / np.linalg.norm(update) / np.linalg.norm(
         previous)
     assert abs(cosine) < 0.999
   # At the first step (δ = 0) the update is α·Δ, optimal along itself.
-  params_0, state_0, updates_0, grads_0, _ = history[0]
-  update = flat64(updates_0)
-  dense = dense_gauss_newton(split, params_0)
-  residual = flat64(grads_0) + (
-      dense + float(state_0.quadratic_model.damping) * np.eye(len(update))
-  ) @ update
-  assert abs(update @ residual) < 1e-4 * np.linalg.norm(
-      flat64(grads_0)) * np.linalg.norm(update)
+  update, residual = model_gradient(split, history[0])
+  assert_orthogonal(update, residual, history[0][3])
 
 
 def test_quadratic_loss_gives_reduction_ratio_one_and_lowers_damping():
@@ -361,12 +369,7 @@ def test_without_momentum_the_update_is_alpha_times_the_direction():
   params, batch, split, loss_fn = sigmoid_problem()
   _, _, history = run_steps(adaptive_tx(use_momentum=False), params, batch,
                             split, loss_fn, 3)
-  for params_t, state_t, updates, grads, _ in history:
-    update = flat64(updates)
-    dense = dense_gauss_newton(split, params_t)
-    residual = flat64(grads) + (
-        dense + float(state_t.quadratic_model.damping) * np.eye(len(update))
-    ) @ update
-    assert abs(update @ residual) < 1e-4 * np.linalg.norm(
-        flat64(grads)) * np.linalg.norm(update)
+  for step in history:
+    update, residual = model_gradient(split, step)
+    assert_orthogonal(update, residual, step[3])
   assert float(history[-1][1].quadratic_model.step_sizes[1]) == 0.0
