@@ -44,9 +44,11 @@ scale_by_kfac + SGD momentum 0.9, with the task's settings in
 ``kfac_adaptive`` (``scale_by_kfac(adaptive=...)``: learning rate, momentum
 and damping from the exact quadratic model, with DeepMind kfac-jax's
 autoencoder-example settings, ``KFAC_ADAPTIVE_SETTINGS``). Having no learning
-rate, ``kfac_adaptive`` is not swept; its quadratic model is evaluated on
-the first ``--curvature-examples`` of each batch (default 250: a quarter of
-the autoencoder's batch, all of the others'), Martens' curvature mini-batch.
+rate, ``kfac_adaptive`` is not swept. Its Kronecker factors sample the
+Gauss-Newton matrix (``kfac_jax.sampled_curvature``, as kfac-jax's default
+estimator does), and they and its quadratic model are computed on the first
+``--curvature-examples`` of each batch (default 250: a quarter of the
+autoencoder's batch, all of the others'), Martens' curvature mini-batch.
 
 Outputs in ``--out``: ``convergence_<stamp>.json`` (every run's curve,
 settings and versions, rewritten after each run; ``--resume FILE`` continues
@@ -154,6 +156,9 @@ class Task:
       ``init`` alone describes the layers.
     split_loss: ``split_loss(*batch) -> kfac_jax.SplitLoss``, the objective
       split into network and loss (for ``kfac_adaptive``).
+    curvature_fn: ``curvature_fn(params, key, *batch)``, the
+      ``kfac_jax.sampled_curvature`` surrogate of the objective's data term
+      (for ``kfac_adaptive``).
   """
 
   name: str
@@ -167,6 +172,7 @@ class Task:
   evaluate: Callable[[Any], float]
   layers: Any = None
   split_loss: Callable[..., kfac_jax.SplitLoss] | None = None
+  curvature_fn: Callable[..., jax.Array] | None = None
 
   def better(self, a: float, b: float) -> bool:
     """Whether metric ``a`` is strictly better than ``b`` (NaN never is)."""
@@ -211,6 +217,10 @@ def autoencoder_task(eval_examples: int | None, batch_size: int) -> Task:
             logits, x).mean(),
         regularizer=lambda params: weight_decay * l2_penalty(params))
 
+  def curvature_fn(params, key, x):
+    return kfac_jax.sampled_curvature.sigmoid_cross_entropy(
+        model.apply({"params": params}, x), key)
+
   @jax.jit
   def per_example(params, x):
     return mnist_autoencoder.reconstruction_losses(
@@ -236,7 +246,8 @@ def autoencoder_task(eval_examples: int | None, batch_size: int) -> Task:
                                    mnist.x_train[:1])["params"],
       loss_fn=loss_fn,
       evaluate=evaluate,
-      split_loss=split_loss)
+      split_loss=split_loss,
+      curvature_fn=curvature_fn)
 
 
 def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
@@ -256,6 +267,11 @@ def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
             logits, y).mean(),
         regularizer=lambda params: weight_decay * l2_penalty(params))
 
+  def curvature_fn(params, key, x, y):
+    del y  # the curvature samples the model's own predictions
+    return kfac_jax.sampled_curvature.softmax_cross_entropy(
+        model.apply({"params": params}, x), key)
+
   @jax.jit
   def correct(params, x, y):
     return jnp.argmax(model.apply({"params": params}, x), -1) == y
@@ -274,7 +290,8 @@ def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
       loss_fn=loss_fn,
       evaluate=lambda params: 100 * chunked_mean(
           lambda x, y: correct(params, x, y), test, 1000),
-      split_loss=split_loss)
+      split_loss=split_loss,
+      curvature_fn=curvature_fn)
 
 
 def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
@@ -293,6 +310,11 @@ def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
         outputs_fn=lambda params: model.apply({"params": params}, x),
         loss_fn=lambda logits: optax.softmax_cross_entropy_with_integer_labels(
             logits, y).mean())
+
+  def curvature_fn(params, key, x, y):
+    del y  # the curvature samples the model's own predictions
+    return kfac_jax.sampled_curvature.softmax_cross_entropy(
+        model.apply({"params": params}, x), key)
 
   @jax.jit
   def per_sequence(params, x, y):
@@ -314,7 +336,8 @@ def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
       evaluate=lambda params: chunked_mean(
           lambda x, y: per_sequence(params, x, y), val, 512),
       layers=kfac_jax.trace_layers(loss_fn, init(0), *example),
-      split_loss=split_loss)
+      split_loss=split_loss,
+      curvature_fn=curvature_fn)
 
 
 TASK_BUILDERS = {"autoencoder": (autoencoder_task, 1000),
@@ -378,27 +401,24 @@ def build_optimizer(name: str, lr: float | None,
         kfac_jax.scale_by_kfac(layers=task.layers,
                                adaptive=kfac_jax.AdaptiveConfig(),
                                **KFAC_ADAPTIVE_SETTINGS),
-        uses_kfac=True, needs_split_loss=True,
+        uses_kfac=True, needs_split_loss=True, samples_curvature=True,
         description="kfac_jax.scale_by_kfac(adaptive=AdaptiveConfig(), " +
         ", ".join(f"{k}={v!r}" for k, v in KFAC_ADAPTIVE_SETTINGS.items()) +
-        ")")
+        "), stats of kfac_jax.sampled_curvature")
   raise ValueError(f"unknown optimizer {name!r}; use one of {OPTIMIZERS}.")
 
 
-def curvature_split_loss(task: Task, examples: int
-                         ) -> Callable[..., kfac_jax.SplitLoss] | None:
-  """``task.split_loss`` on the first ``examples`` of each batch (at most all).
+def curvature_batch(batch: Sequence[Any], examples: int) -> tuple[Any, ...]:
+  """The first ``examples`` of a batch (all of a smaller one).
 
   Martens' curvature mini-batch (Hessian-free optimisation, 2010): the
-  quadratic model's curvature products and its reduction ratio use part of
-  a large batch, the gradient all of it. On a small one the model of a few
-  examples is too noisy: on CIFAR-10 at batch 128, 32 examples drove the
-  damping to ~5e-5 and training diverged after 380 steps, where all 128
-  did not.
+  Kronecker factors' statistics and the quadratic model's curvature products
+  and reduction ratio use part of a large batch, the gradient all of it. On a
+  small batch the model of a few examples is too noisy: on CIFAR-10 at batch
+  128, 32 examples drove the damping to ~5e-5 and training diverged after
+  380 steps, where all 128 did not.
   """
-  if task.split_loss is None:
-    return None
-  return lambda *batch: task.split_loss(*(a[:examples] for a in batch))
+  return tuple(a[:examples] for a in batch)
 
 
 def train_run(task: Task, optimizer: common.Optimizer, seed: int,
@@ -407,23 +427,50 @@ def train_run(task: Task, optimizer: common.Optimizer, seed: int,
               curvature_examples: int | None = None) -> dict[str, Any]:
   """Trains for ``budget`` training seconds; returns the run's record.
 
-  The metric is evaluated at the start, every ``eval_every`` training seconds
-  and at the end, with the training clock stopped. A non-finite mini-batch
-  loss ends the run (``diverged``), its last metric recorded as NaN.
-  ``curvature_examples``: see ``curvature_split_loss`` (None: the whole
-  batch).
+  ``curvature_examples``: see ``curvature_batch`` (None: the whole batch).
+  The clock and the evaluations are ``timed_training``'s.
   """
   params = task.init(seed)
   opt_state = optimizer.tx.init(params)
   example = tuple(a[:task.batch_size] for a in task.data)
+  examples = curvature_examples or task.batch_size
+  split_loss = curvature_fn = None
+  if task.split_loss is not None:
+    split_loss = lambda *b: task.split_loss(*curvature_batch(b, examples))
+  if task.curvature_fn is not None:
+    curvature_fn = lambda p, key, *b: task.curvature_fn(
+        p, key, *curvature_batch(b, examples))
   start = time.perf_counter()
-  step = common.make_train_step(
-      task.loss_fn, optimizer,
-      split_loss=curvature_split_loss(
-          task, curvature_examples or task.batch_size)).lower(
-      params, opt_state, None, *example).compile()
+  compiled = common.make_train_step(
+      task.loss_fn, optimizer, split_loss=split_loss,
+      curvature_fn=curvature_fn).lower(
+          params, opt_state, None, jax.random.key(seed), *example).compile()
   compile_seconds = time.perf_counter() - start
 
+  def step(params, opt_state, key, *batch):
+    params, opt_state, _, loss = compiled(params, opt_state, None, key, *batch)
+    return params, opt_state, loss
+
+  record = timed_training(task, step, params, opt_state, seed, budget,
+                          eval_every, max_steps, progress, label)
+  return dict(task=task.name, optimizer=optimizer.name,
+              description=optimizer.description, seed=seed, budget=budget,
+              compile_seconds=compile_seconds, **record)
+
+
+def timed_training(task: Task, step: Callable[..., tuple[Any, Any, Any]],
+                   params: Any, opt_state: Any, seed: int, budget: float,
+                   eval_every: float, max_steps: int | None, progress: bool,
+                   label: str) -> dict[str, Any]:
+  """Runs ``step(params, opt_state, key, *batch) -> (params, opt_state,
+  loss)`` on the task's shuffled batches for ``budget`` training seconds,
+  with a fresh PRNG key each step.
+
+  Each step is timed alone (``jax.block_until_ready``). The metric is
+  evaluated at the start, every ``eval_every`` training seconds and at the
+  end, with the training clock stopped. A non-finite mini-batch loss ends the
+  run (``diverged``), its last metric recorded as NaN.
+  """
   curve = [(0, 0.0, task.evaluate(params))]
   batches = common.epoch_batches(len(task.data[0]), task.batch_size,
                                  epochs=10**9, seed=seed)
@@ -434,9 +481,10 @@ def train_run(task: Task, optimizer: common.Optimizer, seed: int,
   while trained < budget and (max_steps is None or steps < max_steps):
     idx = next(batches)
     batch = jax.device_put(tuple(a[idx] for a in task.data))
+    key = jax.random.fold_in(jax.random.key(seed), steps)
     start = time.perf_counter()
-    params, opt_state, _, loss = jax.block_until_ready(
-        step(params, opt_state, None, *batch))
+    params, opt_state, loss = jax.block_until_ready(
+        step(params, opt_state, key, *batch))
     elapsed = time.perf_counter() - start
     trained += elapsed
     steps += 1
@@ -452,11 +500,8 @@ def train_run(task: Task, optimizer: common.Optimizer, seed: int,
       while next_eval <= trained:
         next_eval += eval_every
   bar.close()
-  return dict(task=task.name, optimizer=optimizer.name,
-              description=optimizer.description, seed=seed, budget=budget,
-              steps=steps, train_seconds=trained,
-              ms_per_step=1000 * trained / max(steps, 1),
-              compile_seconds=compile_seconds, diverged=diverged,
+  return dict(steps=steps, train_seconds=trained,
+              ms_per_step=1000 * trained / max(steps, 1), diverged=diverged,
               final=curve[-1][2],
               curve=[dict(step=s, seconds=t, metric=m) for s, t, m in curve])
 
@@ -717,10 +762,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="evaluate on the first N examples of the task's "
                       "evaluation set (default: all)")
   parser.add_argument("--curvature-examples", type=int, default=250,
-                      help="kfac_adaptive: the quadratic model's curvature "
-                      "and reduction ratio use the first N examples of each "
-                      "batch (all of a smaller batch); Martens' curvature "
-                      "mini-batch")
+                      help="kfac_adaptive: the factors' statistics and the "
+                      "quadratic model's curvature and reduction ratio use "
+                      "the first N examples of each batch (all of a smaller "
+                      "batch); Martens' curvature mini-batch")
   parser.add_argument("--max-steps", type=int, default=None,
                       help="also stop every run after this many steps")
   parser.add_argument("--out", type=pathlib.Path,

@@ -45,6 +45,9 @@ class Optimizer:
     description: hyper-parameters, printed under the table.
     needs_split_loss: whether ``tx.update`` also needs ``split_loss``
       (``scale_by_kfac(adaptive=...)``).
+    samples_curvature: whether K-FAC's stats come from the task's
+      ``curvature_fn`` (a ``kfac_jax.sampled_curvature`` surrogate: the
+      Gauss-Newton factors) rather than from the loss (the empirical Fisher).
   """
 
   name: str
@@ -52,6 +55,12 @@ class Optimizer:
   uses_kfac: bool = False
   description: str = ""
   needs_split_loss: bool = False
+  samples_curvature: bool = False
+
+  def __post_init__(self):
+    if (self.needs_split_loss or self.samples_curvature) and not self.uses_kfac:
+      raise ValueError(f"Optimizer {self.name!r}: needs_split_loss and "
+                       "samples_curvature are K-FAC's; set uses_kfac=True.")
 
 
 @dataclasses.dataclass
@@ -93,36 +102,48 @@ class RunResult:
 def make_train_step(
     loss_fn: LossFn, optimizer: Optimizer, stateful: bool = False,
     split_loss: Callable[..., kfac_jax.SplitLoss] | None = None,
+    curvature_fn: Callable[..., jax.Array] | None = None,
 ) -> Callable[..., Any]:
-  """``step(params, opt_state, model_state, *batch) -> (params, opt_state,
-  model_state, loss)``, jitted.
+  """``step(params, opt_state, model_state, key, *batch) -> (params,
+  opt_state, model_state, loss)``, jitted.
 
   ``stateful``: ``loss_fn(params, model_state, *batch)`` returns ``(loss,
   new_model_state)``; otherwise ``loss_fn(params, *batch)`` returns the loss
   and ``model_state`` passes through. ``split_loss(*batch)``: the batch
   loss as a ``kfac_jax.SplitLoss``, for optimizers that need it.
+  ``curvature_fn(params, key, *batch)``: a ``kfac_jax.sampled_curvature``
+  surrogate, for optimizers with ``samples_curvature``; ``key`` (a fresh PRNG
+  key each step) is only used by it.
   """
   tx = optimizer.tx
   if optimizer.needs_split_loss and (split_loss is None or stateful):
     raise ValueError(f"{optimizer.name} needs a split_loss (and a stateless "
                      "loss_fn).")
+  if optimizer.samples_curvature and curvature_fn is None:
+    raise ValueError(f"{optimizer.name} samples the curvature: pass a "
+                     "curvature_fn.")
 
   def loss_and_state(params, model_state, *batch):
     if stateful:
       return loss_fn(params, model_state, *batch)
     return loss_fn(params, *batch), model_state
 
-  def step(params, opt_state, model_state, *batch):
-    if optimizer.uses_kfac:
+  def step(params, opt_state, model_state, key, *batch):
+    if optimizer.uses_kfac and not optimizer.samples_curvature:
       (loss, model_state), grads, stats = kfac_jax.value_grad_and_stats(
           loss_and_state, has_aux=True)(params, model_state, *batch)
+    else:
+      (loss, model_state), grads = jax.value_and_grad(
+          loss_and_state, has_aux=True)(params, model_state, *batch)
+    if optimizer.samples_curvature:
+      _, _, stats = kfac_jax.value_grad_and_stats(curvature_fn)(params, key,
+                                                                *batch)
+    if optimizer.uses_kfac:
       extra = (dict(split_loss=split_loss(*batch))
                if optimizer.needs_split_loss else {})
       updates, opt_state = tx.update(grads, opt_state, params,
                                      kfac_stats=stats, **extra)
     else:
-      (loss, model_state), grads = jax.value_and_grad(
-          loss_and_state, has_aux=True)(params, model_state, *batch)
       updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, model_state, loss
 
@@ -162,7 +183,8 @@ def compare(optimizers: Sequence[Optimizer],
             seed: int = 0,
             desc: str = "training",
             model_state: Any = None,
-            split_loss: Callable[..., kfac_jax.SplitLoss] | None = None
+            split_loss: Callable[..., kfac_jax.SplitLoss] | None = None,
+            curvature_fn: Callable[..., jax.Array] | None = None
             ) -> dict[str, RunResult]:
   """Trains every optimizer on the same batches, one step each in turn.
 
@@ -182,6 +204,8 @@ def compare(optimizers: Sequence[Optimizer],
       model_state, *batch)`` returns ``(loss, new_model_state)``.
     split_loss: ``split_loss(*batch) -> kfac_jax.SplitLoss``, the loss split
       into network and outputs' loss (for ``kfac-adaptive``).
+    curvature_fn: ``curvature_fn(params, key, *batch)``, a
+      ``kfac_jax.sampled_curvature`` surrogate (for ``kfac-adaptive``).
 
   Returns:
     ``{name: RunResult}`` in the order of ``optimizers``.
@@ -204,8 +228,9 @@ def compare(optimizers: Sequence[Optimizer],
     start = time.perf_counter()
     steps[opt.name] = make_train_step(
         loss_fn, opt, stateful=model_state is not None,
-        split_loss=split_loss).lower(
-            init_params, opt_state, model_state, *example).compile()
+        split_loss=split_loss, curvature_fn=curvature_fn).lower(
+            init_params, opt_state, model_state, jax.random.key(seed),
+            *example).compile()
     compile_seconds[opt.name] = time.perf_counter() - start
     states[opt.name] = (init_params, opt_state, model_state)
 
@@ -218,9 +243,10 @@ def compare(optimizers: Sequence[Optimizer],
     for i in range(total):
       # Copied to the device once, outside the timed region, for all.
       batch = jax.device_put(batch_of(next(batches)))
+      key = jax.random.fold_in(jax.random.key(seed), i)
       for name in names:
         start = time.perf_counter()
-        *state, loss = jax.block_until_ready(steps[name](*states[name],
+        *state, loss = jax.block_until_ready(steps[name](*states[name], key,
                                                          *batch))
         elapsed[name] += time.perf_counter() - start
         seconds[name][i] = elapsed[name]
@@ -429,7 +455,7 @@ def base_parser(description: str, *, epochs: int, batch_size: int,
   parser.add_argument("--optimizers", default=optimizers,
                       help="comma-separated subset of kfac,kfac-adaptive,sgd,"
                       "adam,adamw (kfac-adaptive where the example splits "
-                      "its loss)")
+                      "its loss and samples its curvature)")
   group = parser.add_argument_group("K-FAC (scale_by_kfac + SGD momentum 0.9)")
   group.add_argument("--kfac-lr", type=float, default=kfac_lr,
                      help="learning rate of the SGD after K-FAC")
@@ -502,11 +528,12 @@ def build_optimizers(args: argparse.Namespace,
               factor_decay=args.factor_decay, compute_method="inverse",
               inv_update_steps=5, layers=layers,
               adaptive=kfac_jax.AdaptiveConfig()),
-          uses_kfac=True, needs_split_loss=True,
+          uses_kfac=True, needs_split_loss=True, samples_curvature=True,
           description=(
               "kfac_jax.scale_by_kfac(adaptive=AdaptiveConfig()): initial "
               f"damping {args.initial_damping:g}, factor_decay "
-              f"{args.factor_decay:g}, inverse method, inv_update_steps 5")),
+              f"{args.factor_decay:g}, inverse method, inv_update_steps 5, "
+              "Gauss-Newton factors (kfac_jax.sampled_curvature)")),
       "sgd": lambda: Optimizer(
           "SGD",
           optax.sgd(args.sgd_lr, momentum=0.9),

@@ -8,7 +8,8 @@ summed over the 784 pixels and averaged over the batch. K-FAC runs twice:
 with KAISA's recipe (``kfac_jax.kfac``: learning rate, damping, KL clip) and
 in the adaptive mode (``scale_by_kfac(adaptive=...)``: learning rate,
 momentum and damping from the quadratic model of the loss, which the script
-splits into network and loss with ``kfac_jax.SplitLoss``). All optimizers
+splits into network and loss with ``kfac_jax.SplitLoss``; its factors sample
+the Gauss-Newton matrix with ``kfac_jax.sampled_curvature``). All optimizers
 start from the same initialization and see the same mini-batches. The script
 prints a table (final training reconstruction loss over the full training set,
 test loss, training time, time per step) and writes the loss curves (vs step
@@ -124,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
       seed=args.seed, desc="MNIST autoencoder",
       split_loss=lambda x: kfac_jax.SplitLoss(
           outputs_fn=lambda params: model.apply({"params": params}, x),
-          loss_fn=lambda logits: reconstruction_losses(logits, x).mean()))
+          loss_fn=lambda logits: reconstruction_losses(logits, x).mean()),
+      curvature_fn=lambda params, key, x: (
+          kfac_jax.sampled_curvature.sigmoid_cross_entropy(
+              model.apply({"params": params}, x), key)))
 
   train_eval = common.head((mnist.x_train,), args.eval_size)
   test_eval = common.head((mnist.x_test,), args.eval_size)

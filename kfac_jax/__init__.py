@@ -2,6 +2,7 @@
 
 from kfac_jax.capture.api import trace_layers
 from kfac_jax.capture.api import value_grad_and_stats
+from kfac_jax.capture import sampled_curvature
 from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.distribution.placement import ShardedPreconditioners
@@ -39,6 +40,7 @@ __all__ = [
     "SplitLoss",
     "get_opt_state_partition_specs",
     "kfac",
+    "sampled_curvature",
     "scale_by_kfac",
     "trace_layers",
     "value_grad_and_stats",
