@@ -44,11 +44,13 @@ scale_by_kfac + SGD momentum 0.9, with the task's settings in
 ``kfac_adaptive`` (``scale_by_kfac(adaptive=...)``: learning rate, momentum
 and damping from the exact quadratic model, with DeepMind kfac-jax's
 autoencoder-example settings, ``KFAC_ADAPTIVE_SETTINGS``). Having no learning
-rate, ``kfac_adaptive`` is not swept. Its Kronecker factors sample the
-Gauss-Newton matrix (``kfac_jax.sampled_curvature``, as kfac-jax's default
-estimator does), and they and its quadratic model are computed on the first
-``--curvature-examples`` of each batch (default 250: a quarter of the
-autoencoder's batch, all of the others'), Martens' curvature mini-batch.
+rate, ``kfac_adaptive`` is not swept. Its quadratic model is computed on the
+first ``--curvature-examples`` of each batch (default 250: a quarter of the
+autoencoder's batch, all of the others'), Martens' curvature mini-batch. Its
+Kronecker factors come from the whole batch's loss (``--curvature batch``,
+the empirical Fisher, the default), from the loss on the curvature examples
+(``empirical``) or from a ``kfac_jax.sampled_curvature`` surrogate on them
+(``gauss-newton``, kfac-jax's default estimator).
 
 Outputs in ``--out``: ``convergence_<stamp>.json`` (every run's curve,
 settings and versions, rewritten after each run; ``--resume FILE`` continues
@@ -156,9 +158,9 @@ class Task:
       ``init`` alone describes the layers.
     split_loss: ``split_loss(*batch) -> kfac_jax.SplitLoss``, the objective
       split into network and loss (for ``kfac_adaptive``).
-    curvature_fn: ``curvature_fn(params, key, *batch)``, the
+    gauss_newton_fn: ``gauss_newton_fn(params, key, *batch)``, the
       ``kfac_jax.sampled_curvature`` surrogate of the objective's data term
-      (for ``kfac_adaptive``).
+      (for ``kfac_adaptive --curvature gauss-newton``).
   """
 
   name: str
@@ -172,7 +174,7 @@ class Task:
   evaluate: Callable[[Any], float]
   layers: Any = None
   split_loss: Callable[..., kfac_jax.SplitLoss] | None = None
-  curvature_fn: Callable[..., jax.Array] | None = None
+  gauss_newton_fn: Callable[..., jax.Array] | None = None
 
   def better(self, a: float, b: float) -> bool:
     """Whether metric ``a`` is strictly better than ``b`` (NaN never is)."""
@@ -217,7 +219,7 @@ def autoencoder_task(eval_examples: int | None, batch_size: int) -> Task:
             logits, x).mean(),
         regularizer=lambda params: weight_decay * l2_penalty(params))
 
-  def curvature_fn(params, key, x):
+  def gauss_newton_fn(params, key, x):
     return kfac_jax.sampled_curvature.sigmoid_cross_entropy(
         model.apply({"params": params}, x), key)
 
@@ -247,7 +249,7 @@ def autoencoder_task(eval_examples: int | None, batch_size: int) -> Task:
       loss_fn=loss_fn,
       evaluate=evaluate,
       split_loss=split_loss,
-      curvature_fn=curvature_fn)
+      gauss_newton_fn=gauss_newton_fn)
 
 
 def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
@@ -267,7 +269,7 @@ def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
             logits, y).mean(),
         regularizer=lambda params: weight_decay * l2_penalty(params))
 
-  def curvature_fn(params, key, x, y):
+  def gauss_newton_fn(params, key, x, y):
     del y  # the curvature samples the model's own predictions
     return kfac_jax.sampled_curvature.softmax_cross_entropy(
         model.apply({"params": params}, x), key)
@@ -291,7 +293,7 @@ def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
       evaluate=lambda params: 100 * chunked_mean(
           lambda x, y: correct(params, x, y), test, 1000),
       split_loss=split_loss,
-      curvature_fn=curvature_fn)
+      gauss_newton_fn=gauss_newton_fn)
 
 
 def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
@@ -311,7 +313,7 @@ def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
         loss_fn=lambda logits: optax.softmax_cross_entropy_with_integer_labels(
             logits, y).mean())
 
-  def curvature_fn(params, key, x, y):
+  def gauss_newton_fn(params, key, x, y):
     del y  # the curvature samples the model's own predictions
     return kfac_jax.sampled_curvature.softmax_cross_entropy(
         model.apply({"params": params}, x), key)
@@ -337,7 +339,7 @@ def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
           lambda x, y: per_sequence(params, x, y), val, 512),
       layers=kfac_jax.trace_layers(loss_fn, init(0), *example),
       split_loss=split_loss,
-      curvature_fn=curvature_fn)
+      gauss_newton_fn=gauss_newton_fn)
 
 
 TASK_BUILDERS = {"autoencoder": (autoencoder_task, 1000),
@@ -363,9 +365,12 @@ def import_kron():
   return distributed_kron.kron
 
 
-def build_optimizer(name: str, lr: float | None,
-                    task: Task) -> common.Optimizer:
-  """One contestant at learning rate ``lr`` (None for ``NO_LEARNING_RATE``)."""
+def build_optimizer(name: str, lr: float | None, task: Task,
+                    curvature: str = "batch") -> common.Optimizer:
+  """One contestant at learning rate ``lr`` (None for ``NO_LEARNING_RATE``).
+
+  ``curvature``: ``kfac_adaptive``'s factor statistics (``--curvature``).
+  """
   if name == "sgd":
     return common.Optimizer(
         "sgd", optax.sgd(lr, momentum=0.9, nesterov=True),
@@ -401,10 +406,11 @@ def build_optimizer(name: str, lr: float | None,
         kfac_jax.scale_by_kfac(layers=task.layers,
                                adaptive=kfac_jax.AdaptiveConfig(),
                                **KFAC_ADAPTIVE_SETTINGS),
-        uses_kfac=True, needs_split_loss=True, samples_curvature=True,
+        uses_kfac=True, needs_split_loss=True,
+        separate_curvature=curvature != "batch",
         description="kfac_jax.scale_by_kfac(adaptive=AdaptiveConfig(), " +
         ", ".join(f"{k}={v!r}" for k, v in KFAC_ADAPTIVE_SETTINGS.items()) +
-        "), stats of kfac_jax.sampled_curvature")
+        f"), curvature {curvature!r}")
   raise ValueError(f"unknown optimizer {name!r}; use one of {OPTIMIZERS}.")
 
 
@@ -424,22 +430,31 @@ def curvature_batch(batch: Sequence[Any], examples: int) -> tuple[Any, ...]:
 def train_run(task: Task, optimizer: common.Optimizer, seed: int,
               budget: float, eval_every: float, max_steps: int | None,
               progress: bool, label: str,
-              curvature_examples: int | None = None) -> dict[str, Any]:
+              curvature_examples: int | None = None,
+              curvature: str = "batch") -> dict[str, Any]:
   """Trains for ``budget`` training seconds; returns the run's record.
 
   ``curvature_examples``: see ``curvature_batch`` (None: the whole batch).
-  The clock and the evaluations are ``timed_training``'s.
+  ``curvature``: where a ``separate_curvature`` optimizer's stats come from
+  on the curvature batch, ``"empirical"`` (the loss) or ``"gauss-newton"``
+  (the task's ``gauss_newton_fn``). The clock and the evaluations are
+  ``timed_training``'s.
   """
   params = task.init(seed)
   opt_state = optimizer.tx.init(params)
   example = tuple(a[:task.batch_size] for a in task.data)
   examples = curvature_examples or task.batch_size
-  split_loss = curvature_fn = None
+  split_loss = None
   if task.split_loss is not None:
     split_loss = lambda *b: task.split_loss(*curvature_batch(b, examples))
-  if task.curvature_fn is not None:
-    curvature_fn = lambda p, key, *b: task.curvature_fn(
+  if curvature == "gauss-newton":
+    curvature_fn = lambda p, key, *b: task.gauss_newton_fn(
         p, key, *curvature_batch(b, examples))
+  elif curvature == "empirical":
+    curvature_fn = lambda p, key, *b: task.loss_fn(
+        p, *curvature_batch(b, examples))
+  else:
+    curvature_fn = None
   start = time.perf_counter()
   compiled = common.make_train_step(
       task.loss_fn, optimizer, split_loss=split_loss,
@@ -545,11 +560,11 @@ class Race:
     if key in self.done:
       record = self.done[key]
     else:
-      optimizer = build_optimizer(name, lr, task)
+      optimizer = build_optimizer(name, lr, task, self.args.curvature)
       label = f"{task.name} {phase} {name} lr={format_lr(lr)} seed={seed}"
       record = train_run(task, optimizer, seed, budget, self.args.eval_every,
                          self.args.max_steps, not self.args.no_progress, label,
-                         self.args.curvature_examples)
+                         self.args.curvature_examples, self.args.curvature)
       record.update(phase=phase, lr=lr)
       tqdm.write(f"{label}: {task.metric} {record['final']:.4g} after "
                  f"{record['steps']} steps ({record['ms_per_step']:.0f} "
@@ -766,6 +781,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       "quadratic model's curvature and reduction ratio use "
                       "the first N examples of each batch (all of a smaller "
                       "batch); Martens' curvature mini-batch")
+  parser.add_argument("--curvature",
+                      choices=("batch", "empirical", "gauss-newton"),
+                      default="batch",
+                      help="kfac_adaptive's factor statistics: from the whole "
+                      "batch's loss (the empirical Fisher), from the loss on "
+                      "the curvature examples, or from the task's "
+                      "kfac_jax.sampled_curvature surrogate (Gauss-Newton) "
+                      "on them")
   parser.add_argument("--max-steps", type=int, default=None,
                       help="also stop every run after this many steps")
   parser.add_argument("--out", type=pathlib.Path,

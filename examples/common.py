@@ -45,9 +45,10 @@ class Optimizer:
     description: hyper-parameters, printed under the table.
     needs_split_loss: whether ``tx.update`` also needs ``split_loss``
       (``scale_by_kfac(adaptive=...)``).
-    samples_curvature: whether K-FAC's stats come from the task's
-      ``curvature_fn`` (a ``kfac_jax.sampled_curvature`` surrogate: the
-      Gauss-Newton factors) rather than from the loss (the empirical Fisher).
+    separate_curvature: whether K-FAC's stats come from a ``curvature_fn``
+      of their own (a ``kfac_jax.sampled_curvature`` surrogate: Gauss-Newton
+      factors; or the loss on part of the batch) rather than from the
+      gradient's backward pass (the empirical Fisher of the whole batch).
   """
 
   name: str
@@ -55,12 +56,13 @@ class Optimizer:
   uses_kfac: bool = False
   description: str = ""
   needs_split_loss: bool = False
-  samples_curvature: bool = False
+  separate_curvature: bool = False
 
   def __post_init__(self):
-    if (self.needs_split_loss or self.samples_curvature) and not self.uses_kfac:
+    if ((self.needs_split_loss or self.separate_curvature) and
+        not self.uses_kfac):
       raise ValueError(f"Optimizer {self.name!r}: needs_split_loss and "
-                       "samples_curvature are K-FAC's; set uses_kfac=True.")
+                       "separate_curvature are K-FAC's; set uses_kfac=True.")
 
 
 @dataclasses.dataclass
@@ -111,17 +113,17 @@ def make_train_step(
   new_model_state)``; otherwise ``loss_fn(params, *batch)`` returns the loss
   and ``model_state`` passes through. ``split_loss(*batch)``: the batch
   loss as a ``kfac_jax.SplitLoss``, for optimizers that need it.
-  ``curvature_fn(params, key, *batch)``: a ``kfac_jax.sampled_curvature``
-  surrogate, for optimizers with ``samples_curvature``; ``key`` (a fresh PRNG
-  key each step) is only used by it.
+  ``curvature_fn(params, key, *batch)``: the scalar whose stats K-FAC uses,
+  for optimizers with ``separate_curvature``; ``key`` (a fresh PRNG key each
+  step) is only used by it.
   """
   tx = optimizer.tx
   if optimizer.needs_split_loss and (split_loss is None or stateful):
     raise ValueError(f"{optimizer.name} needs a split_loss (and a stateless "
                      "loss_fn).")
-  if optimizer.samples_curvature and curvature_fn is None:
-    raise ValueError(f"{optimizer.name} samples the curvature: pass a "
-                     "curvature_fn.")
+  if optimizer.separate_curvature and curvature_fn is None:
+    raise ValueError(f"{optimizer.name} takes its stats from a curvature_fn: "
+                     "pass one.")
 
   def loss_and_state(params, model_state, *batch):
     if stateful:
@@ -129,13 +131,13 @@ def make_train_step(
     return loss_fn(params, *batch), model_state
 
   def step(params, opt_state, model_state, key, *batch):
-    if optimizer.uses_kfac and not optimizer.samples_curvature:
+    if optimizer.uses_kfac and not optimizer.separate_curvature:
       (loss, model_state), grads, stats = kfac_jax.value_grad_and_stats(
           loss_and_state, has_aux=True)(params, model_state, *batch)
     else:
       (loss, model_state), grads = jax.value_and_grad(
           loss_and_state, has_aux=True)(params, model_state, *batch)
-    if optimizer.samples_curvature:
+    if optimizer.separate_curvature:
       _, _, stats = kfac_jax.value_grad_and_stats(curvature_fn)(params, key,
                                                                 *batch)
     if optimizer.uses_kfac:
@@ -528,7 +530,7 @@ def build_optimizers(args: argparse.Namespace,
               factor_decay=args.factor_decay, compute_method="inverse",
               inv_update_steps=5, layers=layers,
               adaptive=kfac_jax.AdaptiveConfig()),
-          uses_kfac=True, needs_split_loss=True, samples_curvature=True,
+          uses_kfac=True, needs_split_loss=True, separate_curvature=True,
           description=(
               "kfac_jax.scale_by_kfac(adaptive=AdaptiveConfig()): initial "
               f"damping {args.initial_damping:g}, factor_decay "

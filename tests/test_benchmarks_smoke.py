@@ -96,3 +96,25 @@ def test_convergence_smoke_and_resume(tmp_path):
   strip = lambda text: text.split("\n", 1)[1]  # the first line is the command
   assert strip(table2.read_text()).replace(
       table2.stem, "") == strip(table.read_text()).replace(table.stem, "")
+
+
+def test_convergence_smoke_with_gauss_newton_factors(tmp_path):
+  run_convergence("--smoke", "--tasks", "cifar", "--optimizers",
+                  "kfac_adaptive", "--curvature", "gauss-newton",
+                  "--curvature-examples", "4", "--out", str(tmp_path))
+  (path,) = tmp_path.glob("convergence_*.json")
+  (run,) = json.loads(path.read_text())["runs"]
+  assert run["steps"] == 2 and not run["diverged"]
+  assert "curvature 'gauss-newton'" in run["description"]
+
+
+def test_deepmind_scripts_refuse_this_kfac_jax(tmp_path):
+  """They need DeepMind's kfac-jax (own venv, not in CI): under this one they
+  import, parse their flags and stop with the message that says so."""
+  for script in ("dm_kfac_step_time.py", "dm_kfac_race.py"):
+    result = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", "--out",
+         str(tmp_path / "x.json")], cwd=REPO, capture_output=True, text=True,
+        timeout=240)
+    assert result.returncode != 0
+    assert "is not DeepMind's kfac-jax" in result.stderr, result.stderr[-2000:]
