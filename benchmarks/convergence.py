@@ -48,9 +48,11 @@ rate, ``kfac_adaptive`` is not swept. Its quadratic model is computed on the
 first ``--curvature-examples`` of each batch (default 250: a quarter of the
 autoencoder's batch, all of the others'), Martens' curvature mini-batch. Its
 Kronecker factors come from the whole batch's loss (``--curvature batch``,
-the empirical Fisher, the default), from the loss on the curvature examples
-(``empirical``) or from a ``kfac_jax.sampled_curvature`` surrogate on them
-(``gauss-newton``, kfac-jax's default estimator).
+the empirical Fisher, the default), from as many evenly spaced examples of
+the same capture (``subset``: ``scale_by_kfac(factor_batch_size=...)``, no
+extra pass), from the loss on the curvature examples (``empirical``) or from
+a ``kfac_jax.sampled_curvature`` surrogate on them (``gauss-newton``,
+kfac-jax's default estimator).
 
 Outputs in ``--out``: ``convergence_<stamp>.json`` (every run's curve,
 settings and versions, rewritten after each run; ``--resume FILE`` continues
@@ -366,10 +368,12 @@ def import_kron():
 
 
 def build_optimizer(name: str, lr: float | None, task: Task,
-                    curvature: str = "batch") -> common.Optimizer:
+                    curvature: str = "batch",
+                    curvature_examples: int | None = None) -> common.Optimizer:
   """One contestant at learning rate ``lr`` (None for ``NO_LEARNING_RATE``).
 
-  ``curvature``: ``kfac_adaptive``'s factor statistics (``--curvature``).
+  ``curvature``: ``kfac_adaptive``'s factor statistics (``--curvature``);
+  with ``"subset"``, from ``curvature_examples`` of each batch.
   """
   if name == "sgd":
     return common.Optimizer(
@@ -401,15 +405,17 @@ def build_optimizer(name: str, lr: float | None, task: Task,
         description=f"kfac_jax.kfac(lr={lr:g}, momentum=0.9, " + ", ".join(
             f"{k}={v!r}" for k, v in settings.items()) + ")")
   if name == "kfac_adaptive":
+    settings = dict(KFAC_ADAPTIVE_SETTINGS)
+    if curvature == "subset":
+      settings["factor_batch_size"] = curvature_examples
     return common.Optimizer(
         "kfac_adaptive",
         kfac_jax.scale_by_kfac(layers=task.layers,
-                               adaptive=kfac_jax.AdaptiveConfig(),
-                               **KFAC_ADAPTIVE_SETTINGS),
+                               adaptive=kfac_jax.AdaptiveConfig(), **settings),
         uses_kfac=True, needs_split_loss=True,
-        separate_curvature=curvature != "batch",
+        separate_curvature=curvature in ("empirical", "gauss-newton"),
         description="kfac_jax.scale_by_kfac(adaptive=AdaptiveConfig(), " +
-        ", ".join(f"{k}={v!r}" for k, v in KFAC_ADAPTIVE_SETTINGS.items()) +
+        ", ".join(f"{k}={v!r}" for k, v in settings.items()) +
         f"), curvature {curvature!r}")
   raise ValueError(f"unknown optimizer {name!r}; use one of {OPTIMIZERS}.")
 
@@ -560,7 +566,8 @@ class Race:
     if key in self.done:
       record = self.done[key]
     else:
-      optimizer = build_optimizer(name, lr, task, self.args.curvature)
+      optimizer = build_optimizer(name, lr, task, self.args.curvature,
+                                  self.args.curvature_examples)
       label = f"{task.name} {phase} {name} lr={format_lr(lr)} seed={seed}"
       record = train_run(task, optimizer, seed, budget, self.args.eval_every,
                          self.args.max_steps, not self.args.no_progress, label,
@@ -782,11 +789,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       "the first N examples of each batch (all of a smaller "
                       "batch); Martens' curvature mini-batch")
   parser.add_argument("--curvature",
-                      choices=("batch", "empirical", "gauss-newton"),
+                      choices=("batch", "subset", "empirical",
+                               "gauss-newton"),
                       default="batch",
                       help="kfac_adaptive's factor statistics: from the whole "
-                      "batch's loss (the empirical Fisher), from the loss on "
-                      "the curvature examples, or from the task's "
+                      "batch's loss (the empirical Fisher), from "
+                      "--curvature-examples evenly spaced examples of it "
+                      "(factor_batch_size), from the loss on the curvature "
+                      "examples, or from the task's "
                       "kfac_jax.sampled_curvature surrogate (Gauss-Newton) "
                       "on them")
   parser.add_argument("--max-steps", type=int, default=None,

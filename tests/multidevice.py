@@ -459,8 +459,8 @@ def blocks(axis_type: AxisType) -> None:
 
 def adaptive(axis_type: AxisType) -> None:
   """The adaptive mode (π-split inverses, quadratic model over batch-sharded
-  outputs, the previous update sharded like FSDP kernels) trains as on one
-  device."""
+  outputs, the previous update sharded like FSDP kernels, factors from half
+  of each batch-sharded batch) trains as on one device."""
   params, loss_fn, batches = conv_problem()
   model = ConvNet()
 
@@ -470,7 +470,7 @@ def adaptive(axis_type: AxisType) -> None:
         lambda logits: optax.softmax_cross_entropy_with_integer_labels(
             logits, y).mean())
 
-  base = dict(compute_method="inverse")
+  base = dict(compute_method="inverse", factor_batch_size=8)
   reference = train(params, loss_fn, batches, base, split_loss=split_loss)
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
   specs = jax.tree.map(

@@ -133,27 +133,73 @@ def fisher_scales(output_cotangent: jax.Array,
   return float(positions)**2, float(rows)**2 * positions
 
 
-def batch_factors(stats: LayerStatistics,
-                  fisher_scaled: bool = False) -> tuple[jax.Array, jax.Array]:
+def example_subset(tensor: jax.Array, axis: int | None,
+                   examples: int | None) -> jax.Array:
+  """``examples`` evenly spaced entries of ``tensor`` along its example ``axis``.
+
+  Entries ``0, s, 2s, …`` with stride ``s = ⌊B / examples⌋`` are kept, rather
+  than the first ``examples``: on a batch-sharded array, each device then
+  keeps an equal share of its own rows and nothing moves between devices.
+  ``examples`` None or ``≥ B``, or ``axis`` None: unchanged.
+  """
+  if examples is None or axis is None or examples >= tensor.shape[axis]:
+    return tensor
+  stride = tensor.shape[axis] // examples
+  return lax.slice_in_dim(tensor, 0, stride * (examples - 1) + 1,
+                          stride=stride, axis=axis)
+
+
+def _example_axis(tensor: jax.Array, signature: LayerSignature,
+                  is_input: bool) -> int | None:
+  """The example axis of a captured tensor (the first after the stack axes).
+
+  None when that axis is a feature axis (a ``DenseGeneral`` contracting it,
+  or a tensor without batch axes).
+  """
+  axis = signature.stack_ndim
+  if is_input and signature.conv is None:
+    # Token ids have no feature axis; DenseGeneral's may be anywhere.
+    features = ({a % tensor.ndim for a in signature.input_axes}
+                if signature.num_embeddings is None else set())
+  else:
+    trailing = (signature.output_ndim if signature.conv is None else
+                len(signature.conv.window) + 1)  # [*spatial, channels]
+    features = set(range(tensor.ndim - trailing, tensor.ndim))
+  return None if axis >= tensor.ndim or axis in features else axis
+
+
+def batch_factors(stats: LayerStatistics, fisher_scaled: bool = False,
+                  examples: int | None = None) -> tuple[jax.Array, jax.Array]:
   """``(A [blocks, dA, dA], G [blocks, dG, dG])`` of one batch, summed over calls.
 
   ``fisher_scaled`` scales each call's factors by ``fisher_scales``, so that
   ``A ⊗ G`` estimates the Fisher of the mean loss rather than KAISA's
   ``1/N²`` of it (whose damping values assume the latter).
+
+  ``examples``: the factors of ``examples`` of the batch's ``B`` examples
+  (``example_subset``), e.g. Martens & Grosse's curvature mini-batch: the
+  factor products cost ``examples / B`` of the whole batch's. Each
+  covariance divides by its own rows, and the Fisher scales are those of the
+  whole batch's loss, so the factors estimate the same ``A`` and ``G``.
   """
   signature = stats.signature
   scales = [fisher_scales(g, signature) if fisher_scaled else (1.0, 1.0)
             for g in stats.output_cotangents]
+  inputs = [example_subset(x, _example_axis(x, signature, True), examples)
+            for x in stats.inputs]
+  cotangents = [
+      example_subset(g, _example_axis(g, signature, False), examples)
+      for g in stats.output_cotangents]
   if signature.num_embeddings is not None:
     activation_factor = sum(_per_block(token_frequencies, ids, signature)
-                            for ids in stats.inputs)
+                            for ids in inputs)
   else:
     activation_factor = sum(
         covariance(_per_block(activation_rows, x, signature)) * scale
-        for x, (scale, _) in zip(stats.inputs, scales))
+        for x, (scale, _) in zip(inputs, scales))
   gradient_factor = sum(
       covariance(_per_block(gradient_rows, g, signature)) * scale
-      for g, (_, scale) in zip(stats.output_cotangents, scales))
+      for g, (_, scale) in zip(cotangents, scales))
   return activation_factor, gradient_factor
 
 

@@ -115,6 +115,7 @@ def scale_by_kfac(
     layers: LayerTable | None = None,
     precondition_embeddings: bool = False,
     decomposition_batch_size: int | None = None,
+    factor_batch_size: int | None = None,
     adaptive: AdaptiveConfig | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC gradient preconditioning (KAISA's algorithm) as an optax transform.
@@ -182,6 +183,14 @@ def scale_by_kfac(
       layers) are decomposed by one ``vmap``; with a positive integer k,
       by ``lax.map`` over batches of k instead, bounding the decomposition
       workspace. ``None``: all at once.
+    factor_batch_size: with a positive integer k, the batch factors come from
+      k examples of each batch (evenly spaced along the inputs' and
+      cotangents' example axis, the first after the stack axes;
+      ``factors.batch.example_subset``) instead of all B: the factor
+      products, ``2·k·Σ(dA² + dG²)`` FLOPs, cost k/B of the whole batch's,
+      and estimate the same factors (Martens & Grosse's curvature
+      mini-batch). The gradients still use the whole batch. ``None``, or
+      k ≥ B: every example.
     adaptive: an ``AdaptiveConfig`` turns on DeepMind kfac-jax's adaptive
       mode (``transform.quadratic_model``): the update is ``α Δ + μ δ`` with
       ``Δ`` the negated K-FAC direction, ``δ`` the previous update and
@@ -251,6 +260,9 @@ def scale_by_kfac(
   if decomposition_batch_size is not None:
     decomposition_batch_size = hp.static_positive_integer(
         "decomposition_batch_size", decomposition_batch_size)
+  if factor_batch_size is not None:
+    factor_batch_size = hp.static_positive_integer("factor_batch_size",
+                                                   factor_batch_size)
   # The adaptive mode's λ is on the Fisher's scale: the inverse method then
   # splits it between the factors (π-damping) instead of adding λ to each.
   factored_damping = adaptive is not None and method is ComputeMethod.INVERSE
@@ -422,7 +434,8 @@ def scale_by_kfac(
       blocks = {}
       for name in active:
         factors = batch_lib.batch_factors(kfac_stats[name],
-                                          fisher_scaled=adaptive is not None)
+                                          fisher_scaled=adaptive is not None,
+                                          examples=factor_batch_size)
         blocks.update((block, LayerFactors(a, g)) for block, a, g in zip(
             layers[name].block_names, *factors))
       return blocks
