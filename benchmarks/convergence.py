@@ -135,6 +135,8 @@ KFAC_ADAPTIVE_SETTINGS = dict(
     compute_method="inverse", damping=150.0, factor_decay=0.95,
     factor_update_steps=1, inv_update_steps=5, kl_clip=None)
 BUDGETS = {"autoencoder": 420.0, "cifar": 300.0, "shakespeare": 300.0}
+# The autoencoder objective's L2 coefficient (the 1e-5·½‖θ‖²).
+AUTOENCODER_WEIGHT_DECAY = 1e-5
 
 
 def l2_penalty(params: Any) -> jax.Array:
@@ -207,7 +209,7 @@ def truncated_fan_in_normal(key, shape, dtype=jnp.float32):
 def autoencoder_task(eval_examples: int | None, batch_size: int) -> Task:
   mnist = datasets.load_mnist()
   model = mnist_autoencoder.Autoencoder(kernel_init=truncated_fan_in_normal)
-  weight_decay = 1e-5
+  weight_decay = AUTOENCODER_WEIGHT_DECAY
 
   def loss_fn(params, x):
     logits = model.apply({"params": params}, x)
@@ -241,7 +243,8 @@ def autoencoder_task(eval_examples: int | None, batch_size: int) -> Task:
       description=(
           "MNIST autoencoder 784-1000-500-250-30-250-500-1000-784, batch "
           f"{batch_size}; objective = summed sigmoid cross-entropy + "
-          f"1e-5·½‖θ‖² over {len(eval_x[0]):,} training images"),
+          f"{weight_decay:g}·½‖θ‖² over {len(eval_x[0]):,} training "
+          "images"),
       metric="train objective",
       higher_is_better=False,
       data=(mnist.x_train,),

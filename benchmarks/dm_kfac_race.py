@@ -44,7 +44,6 @@ import dm_kfac_step_time
 import mnist_autoencoder
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-WEIGHT_DECAY = 1e-5
 BURNIN_STEPS = 5
 
 
@@ -80,11 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logits = model.apply({"params": params}, x)
     kfac_jax.register_sigmoid_cross_entropy_loss(logits, x)
     return (mnist_autoencoder.reconstruction_losses(logits, x).mean() +
-            WEIGHT_DECAY * convergence.l2_penalty(params))
+            convergence.AUTOENCODER_WEIGHT_DECAY *
+            convergence.l2_penalty(params))
 
   optimizer = kfac_jax.Optimizer(
       value_and_grad_func=jax.value_and_grad(loss_fn),
-      l2_reg=WEIGHT_DECAY,
+      l2_reg=convergence.AUTOENCODER_WEIGHT_DECAY,
       use_adaptive_learning_rate=True,
       use_adaptive_momentum=True,
       use_adaptive_damping=True,
@@ -154,8 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{record['ms_per_step']:.0f} ms/step")
   result = dict(command=" ".join(sys.argv), environment=environment,
                 task=task.description, optimizer="deepmind_kfac_adaptive",
-                compile_seconds=compile_seconds, seed=args.seed, budget=args.budget,
-                reached=reached, **record)
+                compile_seconds=compile_seconds, seed=args.seed,
+                budget=args.budget, reached=reached, **record)
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(json.dumps(result, indent=1))
   print(f"wrote {args.out}")

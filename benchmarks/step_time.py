@@ -300,7 +300,10 @@ def make_contestant(variant: str, config: Config, args: argparse.Namespace,
                     lib: Any = kfac_jax) -> Contestant:
   """``lib``: the kfac_jax module to time (``load_kfac_revision``)."""
   tx = make_tx(variant, args, lib)
-  opt_state = tx.init(config.params)
+  # Each contestant gets its own copies: its step donates them.
+  params, extra_state = (jax.tree.map(jnp.copy, t)
+                         for t in (config.params, config.extra_state))
+  opt_state = tx.init(params)
   loss_fn = config.loss_fn
 
   if is_kfac(variant):
@@ -319,7 +322,10 @@ def make_contestant(variant: str, config: Config, args: argparse.Namespace,
       updates, opt_state = tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), extra, opt_state, loss
 
-  jitted = jax.jit(step)
+  # Params and states are donated (as DeepMind's kfac-jax does), so that
+  # what a step leaves unchanged (K-FAC's preconditioners off decomposition
+  # steps) is not copied.
+  jitted = jax.jit(step, donate_argnums=(0, 1, 2))
   data = config.data
 
   def call(carry):
@@ -329,7 +335,7 @@ def make_contestant(variant: str, config: Config, args: argparse.Namespace,
   return Contestant(
       name=variant,
       step=call,
-      carry=(config.params, config.extra_state, opt_state, jnp.zeros([])),
+      carry=(params, extra_state, opt_state, jnp.zeros([])),
       inv_update_steps=args.inv_update_steps if is_kfac(variant) else None,
       read_count=(lambda carry: kfac_count(carry[2])) if is_kfac(variant)
       else None,

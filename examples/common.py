@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm.auto import tqdm
@@ -116,6 +117,10 @@ def make_train_step(
   ``curvature_fn(params, key, *batch)``: the scalar whose stats K-FAC uses,
   for optimizers with ``separate_curvature``; ``key`` (a fresh PRNG key each
   step) is only used by it.
+
+  ``params``, ``opt_state`` and ``model_state`` are donated: XLA updates
+  them in place (and K-FAC's preconditioners, untouched on most steps, are
+  not copied), so the caller must not use the arrays it passed in again.
   """
   tx = optimizer.tx
   if optimizer.needs_split_loss and (split_loss is None or stateful):
@@ -149,7 +154,7 @@ def make_train_step(
       updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, model_state, loss
 
-  return jax.jit(step)
+  return jax.jit(step, donate_argnums=(0, 1, 2))
 
 
 def epoch_batches(num_examples: int, batch_size: int, epochs: int,
@@ -226,15 +231,18 @@ def compare(optimizers: Sequence[Optimizer],
   example = batch_of(np.arange(batch_size))
   states, steps, compile_seconds = {}, {}, {}
   for opt in optimizers:
-    opt_state = opt.tx.init(init_params)
+    # Each optimizer gets its own copies: its step donates them.
+    params, state = (jax.tree.map(jnp.copy, t)
+                     for t in (init_params, model_state))
+    opt_state = opt.tx.init(params)
     start = time.perf_counter()
     steps[opt.name] = make_train_step(
         loss_fn, opt, stateful=model_state is not None,
         split_loss=split_loss, curvature_fn=curvature_fn).lower(
-            init_params, opt_state, model_state, jax.random.key(seed),
+            params, opt_state, state, jax.random.key(seed),
             *example).compile()
     compile_seconds[opt.name] = time.perf_counter() - start
-    states[opt.name] = (init_params, opt_state, model_state)
+    states[opt.name] = (params, opt_state, state)
 
   losses = {n: [] for n in names}
   seconds = {n: np.zeros(total) for n in names}
