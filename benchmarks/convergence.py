@@ -47,12 +47,12 @@ autoencoder-example settings, ``KFAC_ADAPTIVE_SETTINGS``). Having no learning
 rate, ``kfac_adaptive`` is not swept. Its quadratic model is computed on the
 first ``--curvature-examples`` of each batch (default 250: a quarter of the
 autoencoder's batch, all of the others'), Martens' curvature mini-batch. Its
-Kronecker factors come from the whole batch's loss (``--curvature batch``,
-the empirical Fisher, the default), from as many evenly spaced examples of
-the same capture (``subset``: ``scale_by_kfac(factor_batch_size=...)``, no
-extra pass), from the loss on the curvature examples (``empirical``) or from
-a ``kfac_jax.sampled_curvature`` surrogate on them (``gauss-newton``,
-kfac-jax's default estimator).
+Kronecker factors come from as many evenly spaced examples of the whole
+batch's capture (``--curvature subset``, the default:
+``scale_by_kfac(factor_batch_size=...)``, the empirical Fisher, no extra
+pass), from all of it (``batch``), from the loss on the curvature examples
+(``empirical``) or from a ``kfac_jax.sampled_curvature`` surrogate on them
+(``gauss-newton``, kfac-jax's default estimator).
 
 Outputs in ``--out``: ``convergence_<stamp>.json`` (every run's curve,
 settings and versions, rewritten after each run; ``--resume FILE`` continues
@@ -243,8 +243,7 @@ def autoencoder_task(eval_examples: int | None, batch_size: int) -> Task:
       description=(
           "MNIST autoencoder 784-1000-500-250-30-250-500-1000-784, batch "
           f"{batch_size}; objective = summed sigmoid cross-entropy + "
-          f"{weight_decay:g}·½‖θ‖² over {len(eval_x[0]):,} training "
-          "images"),
+          f"1e-5·½‖θ‖² over {len(eval_x[0]):,} training images"),
       metric="train objective",
       higher_is_better=False,
       data=(mnist.x_train,),
@@ -544,8 +543,9 @@ def first_reach(task: Task, run: dict[str, Any],
 
 
 def run_key(run: dict[str, Any]) -> tuple:
+  curvature = run.get("curvature")
   return (run["phase"], run["task"], run["optimizer"], run["lr"], run["seed"],
-          run["budget"])
+          run["budget"], None if curvature is None else tuple(curvature))
 
 
 class Race:
@@ -565,7 +565,10 @@ class Race:
 
   def run(self, phase: str, task: Task, name: str, lr: float, seed: int,
           budget: float) -> dict[str, Any]:
-    key = (phase, task.name, name, lr, seed, budget)
+    # kfac_adaptive's runs also depend on where its curvature comes from.
+    curvature = ((self.args.curvature, self.args.curvature_examples)
+                 if name == "kfac_adaptive" else None)
+    key = (phase, task.name, name, lr, seed, budget, curvature)
     if key in self.done:
       record = self.done[key]
     else:
@@ -576,6 +579,8 @@ class Race:
                          self.args.max_steps, not self.args.no_progress, label,
                          self.args.curvature_examples, self.args.curvature)
       record.update(phase=phase, lr=lr)
+      if curvature is not None:
+        record.update(curvature=list(curvature))
       tqdm.write(f"{label}: {task.metric} {record['final']:.4g} after "
                  f"{record['steps']} steps ({record['ms_per_step']:.0f} "
                  f"ms/step, compile {record['compile_seconds']:.1f} s)"
@@ -787,19 +792,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="evaluate on the first N examples of the task's "
                       "evaluation set (default: all)")
   parser.add_argument("--curvature-examples", type=int, default=250,
-                      help="kfac_adaptive: the factors' statistics and the "
-                      "quadratic model's curvature and reduction ratio use "
-                      "the first N examples of each batch (all of a smaller "
-                      "batch); Martens' curvature mini-batch")
+                      help="kfac_adaptive: the quadratic model's curvature "
+                      "and reduction ratio use the first N examples of each "
+                      "batch (all of a smaller batch), and so do the factors' "
+                      "statistics unless --curvature batch; Martens' "
+                      "curvature mini-batch")
   parser.add_argument("--curvature",
                       choices=("batch", "subset", "empirical",
                                "gauss-newton"),
-                      default="batch",
-                      help="kfac_adaptive's factor statistics: from the whole "
-                      "batch's loss (the empirical Fisher), from "
-                      "--curvature-examples evenly spaced examples of it "
-                      "(factor_batch_size), from the loss on the curvature "
-                      "examples, or from the task's "
+                      default="subset",
+                      help="kfac_adaptive's factor statistics, from the "
+                      "capture of the whole batch's loss (the empirical "
+                      "Fisher): on its whole batch, or on "
+                      "--curvature-examples evenly spaced examples "
+                      "(factor_batch_size); or from the loss on the "
+                      "curvature examples, or from the task's "
                       "kfac_jax.sampled_curvature surrogate (Gauss-Newton) "
                       "on them")
   parser.add_argument("--max-steps", type=int, default=None,

@@ -79,6 +79,8 @@ VALID = {
         st.floats(1e-6, 1.0), st.just(1)),
     "assignment_strategy": st.sampled_from(
         ["compute", "memory", "MEMORY"] + list(kfac_jax.AssignmentStrategy)),
+    "decomposition_batch_size": st.one_of(st.none(), st.integers(1, 64)),
+    "factor_batch_size": st.one_of(st.none(), st.integers(1, 64)),
 }
 
 
@@ -120,6 +122,9 @@ NOT_DECAY = st.one_of(
     st.integers(min_value=2, max_value=10**6),
     NON_FINITE,
 )
+NOT_A_POSITIVE_INT = st.one_of(
+    st.integers(max_value=0), st.floats(), st.text(max_size=3),
+    st.sampled_from([True, False, [2], (2,), np.float32(2.0)]))
 NOT_STEPS = st.one_of(
     st.integers(-10**6, 0),
     st.floats(allow_nan=True, allow_infinity=True),  # any float, even 2.0
@@ -154,9 +159,9 @@ INVALID = {
             lambda s: s.lower() not in ("eigen", "inverse")),
         st.sampled_from([None, 0, 1.0, ["eigen"], ("inverse",), " eigen",
                          "eig", "cholesky", b"eigen"])),
-    "accumulation_steps": st.one_of(
-        st.integers(max_value=0), st.floats(), st.text(max_size=3),
-        st.sampled_from([None, True, False, [2], (2,), np.float32(2.0)])),
+    "accumulation_steps": st.one_of(NOT_A_POSITIVE_INT, st.none()),
+    "decomposition_batch_size": NOT_A_POSITIVE_INT,
+    "factor_batch_size": NOT_A_POSITIVE_INT,
     "skip_layers": st.one_of(
         BAD_REGEX,
         st.lists(st.one_of(REGEX, BAD_REGEX), min_size=1, max_size=3).filter(
