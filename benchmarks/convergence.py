@@ -794,8 +794,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--curvature-examples", type=int, default=250,
                       help="kfac_adaptive: the quadratic model's curvature "
                       "and reduction ratio use the first N examples of each "
-                      "batch (all of a smaller batch), and so do the factors' "
-                      "statistics unless --curvature batch; Martens' "
+                      "batch (all of a smaller batch), the factors' "
+                      "statistics N examples (see --curvature); Martens' "
                       "curvature mini-batch")
   parser.add_argument("--curvature",
                       choices=("batch", "subset", "empirical",
