@@ -203,6 +203,28 @@ def batch_factors(stats: LayerStatistics, fisher_scaled: bool = False,
   return activation_factor, gradient_factor
 
 
+def gradient_rows_of_dense(
+    stats: LayerStatistics) -> tuple[jax.Array, jax.Array]:
+  """``(a [blocks, N, dA], g [blocks, N, dG])`` with ``∇_b = a_bᵀ g_b``.
+
+  For a dense layer (``Dense``, ``DenseGeneral``, scanned or not) the rows of
+  ``A`` and ``G`` (``activation_rows``, ``gradient_rows``, unscaled) are also
+  the factors of the gradient of the loss the stats were captured from:
+  ``∇ = Σ_n a_n g_nᵀ``. The calls' rows are concatenated (``N`` = all of
+  them), as their gradients add up.
+  """
+  signature = stats.signature
+  if signature.conv is not None or signature.num_embeddings is not None:
+    raise ValueError(
+        f"gradient_rows_of_dense: a {signature.module_type} layer's gradient "
+        "is not the product of its captured rows; only dense layers' is.")
+  activation = [_per_block(activation_rows, x, signature) for x in stats.inputs]
+  gradient = [_per_block(gradient_rows, g, signature)
+              for g in stats.output_cotangents]
+  return (jnp.concatenate(activation, axis=1),
+          jnp.concatenate(gradient, axis=1))
+
+
 def covariances_finite(factors: Iterable[jax.Array]) -> jax.Array:
   """Whether every batch factor ``xᵀx / N`` is finite, from their traces.
 

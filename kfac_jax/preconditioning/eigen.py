@@ -10,28 +10,18 @@ which is exactly ``(A ⊗ G + λI)⁻¹ vec(∇)`` reshaped.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from kfac_jax.factors.running import LayerFactors
+from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
+                                                     Reshard, no_reshard,
+                                                     sandwich)
 
 # Decompositions always run in float32, whatever the storage dtypes.
 DECOMPOSITION_DTYPE = jnp.float32
-
-# ``(x [dA, dG], axis) -> x``: called on a gradient-shaped operand before a
-# product that contracts ``axis`` (0: Q_Aᵀ·x or A⁻¹·x; 1: x·Q_G or x·G⁻¹).
-# With a sharded kernel it moves the sharding off that axis, so the products
-# stay local and no device holds the whole gradient.
-Reshard = Callable[[jax.Array, int], jax.Array]
-
-
-def no_reshard(x: jax.Array, axis: int) -> jax.Array:
-  del axis
-  return x
 
 
 class EigenPreconditioner(NamedTuple):
@@ -114,22 +104,22 @@ def decompose(factors: LayerFactors, damping: jax.Array, dtype: jnp.dtype,
                   dtype, precompute_damped_inverse)
 
 
-def precondition(preconditioner: EigenPreconditioner, gradient: jax.Array,
-                 damping: jax.Array,
+def precondition(preconditioner: EigenPreconditioner,
+                 gradient: jax.Array | FactoredGradient, damping: jax.Array,
                  reshard: Reshard = no_reshard) -> jax.Array:
   """``P = Q_A [(Q_Aᵀ ∇ Q_G) ⊙ 1/(outer(d_A, d_G) + λ)] Q_Gᵀ``, float32.
 
-  ``reshard(x, axis)`` is applied to each ``[dA, dG]`` operand before a
-  product contracting its ``axis`` (see ``Reshard``).
+  ``∇ [dA, dG]`` dense or factored (``gradient_matrix.sandwich``: the first
+  pair of products only; the scaled middle is dense). ``reshard(x, axis)`` is
+  applied to each ``[dA, dG]`` operand before a product contracting its
+  ``axis`` (see ``Reshard``).
   """
   q_a = preconditioner.activation_eigenvectors.astype(DECOMPOSITION_DTYPE)
   q_g = preconditioner.gradient_eigenvectors.astype(DECOMPOSITION_DTYPE)
-  matmul = lambda x, y: jnp.matmul(x, y, precision=lax.Precision.HIGHEST)
-  rotated = matmul(q_a.T, reshard(gradient.astype(DECOMPOSITION_DTYPE), 0))
-  rotated = matmul(reshard(rotated, 1), q_g)
+  rotated = sandwich(q_a.T, gradient, q_g, reshard)
   if preconditioner.damped_inverse is not None:
     scale = preconditioner.damped_inverse.astype(DECOMPOSITION_DTYPE)
   else:
     scale = _damped_inverse(preconditioner.activation_eigenvalues,
                             preconditioner.gradient_eigenvalues, damping)
-  return matmul(reshard(matmul(q_a, reshard(rotated * scale, 0)), 1), q_g.T)
+  return sandwich(q_a, rotated * scale, q_g.T, reshard)

@@ -6,11 +6,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import jax.scipy.linalg
 
 from kfac_jax.factors.running import LayerFactors
-from kfac_jax.preconditioning.eigen import DECOMPOSITION_DTYPE, Reshard, no_reshard
+from kfac_jax.preconditioning.eigen import DECOMPOSITION_DTYPE
+from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
+                                                     Reshard, no_reshard,
+                                                     sandwich)
 
 
 class InversePreconditioner(NamedTuple):
@@ -81,16 +83,14 @@ def factored_damping_scaled(factors: LayerFactors,
   return LayerFactors(activation / (pi * root), gradient * (pi / root))
 
 
-def precondition(preconditioner: InversePreconditioner, gradient: jax.Array,
-                 damping: jax.Array,
+def precondition(preconditioner: InversePreconditioner,
+                 gradient: jax.Array | FactoredGradient, damping: jax.Array,
                  reshard: Reshard = no_reshard) -> jax.Array:
   """``(A + λI)⁻¹ ∇ (G + λI)⁻¹`` with the damping frozen at inversion; float32.
 
+  ``∇ [dA, dG]`` dense or factored (``gradient_matrix.sandwich``);
   ``reshard`` as in ``eigen.precondition``.
   """
   del damping  # Folded into the inverses when they were computed.
-  matmul = lambda x, y: jnp.matmul(x, y, precision=lax.Precision.HIGHEST)
-  left = matmul(preconditioner.activation_inverse.astype(DECOMPOSITION_DTYPE),
-                reshard(gradient.astype(DECOMPOSITION_DTYPE), 0))
-  return matmul(reshard(left, 1),
-                preconditioner.gradient_inverse.astype(DECOMPOSITION_DTYPE))
+  return sandwich(preconditioner.activation_inverse, gradient,
+                  preconditioner.gradient_inverse, reshard)

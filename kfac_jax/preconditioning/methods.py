@@ -25,7 +25,8 @@ class Method(NamedTuple):
       ``batched.decompose_layers``).
     assemble: ``(factor_fn(A), factor_fn(G), λ) -> Preconditioner``.
     precondition: ``(Preconditioner, ∇ [dA, dG], λ[, reshard]) -> P [dA, dG]``
-      (``reshard``: see ``eigen.Reshard``).
+      (``reshard``: see ``gradient_matrix.Reshard``; ``∇`` may be a
+      ``gradient_matrix.FactoredGradient``).
     decomposition_batch_size: factors decomposed at once per size
       (``batched.decompose_layers``); ``None``: all of them.
   """
