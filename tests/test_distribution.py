@@ -59,6 +59,13 @@ def test_adaptive_mode_on_a_mesh_with_fsdp_kernels_equals_one_device():
 
 
 @pytest.mark.multidevice
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_gradient_from_stats_on_a_batch_sharded_batch_equals_one_device(
+    axis_type):
+  run_on_eight_devices("gradient_from_stats", axis_type)
+
+
+@pytest.mark.multidevice
 def test_compiled_program_divides_decompositions_and_memory():
   """Per-device eigh/Cholesky FLOPs ≤ 1.25/n; MEM_OPT bytes ≤ 1.25/n."""
   run_on_eight_devices("division", "Auto")

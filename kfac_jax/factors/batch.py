@@ -35,6 +35,22 @@ from kfac_jax.factors.patches import conv_patches
 COMPUTE_DTYPE = jnp.float32
 
 
+def contract_rows(left: jax.Array, right: jax.Array) -> jax.Array:
+  """``leftᵀ right`` over the rows: ``[..., N, d1], [..., N, d2] -> [..., d1, d2]``.
+
+  Leading axes are batch axes. On a mesh with Explicit axes and batch-sharded
+  rows, a contraction over them must say where the result lives: here
+  replicated, as the factors and gradients it makes are.
+  """
+  replicated = jax.typeof(left).sharding.update(spec=PartitionSpec())
+  batch_axes = tuple(range(left.ndim - 2))
+  rows_axis = left.ndim - 2
+  return lax.dot_general(left, right, (((rows_axis,), (rows_axis,)),
+                                       (batch_axes, batch_axes)),
+                         precision=lax.Precision.HIGHEST,
+                         out_sharding=replicated)
+
+
 def covariance(rows: jax.Array) -> jax.Array:
   """``rowsᵀ rows / N`` for ``rows: [..., N, d]``; returns ``[..., d, d]`` float32.
 
@@ -43,15 +59,7 @@ def covariance(rows: jax.Array) -> jax.Array:
   symmetrize their input anyway (``sym`` of the running factor).
   """
   rows = rows.astype(COMPUTE_DTYPE)
-  # On a mesh with Explicit axes and a batch-sharded `rows`, the contraction
-  # over the batch must say where the (replicated) result lives.
-  replicated = jax.typeof(rows).sharding.update(spec=PartitionSpec())
-  batch_axes = tuple(range(rows.ndim - 2))
-  product = lax.dot_general(
-      rows, rows, (((rows.ndim - 2,), (rows.ndim - 2,)),
-                   (batch_axes, batch_axes)),
-      precision=lax.Precision.HIGHEST, out_sharding=replicated)
-  return product / rows.shape[-2]
+  return contract_rows(rows, rows) / rows.shape[-2]
 
 
 def activation_rows(inputs: jax.Array, signature: LayerSignature) -> jax.Array:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kfac_jax.capture.layers import BIAS, LayerInfo
+from kfac_jax.factors.batch import contract_rows
 
 # ``(x [dA, dG], axis) -> x``: called on a gradient-shaped operand before a
 # product that contracts ``axis`` (0: Q_Aᵀ·x or A⁻¹·x; 1: x·Q_G or x·G⁻¹).
@@ -78,9 +79,7 @@ def sandwich(left: jax.Array, gradient: jax.Array | FactoredGradient,
         gradient.activation_rows.astype(jnp.float32), left,
         (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
     gradient_side = matmul(gradient.gradient_rows.astype(jnp.float32), right)
-    return lax.dot_general(activation_side, gradient_side,
-                           (((0,), (0,)), ((), ())),
-                           precision=lax.Precision.HIGHEST)
+    return contract_rows(activation_side, gradient_side)
   left_product = matmul(left, reshard(gradient.astype(jnp.float32), 0))
   return matmul(reshard(left_product, 1), right)
 
