@@ -100,7 +100,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  help="ResNet without BatchNorm (convs get biases)")
   p.add_argument("--variants", nargs="+", choices=ALL_VARIANTS, default=None,
                  help="optimizers to time; sgd is the baseline, keep it "
-                 "(default: all; with --smoke: all but adamw)")
+                 "(default: all; with --smoke: all but adamw and kfac-eigen-gfs)")
   p.add_argument("--kfac-revs", nargs="+", default=[], metavar="REV",
                  help="A/B in one run: also time every K-FAC variant with "
                  "kfac_jax as of these git revisions (named "

@@ -27,15 +27,41 @@ def test_step_time_smoke(tmp_path):
   (results_file,) = tmp_path.glob("step_time_*.json")
   results = json.loads(results_file.read_text())
   assert results  # a non-empty record of the run
-  for variant in ("sgd", "kfac-eigen", "kfac-inverse"):
+  for variant in ("sgd", "kfac-eigen", "kfac-inverse", "kfac-inverse-gfs"):
     assert variant in result.stdout
   # --kfac-revs: the committed package, timed beside the working tree's.
   head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                         capture_output=True, text=True,
                         check=True).stdout.strip()
   timed = results["results"][0]["variants"]
-  for variant in ("kfac-eigen", "kfac-inverse"):
+  for variant in ("kfac-eigen", "kfac-inverse", "kfac-inverse-gfs"):
     assert timed[f"{variant}@{head}"]["n_plain"] > 0
+
+
+def _autoencoder_shapes(batch):
+  widths = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
+  return [dict(name=str(i), rows=batch, fan_in=a, fan_out=b, bias=1, conv=0)
+          for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))]
+
+
+def test_flop_floor_of_the_issue_autoencoder():
+  """The issue's floors at batch 256: about 3.8× SGD (inverse), 5.9× (eigen)."""
+  from benchmarks.step_time import flop_floor  # pylint: disable=g-import-not-at-top
+  floor = lambda batch, method, gfs: flop_floor(
+      _autoencoder_shapes(batch), method, 10, 4.0, 1.0, gfs)
+  assert abs(floor(256, "inverse", False)["floor_plain_x"] - 3.83) < 0.01
+  assert abs(floor(256, "eigen", False)["floor_plain_x"] - 5.90) < 0.01
+  for method in ("inverse", "eigen"):
+    dense = floor(256, method, False)["precondition_flops"]
+    factored = floor(256, method, True)["precondition_flops"]
+    # Every layer's first pair is cheaper factored at 256 rows, e.g. the
+    # 785 × 1000 layer's 2·256·(785² + 1000² + 785·1000) against
+    # 2·785·1000·1785 FLOPs.
+    first_pairs = dense / (2 if method == "eigen" else 1)
+    assert factored < dense - 0.4 * first_pairs
+    # At 2048 rows no layer's is (the 250 × 30 pair: 2048 > 29 rows).
+    assert (floor(2048, method, True)["precondition_flops"] ==
+            floor(2048, method, False)["precondition_flops"])
 
 
 def test_scaling_smoke(tmp_path):
