@@ -81,6 +81,8 @@ VALID = {
         ["compute", "memory", "MEMORY"] + list(kfac_jax.AssignmentStrategy)),
     "decomposition_batch_size": st.one_of(st.none(), st.integers(1, 64)),
     "factor_batch_size": st.one_of(st.none(), st.integers(1, 64)),
+    "gradient_from_stats": st.one_of(st.booleans(),
+                                     st.sampled_from([np.bool_(True)])),
 }
 
 
@@ -88,7 +90,11 @@ VALID = {
 def valid_configs(draw):
   """A random subset of the arguments, each with a random valid value."""
   names = draw(st.sets(st.sampled_from(sorted(VALID))))
-  return {name: draw(VALID[name]) for name in sorted(names)}
+  config = {name: draw(VALID[name]) for name in sorted(names)}
+  if config.get("gradient_from_stats"):
+    # Each step's gradient comes from its own stats: one micro-batch.
+    config["accumulation_steps"] = 1
+  return config
 
 
 # Invalid values.
@@ -162,6 +168,8 @@ INVALID = {
     "accumulation_steps": st.one_of(NOT_A_POSITIVE_INT, st.none()),
     "decomposition_batch_size": NOT_A_POSITIVE_INT,
     "factor_batch_size": NOT_A_POSITIVE_INT,
+    "gradient_from_stats": st.sampled_from(
+        [None, 0, 1, 1.0, "yes", "False", [True], (False,)]),
     "skip_layers": st.one_of(
         BAD_REGEX,
         st.lists(st.one_of(REGEX, BAD_REGEX), min_size=1, max_size=3).filter(
