@@ -148,6 +148,16 @@ def test_nnx_optimizer_matches_the_linen_path():
       "blocks/0", "blocks/1", "conv[0]", "conv[1]", "heads", "hidden"]
 
 
+def test_gradient_from_stats_through_nnx_matches_the_dense_linen_path():
+  """NNX stats give the factored gradients (``hidden``, 25 × 8 at 6 rows,
+  is cheaper so); the Linen twin preconditions every layer densely."""
+  from_stats = iter([True, False])  # The harness builds NNX's first.
+  _train_nnx_and_linen(lambda table: optax.chain(
+      kfac_jax.scale_by_kfac(damping=0.01, kl_clip=0.01, layers=table,
+                             gradient_from_stats=next(from_stats)),
+      optax.sgd(0.1, momentum=0.9)))
+
+
 def test_adaptive_mode_through_nnx_optimizer_matches_the_linen_path():
   """The adaptive mode's extra ``split_loss`` reaches it through
   ``nnx.Optimizer.update``; its ``outputs_fn`` gets the Param state."""
