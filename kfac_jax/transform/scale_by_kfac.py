@@ -6,7 +6,9 @@ At optimizer step ``t`` (``count``), for every registered layer:
    ``F ∈ {A, G}`` (``factors.batch`` gives ``F_batch`` from the captured stats);
 2. if ``t % inv_update_steps == 0``: eigendecompose (or invert) the factors;
 3. ``P = (A ⊗ G + λI)⁻¹ vec(∇)`` (eigen) or ``(A + λI)⁻¹ ∇ (G + λI)⁻¹``
-   (inverse), then KL clipping scales every ``P`` by ``ν``.
+   (inverse), then KL clipping scales every ``P`` by ``ν``. With
+   ``gradient_from_stats``, a dense layer's ``∇`` enters as the captured
+   ``aᵀg`` where that form is cheaper (``gradient_matrix.sandwich``).
 
 Steps 1 and 2 run under ``lax.cond``: a step that does neither pays for
 neither. Gradients of parameters that are not registered layers pass through.
