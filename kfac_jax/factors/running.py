@@ -39,13 +39,21 @@ def init_factors(activation_dim: int, gradient_dim: int,
 
 
 def update_factors(factors: LayerFactors, batch: LayerFactors,
-                   decay: jax.Array) -> LayerFactors:
-  """``F ← d·F + (1 − d)·F_batch`` for A and G; storage dtype is kept."""
+                   decay: jax.Array,
+                   apply: jax.Array | bool = True) -> LayerFactors:
+  """``F ← d·F + (1 − d)·F_batch`` for A and G where ``apply``, else ``F``.
+
+  Written as ``s·F + where(apply, (1 − d)·F_batch, 0)`` with the scalar
+  ``s = d`` or 1: ``F`` is read once and never selected between, so the
+  average fuses with whatever produced ``F`` (``restart``) into one pass
+  over the factor, and a non-finite ``F_batch`` that is not applied cannot
+  leak in. The storage dtype is kept.
+  """
+  scale = jnp.where(apply, decay, 1.0)
 
   def average(running: jax.Array, new: jax.Array) -> jax.Array:
-    mixed = decay * running.astype(jnp.float32) + (1 - decay) * new.astype(
-        jnp.float32)
-    return mixed.astype(running.dtype)
+    added = jnp.where(apply, (1 - decay) * new.astype(jnp.float32), 0.0)
+    return (scale * running.astype(jnp.float32) + added).astype(running.dtype)
 
   return LayerFactors(*map(average, factors, batch))
 

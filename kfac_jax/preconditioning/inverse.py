@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.linalg
 
+from kfac_jax.factors.batch import diagonal
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning.eigen import DECOMPOSITION_DTYPE
 from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
@@ -73,8 +74,8 @@ def factored_damping_scaled(factors: LayerFactors,
   gradient, a scale the adaptive mode's step size absorbs.
   """
   activation, gradient = (f.astype(DECOMPOSITION_DTYPE) for f in factors)
-  activation_mean = jnp.trace(activation) / activation.shape[0]
-  gradient_mean = jnp.trace(gradient) / gradient.shape[0]
+  activation_mean = jnp.mean(diagonal(activation))
+  gradient_mean = jnp.mean(diagonal(gradient))
   # A zero factor (a dead layer) gets π = 1 rather than 0 or ∞.
   pi = jnp.where((activation_mean > 0) & (gradient_mean > 0),
                  jnp.sqrt(activation_mean / jnp.where(

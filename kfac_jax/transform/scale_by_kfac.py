@@ -32,7 +32,6 @@ from jax.sharding import PartitionSpec
 import numpy as np
 import optax
 
-from kfac_jax import finite
 from kfac_jax.capture import layers as layers_lib
 from kfac_jax.capture.layers import LayerInfo, LayerTable
 from kfac_jax.capture.statistics import LayerStatistics
@@ -390,9 +389,9 @@ def scale_by_kfac(
       for name, old in state.factors.items():
         start = running.restart(old, corrupted[name])
         # Selects, not conds: they fuse into the averaging pass.
-        factors[name] = (finite.select(
-            ok & factor_step, update_factors(start, new[name], decay_value),
-            start) if name in new else start)
+        factors[name] = (update_factors(start, new[name], decay_value,
+                                        apply=ok & factor_step)
+                         if name in new else start)
       skipped = state.skipped_factor_updates + (factor_step & ~ok).astype(
           jnp.int32)
       return factors, skipped
