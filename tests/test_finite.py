@@ -1,4 +1,5 @@
-"""``finite.all_finite``: exact, including sums that overflow float32."""
+"""Finiteness checks: ``finite.all_finite`` (exact, including values whose sum
+overflows float32) and the O(d) checks of PSD matrices from their diagonals."""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +7,8 @@ import numpy as np
 import pytest
 
 from kfac_jax import finite
+from kfac_jax.factors import batch
+from kfac_jax.preconditioning import inverse
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -37,3 +40,38 @@ def test_low_precision_integer_and_empty_trees():
   assert not bool(finite.all_finite(jnp.array([1.0, jnp.inf], jnp.bfloat16)))
   assert bool(finite.all_finite({"ids": jnp.arange(3)}))
   assert bool(finite.all_finite({}))
+
+
+def test_complex_leaves_are_checked_in_both_parts():
+  z = jnp.ones((3,), jnp.complex64)
+  assert bool(finite.all_finite(z))
+  assert not bool(finite.all_finite(z.at[1].set(complex(1.0, np.inf))))
+  assert not bool(finite.all_finite(z.at[2].set(complex(np.nan, 0.0))))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_psd_check_reads_a_bad_column_off_the_diagonal(bad):
+  # One bad entry of x poisons its column's diagonal entry of xᵀx, and the
+  # O(d) check agrees with the elementwise one.
+  x = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
+  covariances = [jnp.asarray(x.T @ x / 6), jnp.eye(3)]
+  assert bool(batch.psd_all_finite(covariances))
+  x[2, 1] = bad
+  with np.errstate(invalid="ignore", over="ignore"):
+    poisoned = jnp.asarray(x.T @ x / 6)
+  assert not bool(finite.all_finite(poisoned))
+  assert not bool(batch.psd_all_finite([poisoned, jnp.eye(3)]))
+  assert bool(batch.psd_all_finite([]))
+
+
+def test_inverse_check_rejects_a_failed_cholesky_and_keeps_a_good_one():
+  factor = jnp.asarray([[2.0, 1.0], [1.0, 2.0]])
+  (good,) = inverse.damped_inverse(factor, jnp.asarray(0.5))
+  np.testing.assert_allclose(
+      good, np.linalg.inv(np.asarray(factor, np.float64) + 0.5 * np.eye(2)),
+      rtol=1e-6)
+  pair = inverse.InversePreconditioner(good, good)
+  assert bool(inverse.is_finite(pair))
+  # Indefinite beyond the damping: Cholesky fails and the result is NaN.
+  (failed,) = inverse.damped_inverse(-factor, jnp.asarray(0.5))
+  assert not bool(inverse.is_finite(inverse.InversePreconditioner(good, failed)))

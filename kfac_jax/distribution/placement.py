@@ -86,7 +86,7 @@ def decompose_checked(
   new, rejected = {}, jnp.zeros([], jnp.int32)
   for name, (activation, gradient) in decomposed.items():
     candidate = method.assemble(activation, gradient, damping)
-    ok = finite.all_finite(candidate)
+    ok = method.is_finite(candidate)
     new[name] = finite.select(ok, candidate, previous[name])
     rejected = rejected + (~ok).astype(jnp.int32)
   return new, rejected

@@ -245,16 +245,16 @@ def diagonal(matrix: jax.Array) -> jax.Array:
   return flat[..., ::size + 1]
 
 
-def covariances_finite(factors: Iterable[jax.Array]) -> jax.Array:
-  """Whether every batch factor ``xᵀx / N`` is finite, from their traces.
+def psd_all_finite(matrices: Iterable[jax.Array]) -> jax.Array:
+  """Whether symmetric PSD matrices are all finite, from their diagonals.
 
-  A NaN or ±Inf in column i of ``x`` makes the diagonal entry ``(i, i)``
-  non-finite, and finite diagonals bound every other entry
-  (``|Σ x_i x_j| ≤ √(Σ x_i² · Σ x_j²)``), so the sum of the traces decides
-  in O(d) what an elementwise check decides in O(d²) (a pass over every
-  factor on every factor step). Sums of such factors (micro-batch
-  accumulation) qualify too. A trace sum that overflows float32 counts as
-  non-finite.
+  For PSD ``M``, ``|M_ij| ≤ √(M_ii M_jj)``: finite diagonals bound every
+  other entry, so the diagonals decide in O(d) what an elementwise check
+  decides in O(d²). Used for the batch factors ``xᵀx / N`` (a NaN or ±Inf
+  in column i of ``x`` makes ``(i, i)`` non-finite; sums of such factors,
+  as in micro-batch accumulation, qualify too) and for damped inverses (a
+  failed Cholesky comes out NaN throughout). A diagonal sum that overflows
+  float32 counts as non-finite: the safe side for both.
   """
-  total = sum(diagonal(f).sum(dtype=COMPUTE_DTYPE) for f in factors)
+  total = sum(diagonal(m).sum(dtype=COMPUTE_DTYPE) for m in matrices)
   return jnp.isfinite(total) if not isinstance(total, int) else jnp.array(True)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.linalg
 
-from kfac_jax.factors.batch import diagonal
+from kfac_jax.factors.batch import diagonal, psd_all_finite
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning.eigen import DECOMPOSITION_DTYPE
 from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
@@ -37,13 +37,19 @@ def init_inverse(activation_dim: int, gradient_dim: int,
 
 
 def damped_inverse(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array]:
-  """``((F + λI)⁻¹,)`` of one symmetric PSD factor via Cholesky, in float32."""
-  factor = factor.astype(DECOMPOSITION_DTYPE)
+  """``((F + λI)⁻¹,)`` of one symmetric PSD factor via Cholesky, in float32.
+
+  The Cholesky factorization reads only the lower triangle, so ``F`` is not
+  symmetrized first, and ``cho_solve``'s result (symmetric up to rounding) is
+  not symmetrized after: each would be a pass over every factor on every
+  decomposition step, for a change at the level of float32 rounding. The
+  preconditioning products use the inverse as stored, so both sides of the
+  factored and dense forms agree (``gradient_matrix.sandwich``).
+  """
   identity = jnp.eye(factor.shape[0], dtype=DECOMPOSITION_DTYPE)
-  damped = (factor + factor.T) / 2 + damping * identity
+  damped = factor.astype(DECOMPOSITION_DTYPE) + damping * identity
   cholesky = jax.scipy.linalg.cho_factor(damped, lower=True)
-  inverse = jax.scipy.linalg.cho_solve(cholesky, identity)
-  return ((inverse + inverse.T) / 2,)
+  return (jax.scipy.linalg.cho_solve(cholesky, identity),)
 
 
 def assemble(activation: tuple[jax.Array], gradient: tuple[jax.Array],
@@ -61,6 +67,15 @@ def invert(factors: LayerFactors, damping: jax.Array,
   return assemble(damped_inverse(factors.activation_factor, damping),
                   damped_inverse(factors.gradient_factor, damping), damping,
                   dtype)
+
+
+def is_finite(preconditioner: InversePreconditioner) -> jax.Array:
+  """Whether both inverses are finite, from their diagonals (O(d), bool).
+
+  ``(F + λI)⁻¹`` is symmetric positive definite (``batch.psd_all_finite``);
+  the full check was a pass over every inverse on every decomposition step.
+  """
+  return psd_all_finite(preconditioner)
 
 
 def factored_damping_scaled(factors: LayerFactors,

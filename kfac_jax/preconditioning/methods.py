@@ -9,6 +9,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kfac_jax import finite
 from kfac_jax.preconditioning import eigen, inverse
 from kfac_jax.preconditioning.batched import FactorFn, Results
 
@@ -27,6 +28,8 @@ class Method(NamedTuple):
     precondition: ``(Preconditioner, ∇ [dA, dG], λ[, reshard]) -> P [dA, dG]``
       (``reshard``: see ``gradient_matrix.Reshard``; ``∇`` may be a
       ``gradient_matrix.FactoredGradient``).
+    is_finite: ``Preconditioner -> bool scalar``, whether a decomposition
+      came out finite (a non-finite one is rejected).
     decomposition_batch_size: factors decomposed at once per size
       (``batched.decompose_layers``); ``None``: all of them.
   """
@@ -35,6 +38,7 @@ class Method(NamedTuple):
   factor_fn: FactorFn
   assemble: Callable[[Results, Results, jax.Array], Preconditioner]
   precondition: Callable[..., jax.Array]
+  is_finite: Callable[[Preconditioner], jax.Array]
   decomposition_batch_size: int | None = None
 
 
@@ -52,10 +56,12 @@ def make_method(use_eigen: bool, dtype: jnp.dtype,
             eigen.assemble, dtype=dtype,
             precompute_damped_inverse=precompute_damped_inverse),
         precondition=eigen.precondition,
+        is_finite=finite.all_finite,
         decomposition_batch_size=decomposition_batch_size)
   return Method(
       init=functools.partial(inverse.init_inverse, dtype=dtype),
       factor_fn=inverse.damped_inverse,
       assemble=functools.partial(inverse.assemble, dtype=dtype),
       precondition=inverse.precondition,
+      is_finite=inverse.is_finite,
       decomposition_batch_size=decomposition_batch_size)

@@ -382,7 +382,7 @@ def scale_by_kfac(
       # (The gradients are not checked: they do not enter the factors, and
       # the check cost ~10 % of a step and of its compile time.)
       new = batch_factors()
-      ok = batch_lib.covariances_finite(
+      ok = batch_lib.psd_all_finite(
           f for factors in new.values() for f in factors)
       decay_value = factor_decay_fn(count)
       factors = {}
