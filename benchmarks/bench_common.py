@@ -127,6 +127,9 @@ class Contestant:
       checked against the state by ``read_count`` at the end).
     read_count: ``carry -> int``, the step count stored in the state, if any.
     state_bytes: bytes of the optimizer state.
+    lower: ``() -> jax.stages.Lowered`` of the step at ``carry``'s initial
+      value (trace + lower, no compile), where the step is a ``jax.jit``;
+      ``compile_time.py`` times it and its ``compile()``.
   """
 
   name: str
@@ -136,6 +139,7 @@ class Contestant:
   count: int = 0
   read_count: Callable[[Any], int] | None = None
   state_bytes: int = 0
+  lower: Callable[[], Any] | None = None
   first_call_s: float = float("nan")
   first_call_count: int = 0
   times: list[float] = dataclasses.field(default_factory=list)

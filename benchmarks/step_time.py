@@ -351,6 +351,7 @@ def make_contestant(variant: str, config: Config, args: argparse.Namespace,
       read_count=(lambda carry: kfac_count(carry[2])) if is_kfac(variant)
       else None,
       state_bytes=bench_common.tree_nbytes(opt_state),
+      lower=lambda: jitted.lower(params, extra_state, opt_state, *data),
   )
 
 

@@ -38,6 +38,23 @@ def test_step_time_smoke(tmp_path):
     assert timed[f"{variant}@{head}"]["n_plain"] > 0
 
 
+def test_compile_time_smoke(tmp_path):
+  result = run_smoke("compile_time.py", tmp_path, "--kfac-revs", "HEAD")
+  (results_file,) = tmp_path.glob("compile_time_*.json")
+  rows = {row["variant"]: row
+          for row in json.loads(results_file.read_text())["rows"]}
+  head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                        capture_output=True, text=True,
+                        check=True).stdout.strip()
+  # SGD once; K-FAC from the working tree and from HEAD.
+  assert set(rows) == {"sgd", "kfac-inverse-gfs", f"kfac-inverse-gfs@{head}"}
+  for row in rows.values():
+    assert row["compile_s_min"] > 0 and row["lower_s_min"] > 0
+    assert row["variant"] in result.stdout
+  # K-FAC's program holds far more kernels than SGD's.
+  assert rows["kfac-inverse-gfs"]["fusions"] > 2 * rows["sgd"]["fusions"]
+
+
 def _autoencoder_shapes(batch):
   widths = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
   return [dict(name=str(i), rows=batch, fan_in=a, fan_out=b, bias=1, conv=0)
