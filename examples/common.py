@@ -442,7 +442,8 @@ def base_parser(description: str, *, epochs: int, batch_size: int,
                 compute_method: str,
                 optimizers: str = "kfac,sgd,adam",
                 factor_update_steps: int = 1,
-                weight_decay: float = 1e-4) -> argparse.ArgumentParser:
+                weight_decay: float = 1e-4,
+                gradient_from_stats: bool = True) -> argparse.ArgumentParser:
   """The flags both examples share, with each example's defaults."""
   parser = argparse.ArgumentParser(
       description=description,
@@ -485,6 +486,13 @@ def base_parser(description: str, *, epochs: int, batch_size: int,
                      help="steps between updates of the Kronecker factors")
   group.add_argument("--factor-decay", type=float, default=factor_decay,
                      help="running-average decay of the Kronecker factors")
+  group.add_argument("--gradient-from-stats", default=gradient_from_stats,
+                     action=argparse.BooleanOptionalAction,
+                     help="precondition dense layers' gradients in the "
+                     "factored form aᵀg of the captured stats where that is "
+                     "cheaper (scale_by_kfac(gradient_from_stats=True); the "
+                     "examples' losses hold no regularizer, and weight decay "
+                     "comes after K-FAC)")
   group = parser.add_argument_group(
       "K-FAC adaptive (scale_by_kfac(adaptive=...): no learning rate; "
       "inverse method, factors every step, inverses every 5 steps)")
@@ -522,6 +530,7 @@ def build_optimizers(args: argparse.Namespace,
               factor_update_steps=args.factor_update_steps,
               inv_update_steps=args.inv_update_steps,
               compute_method=args.compute_method,
+              gradient_from_stats=args.gradient_from_stats,
               layers=layers),
           uses_kfac=True,
           description=(
@@ -530,7 +539,8 @@ def build_optimizers(args: argparse.Namespace,
               f"{args.factor_decay:g}, factor_update_steps "
               f"{args.factor_update_steps}, "
               f"inv_update_steps {args.inv_update_steps}, "
-              f"compute_method {args.compute_method!r}")),
+              f"compute_method {args.compute_method!r}, "
+              f"gradient_from_stats {args.gradient_from_stats}")),
       "kfac-adaptive": lambda: Optimizer(
           "K-FAC adaptive",
           kfac_jax.scale_by_kfac(
