@@ -265,5 +265,6 @@ def psd_all_finite(matrices: Iterable[jax.Array]) -> jax.Array:
   if not diagonals:
     return jnp.array(True)
   stacked = jnp.concatenate(diagonals)
-  total = jnp.dot(stacked, jnp.ones_like(stacked), precision=lax.Precision.HIGHEST)
+  total = jnp.dot(stacked, jnp.ones_like(stacked),
+                  precision=lax.Precision.HIGHEST)
   return jnp.isfinite(total)
