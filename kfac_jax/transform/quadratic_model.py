@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import optax
 
@@ -134,8 +135,9 @@ def init(params: Any, damping: float) -> QuadraticModelState:
 
 
 def _dot(x: Any, y: Any) -> jax.Array:
-  """``Σ x ⊙ y`` over all leaves, in float32."""
-  return sum((jnp.vdot(a.astype(jnp.float32), b.astype(jnp.float32))
+  """``Σ x ⊙ y`` over all leaves, in float32 (full precision on TPU too)."""
+  return sum((jnp.vdot(a.astype(jnp.float32), b.astype(jnp.float32),
+                       precision=lax.Precision.HIGHEST)
               for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y))),
              jnp.zeros([], jnp.float32))
 
