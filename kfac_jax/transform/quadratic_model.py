@@ -27,11 +27,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 import optax
 
 from kfac_jax import finite
+from kfac_jax.factors.batch import inner_product
 
 # Below this determinant (relative to the diagonal's product) the 2×2 system
 # is treated as singular: δ is (nearly) parallel to Δ, or δ = 0 at step 0.
@@ -135,9 +135,8 @@ def init(params: Any, damping: float) -> QuadraticModelState:
 
 
 def _dot(x: Any, y: Any) -> jax.Array:
-  """``Σ x ⊙ y`` over all leaves, in float32 (full precision on TPU too)."""
-  return sum((jnp.vdot(a.astype(jnp.float32), b.astype(jnp.float32),
-                       precision=lax.Precision.HIGHEST)
+  """``Σ x ⊙ y`` over all leaves, in float32 (``batch.inner_product``)."""
+  return sum((inner_product(a, b)
               for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y))),
              jnp.zeros([], jnp.float32))
 
