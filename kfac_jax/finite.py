@@ -2,33 +2,59 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 
-def all_finite(tree: Any) -> jax.Array:
-  """Whether every element of every floating leaf is finite (bool scalar).
+def _leaf_sum(leaf: jax.Array) -> jax.Array | None:
+  """``Σ leaf`` in at least float32 precision; None for non-float or empty."""
+  if not jnp.issubdtype(leaf.dtype, jnp.inexact) or leaf.size == 0:
+    return None
+  return jnp.sum(leaf, dtype=jnp.promote_types(leaf.dtype, jnp.float32))
 
-  Per leaf, ``max`` and ``min`` are both finite exactly when every element
-  is: a NaN propagates through both and ±Inf is an extreme. Unlike a sum
-  they cannot overflow, and XLA:CPU lowers each to one plain reduction,
-  where ``sum(x * 0)`` became a materialized product, a windowed tree
-  reduction and a final reduce: three kernels to compile and an extra write
-  per array (``benchmarks/README.md``, *Finiteness checks and compile
-  time*). Complex leaves are checked through their real and imaginary parts.
+
+def leaves_finite(tree: Any) -> jax.Array:
+  """Per leaf of ``tree`` (``jax.tree.leaves`` order), whether it is finite.
+
+  Returns a bool vector ``[number of leaves]``, not a scalar per leaf: under
+  ``lax.cond`` each scalar output would be a kernel of its own.
+
+  A leaf counts as finite when its sum is: one NaN or ±Inf anywhere makes
+  the sum NaN or ±Inf, so a sum is exact for non-finite entries and costs
+  one plain reduction per leaf (one kernel on XLA:CPU). Its one false
+  alarm is a finite leaf whose float32 sum overflows (entries ~3e38 / size),
+  values no K-FAC factor, decomposition or update survives anyway; the
+  checks' callers then take the safe side (restart a factor, keep the
+  previous decomposition, skip a step).
+
+  Not ``max``/``min``: XLA:CPU (jax 0.9.2) reduces large float arrays with
+  YNNPACK, whose max and min drop NaN (a 200 × 200 array with one NaN has a
+  finite max), and ``all(isfinite(x))`` or ``sum(x * 0)`` compile to an
+  elementwise pass plus a tree reduction, three kernels per leaf
+  (``benchmarks/README.md``, *Finiteness checks and compile time*).
+  Non-float and empty leaves are finite.
   """
-  flags = []
-  for leaf in jax.tree.leaves(tree):
-    if not jnp.issubdtype(leaf.dtype, jnp.inexact) or leaf.size == 0:
-      continue
-    parts = ((jnp.real(leaf), jnp.imag(leaf))
-             if jnp.issubdtype(leaf.dtype, jnp.complexfloating) else (leaf,))
-    flags.extend(jnp.isfinite(extreme(part)) for part in parts
-                 for extreme in (jnp.max, jnp.min))
-  return functools.reduce(jnp.logical_and, flags, jnp.array(True))
+  sums = [_leaf_sum(leaf) for leaf in jax.tree.leaves(tree)]
+  if not sums:
+    return jnp.zeros((0,), bool)
+  # Placeholders for unchecked leaves keep the indices of the rest.
+  return jnp.isfinite(jnp.stack([jnp.zeros([]) if s is None else s
+                                 for s in sums]))
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every float leaf of ``tree`` is finite (bool scalar).
+
+  The sum of the leaves' sums (``leaves_finite``): exact for NaN/±Inf
+  entries; a finite tree whose float32 total overflows counts as
+  non-finite.
+  """
+  sums = [s for s in map(_leaf_sum, jax.tree.leaves(tree)) if s is not None]
+  if not sums:
+    return jnp.array(True)
+  return jnp.isfinite(jnp.sum(jnp.stack(sums)))
 
 
 def select(predicate: jax.Array, on_true: Any, on_false: Any) -> Any:

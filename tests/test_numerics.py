@@ -125,6 +125,57 @@ def test_corrupted_factors_restart(compute_method):
   assert int(state.rejected_decompositions) == 0
 
 
+class WideRegressor(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    hidden = jnp.tanh(nn.Dense(300)(x))
+    return nn.Dense(2)(hidden)
+
+
+@pytest.mark.parametrize("compute_method", ["eigen", "inverse"])
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+def test_one_bad_entry_of_a_wide_factor_restarts_it(compute_method, bad):
+  # A [301, 301] factor: on XLA:CPU a max/min reduction of an array this large
+  # drops NaN, so a check built on one would miss this entry and the factor
+  # would poison every later decomposition.
+  rng = np.random.default_rng(0)
+  model = WideRegressor()
+  x = rng.normal(size=(16, 4)).astype(np.float32)
+  y = rng.normal(size=(16, 2)).astype(np.float32)
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  tx = kfac_jax.scale_by_kfac(damping=1e-2, compute_method=compute_method,
+                              factor_decay=0.9)
+
+  def loss_fn(params, x, y):
+    return jnp.mean((model.apply({"params": params}, x) - y)**2)
+
+  @jax.jit
+  def step(state):
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+    return tx.update(grads, state, params, kfac_stats=stats)
+
+  _, state = step(tx.init(params))
+  _, clean = step(state)
+  factors = dict(state.factors)
+  factors["Dense_1"] = factors["Dense_1"]._replace(
+      activation_factor=factors["Dense_1"].activation_factor.at[5, 200].set(
+          bad))
+  updates, restarted = step(state._replace(factors=factors))
+  assert _all_finite(updates) and _all_finite(restarted)
+  assert int(restarted.rejected_decompositions) == 0
+  # Restarted from the identity, then averaged with the same batch: 0.9·I +
+  # 0.1·A_batch, where the clean run has 0.9·A + 0.1·A_batch.
+  batch_part = (clean.factors["Dense_1"].activation_factor -
+                0.9 * state.factors["Dense_1"].activation_factor)
+  np.testing.assert_allclose(restarted.factors["Dense_1"].activation_factor,
+                             0.9 * np.eye(301) + batch_part, atol=1e-5)
+  for a, b in zip(clean.factors["Dense_1"][1:] + tuple(clean.factors["Dense_0"]),
+                  restarted.factors["Dense_1"][1:] +
+                  tuple(restarted.factors["Dense_0"])):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def test_corrupted_factor_restarts_at_the_next_decomposition_step():
   params, sample, loss_fn = _problem()
   # Factor steps at 0, 3, ...; decompositions at 0, 2, ...
