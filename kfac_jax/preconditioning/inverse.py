@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import jax.scipy.linalg
+from jax import lax
 
 from kfac_jax.factors.batch import diagonal, psd_all_finite
 from kfac_jax.factors.running import LayerFactors
@@ -39,17 +39,24 @@ def init_inverse(activation_dim: int, gradient_dim: int,
 def damped_inverse(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array]:
   """``((F + λI)⁻¹,)`` of one symmetric PSD factor via Cholesky, in float32.
 
-  The Cholesky factorization reads only the lower triangle, so ``F`` is not
-  symmetrized first, and ``cho_solve``'s result (symmetric up to rounding) is
-  not symmetrized after: each would be a pass over every factor on every
+  ``F + λI = LLᵀ``; ``(F + λI)⁻¹ = L⁻ᵀ (L⁻¹ I)``, two triangular solves.
+  A failed Cholesky (``F + λI`` not positive definite) comes out NaN
+  throughout, which ``is_finite`` rejects. The factorization reads only the
+  lower triangle, so ``F`` is not symmetrized first, and the result
+  (symmetric up to rounding) is not symmetrized after: each would be a pass over every factor on every
   decomposition step, for a change at the level of float32 rounding. The
   preconditioning products use the inverse as stored, so both sides of the
   factored and dense forms agree (``gradient_matrix.sandwich``).
   """
   identity = jnp.eye(factor.shape[0], dtype=DECOMPOSITION_DTYPE)
   damped = factor.astype(DECOMPOSITION_DTYPE) + damping * identity
-  cholesky = jax.scipy.linalg.cho_factor(damped, lower=True)
-  return (jax.scipy.linalg.cho_solve(cholesky, identity),)
+  # lax directly: jax.scipy's cho_factor/cho_solve wrap the same calls in
+  # nested jits, which cost trace and lowering time per factor size.
+  lower = lax.linalg.cholesky(damped, symmetrize_input=False)
+  inverse_lower = lax.linalg.triangular_solve(lower, identity, left_side=True,
+                                              lower=True)
+  return (lax.linalg.triangular_solve(lower, inverse_lower, left_side=True,
+                                      lower=True, transpose_a=True),)
 
 
 def assemble(activation: tuple[jax.Array], gradient: tuple[jax.Array],
