@@ -15,19 +15,16 @@ def _leaf_sum(leaf: jax.Array) -> jax.Array | None:
   return jnp.sum(leaf, dtype=jnp.promote_types(leaf.dtype, jnp.float32))
 
 
-def leaves_finite(tree: Any) -> jax.Array:
-  """Per leaf of ``tree`` (``jax.tree.leaves`` order), whether it is finite.
-
-  Returns a bool vector ``[number of leaves]``, not a scalar per leaf: under
-  ``lax.cond`` each scalar output would be a kernel of its own.
+def leaves_finite(tree: Any) -> Any:
+  """Per leaf, whether it is finite: ``tree`` with a bool scalar per leaf.
 
   A leaf counts as finite when its sum is: one NaN or ±Inf anywhere makes
   the sum NaN or ±Inf, so a sum is exact for non-finite entries and costs
-  one plain reduction per leaf (one kernel on XLA:CPU). Its one false
-  alarm is a finite leaf whose float32 sum overflows (entries ~3e38 / size),
-  values no K-FAC factor, decomposition or update survives anyway; the
-  checks' callers then take the safe side (restart a factor, keep the
-  previous decomposition, skip a step).
+  one plain reduction per leaf (a library call on XLA:CPU, no kernel to
+  compile). Its one false alarm is a finite leaf whose float32 sum
+  overflows (entries ~3e38 / size), values no K-FAC factor, decomposition
+  or update survives anyway; the checks' callers then take the safe side
+  (restart a factor, keep the previous decomposition, skip a step).
 
   Not ``max``/``min``: XLA:CPU (jax 0.9.2) reduces large float arrays with
   YNNPACK, whose max and min drop NaN (a 200 × 200 array with one NaN has a
@@ -35,13 +32,16 @@ def leaves_finite(tree: Any) -> jax.Array:
   elementwise pass plus a tree reduction, three kernels per leaf
   (``benchmarks/README.md``, *Finiteness checks and compile time*).
   Non-float and empty leaves are finite.
+
+  Each flag is its own scalar rather than an entry of one stacked vector:
+  kernels that read a flag then stay identical across same-shaped leaves,
+  and XLA:CPU compiles identical kernels once.
   """
-  sums = [_leaf_sum(leaf) for leaf in jax.tree.leaves(tree)]
-  if not sums:
-    return jnp.zeros((0,), bool)
-  # Placeholders for unchecked leaves keep the indices of the rest.
-  return jnp.isfinite(jnp.stack([jnp.zeros([]) if s is None else s
-                                 for s in sums]))
+  def leaf_finite(leaf: jax.Array) -> jax.Array:
+    total = _leaf_sum(leaf)
+    return jnp.array(True) if total is None else jnp.isfinite(total)
+
+  return jax.tree.map(leaf_finite, tree)
 
 
 def all_finite(tree: Any) -> jax.Array:

@@ -58,22 +58,16 @@ def update_factors(factors: LayerFactors, batch: LayerFactors,
   return LayerFactors(*map(average, factors, batch))
 
 
-def non_finite(factors: Mapping[str, LayerFactors]) -> jax.Array:
-  """Which factors hold NaN/Inf: bool ``[2 · layers]``, O(d²) per factor.
+def non_finite(factors: LayerFactors) -> LayerFactors:
+  """Per factor, whether it holds NaN/Inf: bool scalars, O(d²).
 
-  In ``jax.tree.leaves(factors)`` order (``restart`` reads it so); one
-  reduction per factor (``finite.leaves_finite``).
+  One sum per factor (``finite.leaves_finite``).
   """
-  return ~finite.leaves_finite(factors)
+  return LayerFactors(*(~flag for flag in finite.leaves_finite(factors)))
 
 
-def restart(factors: Mapping[str, LayerFactors],
-            flags: jax.Array) -> dict[str, LayerFactors]:
-  """The identity (as ``init_factors``) in place of each flagged factor.
-
-  ``flags``: bool ``[2 · layers]`` as from ``non_finite``.
-  """
-  leaves, treedef = jax.tree.flatten(dict(factors))
-  return jax.tree.unflatten(treedef, [
-      finite.select(flags[i], jnp.eye(f.shape[0], dtype=f.dtype), f)
-      for i, f in enumerate(leaves)])
+def restart(factors: LayerFactors, flags: LayerFactors) -> LayerFactors:
+  """The identity (as ``init_factors``) in place of each flagged factor."""
+  return LayerFactors(*(
+      finite.select(flag, jnp.eye(f.shape[0], dtype=f.dtype), f)
+      for f, flag in zip(factors, flags)))

@@ -370,9 +370,12 @@ def scale_by_kfac(
     # decomposition steps only; a flagged factor restarts from the identity
     # in a factor update forced on that step, before it is decomposed.
     corrupted = lax.cond(
-        decomposition_step, lambda: running.non_finite(state.factors),
-        lambda: jnp.zeros([2 * len(state.factors)], bool))
-    any_corrupted = jnp.any(corrupted)  # no layers: False
+        decomposition_step,
+        lambda: {b: running.non_finite(f) for b, f in state.factors.items()},
+        lambda: {b: LayerFactors(jnp.array(False), jnp.array(False))
+                 for b in state.factors})
+    any_corrupted = functools.reduce(jnp.logical_or, jax.tree.leaves(corrupted),
+                                     jnp.array(False))  # no layers: False
 
     def updated_factors():
       # A batch whose factors hold NaN/Inf never enters the running factors.
@@ -383,8 +386,9 @@ def scale_by_kfac(
           f for factors in new.values() for f in factors)
       decay_value = factor_decay_fn(count)
       factors = {}
-      # Selects, not conds: they fuse into the averaging pass.
-      for name, start in running.restart(state.factors, corrupted).items():
+      for name, old in state.factors.items():
+        start = running.restart(old, corrupted[name])
+        # Selects, not conds: they fuse into the averaging pass.
         factors[name] = (update_factors(start, new[name], decay_value,
                                         apply=ok & factor_step)
                          if name in new else start)
