@@ -2,10 +2,15 @@
 
 Factors of equal size (A or G, of any layers) are stacked ``[k, d, d]`` and
 decomposed by one ``vmap``ped call, or by ``lax.map`` over batches of
-``batch_size`` factors when memory is tight (many scanned layers). The stack is padded with identity blocks to
-a multiple of ``stack_multiple`` and handed to ``place_stack`` first: on a mesh,
-that shards the stack axis so each device decomposes only its share (see
-``kfac_jax.distribution``); on one device both are no-ops.
+``batch_size`` factors when memory is tight (many scanned layers).
+
+Except on CPU (``lax.platform_dependent``, decided when the step is lowered
+for its platform): there a batched LAPACK call loops over its stack on one
+thread, while independent calls run concurrently on XLA:CPU's thread pool,
+so each factor is decomposed on its own. Same-sized factors still share
+their compiled kernels (XLA:CPU compiles identical kernels once), and no
+stacking copies are made. ``benchmarks/README.md``, *Decompositions one by
+one on CPU*, has the measurements.
 """
 
 from __future__ import annotations
@@ -22,35 +27,24 @@ from kfac_jax.factors.running import LayerFactors
 # factor [d, d], damping -> per-factor results (eigenvalues/vectors or inverse).
 FactorFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, ...]]
 Results = tuple[jax.Array, ...]
+Decomposed = dict[str, tuple[Results, Results]]
 
 
-def _identity_stack(count: int, like: jax.Array) -> jax.Array:
-  eye = jnp.eye(like.shape[-1], dtype=like.dtype)
-  return jnp.broadcast_to(eye, (count,) + eye.shape)
+def decompose_each(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
+                   damping: jax.Array) -> Decomposed:
+  """``{layer: (factor_fn(A), factor_fn(G))}``, one call per factor."""
+  return {name: (factor_fn(pair.activation_factor, damping),
+                 factor_fn(pair.gradient_factor, damping))
+          for name, pair in factors.items()}
 
 
-def decompose_layers(
-    factors: Mapping[str, LayerFactors],
-    factor_fn: FactorFn,
-    damping: jax.Array,
-    stack_multiple: int = 1,
-    place_stack: Callable[[jax.Array], jax.Array] = lambda stack: stack,
-    batch_size: int | None = None,
-) -> dict[str, tuple[Results, Results]]:
-  """Applies ``factor_fn`` to every A and G, batched by ``(size, dtype)``.
+def decompose_stacked(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
+                      damping: jax.Array,
+                      batch_size: int | None = None) -> Decomposed:
+  """``decompose_each``'s result from one call per ``(size, dtype)`` stack.
 
-  Args:
-    factors: ``{layer: LayerFactors(A [dA, dA], G [dG, dG])}``.
-    factor_fn: decomposition of one factor, ``vmap``-able.
-    damping: λ, passed to every call.
-    stack_multiple: stacks are padded with identities to a multiple of this.
-    place_stack: applied to each padded ``[k, d, d]`` stack before
-      decomposing (a sharding constraint on a mesh).
-    batch_size: decompose at most this many factors of a stack at once
-      (``lax.map`` over ``vmap``ped batches); ``None``: the whole stack.
-
-  Returns:
-    ``{layer: (factor_fn(A), factor_fn(G))}``.
+  ``batch_size``: decompose at most this many factors of a stack at once
+  (``lax.map`` over ``vmap``ped batches); ``None``: the whole stack.
   """
   groups: dict[tuple[int, jnp.dtype], list[tuple[str, int, jax.Array]]] = {}
   for name, layer_factors in factors.items():
@@ -63,10 +57,6 @@ def decompose_layers(
   }
   for members in groups.values():
     stack = jnp.stack([factor for _, _, factor in members])
-    padding = -len(members) % stack_multiple
-    if padding:
-      stack = jnp.concatenate([stack, _identity_stack(padding, stack)])
-    stack = place_stack(stack)
     if batch_size is None or batch_size >= len(stack):
       decomposed: Sequence[jax.Array] = jax.vmap(
           factor_fn, in_axes=(0, None))(stack, damping)
@@ -76,3 +66,28 @@ def decompose_layers(
     for index, (name, which, _) in enumerate(members):
       results[name][which] = tuple(array[index] for array in decomposed)
   return {name: (pair[0], pair[1]) for name, pair in results.items()}
+
+
+def decompose_layers(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
+                     damping: jax.Array,
+                     batch_size: int | None = None) -> Decomposed:
+  """Applies ``factor_fn`` to every A and G: one by one on CPU, else stacked.
+
+  Args:
+    factors: ``{layer: LayerFactors(A [dA, dA], G [dG, dG])}``.
+    factor_fn: decomposition of one factor, ``vmap``-able.
+    damping: λ, passed to every call.
+    batch_size: bounds the factors decomposed at once, on every platform
+      (``decompose_stacked``); ``None``: no bound.
+
+  Returns:
+    ``{layer: (factor_fn(A), factor_fn(G))}``.
+  """
+  stacked = lambda factors, damping: decompose_stacked(
+      factors, factor_fn, damping, batch_size)
+  if batch_size is not None:
+    return stacked(factors, damping)
+  return lax.platform_dependent(
+      dict(factors), damping,
+      cpu=lambda factors, damping: decompose_each(factors, factor_fn, damping),
+      default=stacked)
