@@ -8,6 +8,10 @@ On the autoencoder (or ``--widths``), at one batch size, times the median of
   capture         kfac_jax.value_grad_and_stats (grads + layer inputs/cotangents)
   batch_factors   A and G of the batch for every layer (from captured stats)
   decompose       eigh of every A and G (eigen) / damped Cholesky inverses
+  decompose_*_each / _stacked
+                  the same factor decompositions one call per factor (what
+                  kfac_jax does on CPU) and stacked by size, one vmapped
+                  call per size (what it does elsewhere)
   precondition    P for every layer from the stored eigenbases / inverses
   plain_step      full K-FAC step without decomposition (count % T != 0)
   decomp_step     full K-FAC step with decomposition (count % T == 0)
@@ -45,7 +49,7 @@ import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import kfac_jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 from kfac_jax.factors import batch as batch_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from kfac_jax.factors.running import LayerFactors  # pylint: disable=g-import-not-at-top,wrong-import-position
-from kfac_jax.preconditioning import eigen, inverse  # pylint: disable=g-import-not-at-top,wrong-import-position
+from kfac_jax.preconditioning import batched, eigen, inverse  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -120,6 +124,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     out[f"decompose_{method}"] = timeit(
         lambda fs: {n: decompose(f) for n, f in fs.items()}, factors,
         repeats=max(3, r // 2))
+    factor_fn = (eigen.eigh_factor if method == "eigen" else
+                 inverse.damped_inverse)
+    for layout in ("each", "stacked"):
+      decompose_all = getattr(batched, f"decompose_{layout}")
+      out[f"decompose_{method}_{layout}"] = timeit(
+          lambda fs, fn=decompose_all: fn(fs, factor_fn, damping), factors,
+          repeats=max(3, r // 2))
     per_layer = {}
     for name, f in factors.items():
       per_layer[name] = dict(

@@ -1,0 +1,79 @@
+"""``preconditioning.batched``: every factor's decomposition, one by one on CPU
+or stacked by size, against float64 numpy on each factor."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kfac_jax.factors.running import LayerFactors
+from kfac_jax.preconditioning import batched, eigen, inverse
+
+DAMPING = 0.1
+
+
+def _factors() -> dict[str, LayerFactors]:
+  # Two layers share the size 5 (one stack of three), one has a 7.
+  rng = np.random.default_rng(0)
+
+  def spd(d):
+    x = rng.standard_normal((2 * d, d)).astype(np.float32)
+    return jnp.asarray(x.T @ x / (2 * d))
+
+  return {"a": LayerFactors(spd(5), spd(7)), "b": LayerFactors(spd(5), spd(5))}
+
+
+LAYOUTS = {
+    "dispatched": lambda fs, fn: batched.decompose_layers(fs, fn, DAMPING),
+    "each": lambda fs, fn: batched.decompose_each(fs, fn, DAMPING),
+    "stacked": lambda fs, fn: batched.decompose_stacked(fs, fn, DAMPING),
+    "stacked in batches of 2": lambda fs, fn: batched.decompose_layers(
+        fs, fn, DAMPING, batch_size=2),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_inverses_match_float64_numpy(layout):
+  factors = _factors()
+  decomposed = jax.jit(lambda fs: LAYOUTS[layout](fs, inverse.damped_inverse))(
+      factors)
+  for name, pair in factors.items():
+    for factor, (result,) in zip(pair, decomposed[name]):
+      expected = np.linalg.inv(np.asarray(factor, np.float64) +
+                               DAMPING * np.eye(factor.shape[0]))
+      np.testing.assert_allclose(result, expected, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_eigenbases_rebuild_each_factor(layout):
+  factors = _factors()
+  decomposed = jax.jit(lambda fs: LAYOUTS[layout](fs, eigen.eigh_factor))(
+      factors)
+  for name, pair in factors.items():
+    for factor, (values, vectors) in zip(pair, decomposed[name]):
+      expected = np.linalg.eigvalsh(np.asarray(factor, np.float64))
+      np.testing.assert_allclose(values, expected, rtol=1e-5, atol=1e-6)
+      rebuilt = (np.asarray(vectors, np.float64) * np.asarray(values)) @ (
+          np.asarray(vectors, np.float64).T)
+      np.testing.assert_allclose(rebuilt, factor, rtol=1e-4, atol=1e-5)
+
+
+def _choleskies(decompose) -> list[str]:
+  """Batch shapes of the compiled program's Cholesky calls on this device."""
+  text = jax.jit(lambda fs: decompose(fs, inverse.damped_inverse)).lower(
+      _factors()).compile().as_text()
+  return re.findall(r"= \(f32\[([\d,]+)\][^ ]* \S+ custom-call\([^\n]*potrf",
+                    text)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU lowering")
+def test_on_cpu_each_factor_is_its_own_call_and_stacks_group_by_size():
+  # One call per factor runs concurrently on XLA:CPU's threads; a stacked
+  # call would loop over its stack on one.
+  assert sorted(_choleskies(LAYOUTS["dispatched"])) == [
+      "5,5", "5,5", "5,5", "7,7"]
+  assert sorted(_choleskies(LAYOUTS["stacked"])) == ["1,7,7", "3,5,5"]
