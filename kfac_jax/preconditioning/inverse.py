@@ -51,12 +51,15 @@ def damped_inverse(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array]:
   identity = jnp.eye(factor.shape[0], dtype=DECOMPOSITION_DTYPE)
   damped = factor.astype(DECOMPOSITION_DTYPE) + damping * identity
   # lax directly: jax.scipy's cho_factor/cho_solve wrap the same calls in
-  # nested jits, which cost trace and lowering time per factor size.
-  lower = lax.linalg.cholesky(damped, symmetrize_input=False)
+  # nested jits, which cost trace and lowering time per factor size. LAPACK
+  # takes column-major arrays, so XLA lays its operands and results out
+  # transposed; handing it the (symmetric) transposes turns those two
+  # transposing copies into straight ones.
+  lower = lax.linalg.cholesky(damped.T, symmetrize_input=False)
   inverse_lower = lax.linalg.triangular_solve(lower, identity, left_side=True,
                                               lower=True)
   return (lax.linalg.triangular_solve(lower, inverse_lower, left_side=True,
-                                      lower=True, transpose_a=True),)
+                                      lower=True, transpose_a=True).T,)
 
 
 def assemble(activation: tuple[jax.Array], gradient: tuple[jax.Array],
