@@ -42,9 +42,10 @@ def damped_inverse(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array]:
   ``F + λI = LLᵀ``; ``(F + λI)⁻¹ = L⁻ᵀ (L⁻¹ I)``, two triangular solves.
   A failed Cholesky (``F + λI`` not positive definite) comes out NaN
   throughout, which ``is_finite`` rejects. The factorization reads only one
-  triangle, so ``F`` is not symmetrized first, and the result
-  (symmetric up to rounding) is not symmetrized after: each would be a pass over every factor on every
-  decomposition step, for a change at the level of float32 rounding. The
+  triangle, so ``F`` is not symmetrized first, and the result (symmetric up
+  to rounding) is not symmetrized after: each would be a pass over every
+  factor on every decomposition step, for a change at the level of float32
+  rounding. The
   preconditioning products use the inverse as stored, so both sides of the
   factored and dense forms agree (``gradient_matrix.sandwich``).
   """
