@@ -10,8 +10,9 @@ kfac_jax revisions with ``--kfac-revs``), each repetition from empty caches
   lower s     trace to a jaxpr + lower to StableHLO (Python-side)
   compile s   XLA's compilation of that program (``Lowered.compile``)
 
-and the size of the compiled program: XLA kernels (fusions) and windowed
-(tree) reductions, the instructions XLA:CPU compiles one by one. Same
+and the size of the compiled program: XLA kernels (fusions; in brackets those
+left after XLA:CPU compiles identical ones once) and windowed (tree)
+reductions, the instructions XLA:CPU compiles one by one. Same
 models, data and optimizer settings as ``step_time.py`` (autoencoder).
 
   python benchmarks/compile_time.py                         # sgd, K-FAC inverse -gfs
@@ -39,6 +40,10 @@ import step_time
 
 _FUSION = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = \S+ fusion\(", re.M)
 _REDUCE_WINDOW = re.compile(r"\breduce-window\(")
+_FUSION_CALL = re.compile(r"= (\S+) fusion\([^\n]*?calls=(%[\w.-]+)")
+_HEADER = re.compile(r"^(?:ENTRY )?(%[\w.-]+) .*\{$")
+_NAME = re.compile(r"%[\w.-]+")
+_METADATA = re.compile(r", metadata=\{[^}]*\}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -64,10 +69,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
+def _computations(text: str) -> dict[str, str]:
+  """``{name: body}`` of every computation in an HLO module's text."""
+  bodies, name, lines = {}, None, []
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      name, lines = header.group(1), []
+    elif line.startswith("}") and name is not None:
+      bodies[name], name = "\n".join(lines), None
+    elif name is not None:
+      lines.append(line)
+  return bodies
+
+
 def program_size(compiled: Any) -> dict[str, int]:
-  """Kernels of an XLA:CPU program: fusions and windowed (tree) reductions."""
+  """Kernels of an XLA:CPU program.
+
+  ``fusions``: fusion instructions; ``distinct_fusions``: those left after
+  XLA:CPU's deduplication, which compiles structurally identical kernels
+  (same fused computation, shapes and layouts) once: what compile time
+  follows. ``reduce_windows``: windowed (tree) reductions.
+  """
   text = compiled.as_text()
+  bodies = _computations(text)
+  kernels = set()
+  for shape, called in _FUSION_CALL.findall(text):
+    body = _METADATA.sub("", bodies.get(called, called))
+    kernels.add((shape, _NAME.sub("%", body)))
   return {"fusions": len(_FUSION.findall(text)),
+          "distinct_fusions": len(kernels),
           "reduce_windows": len(_REDUCE_WINDOW.findall(text))}
 
 
@@ -116,16 +147,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "compile_s_median": statistics.median(compile_s),
                  "compile_s_min": min(compile_s),
                  "fusions": runs[0]["fusions"],
+                 "distinct_fusions": runs[0]["distinct_fusions"],
                  "reduce_windows": runs[0]["reduce_windows"]})
   lines = [f"{config.description}, batch {args.batch}, {args.repeats} cold "
            "first calls per variant, interleaved:", "",
            "| variant | lower s (median, min) | compile s (median, min) | "
-           "fusions | reduce-windows |", "|---|---:|---:|---:|---:|"]
+           "fusions (distinct) | reduce-windows |", "|---|---:|---:|---:|---:|"]
   for row in rows:
     lines.append(
         f"| {row['variant']} | {row['lower_s_median']:.2f}, "
         f"{row['lower_s_min']:.2f} | {row['compile_s_median']:.2f}, "
-        f"{row['compile_s_min']:.2f} | {row['fusions']} | "
+        f"{row['compile_s_min']:.2f} | {row['fusions']} "
+        f"({row['distinct_fusions']}) | "
         f"{row['reduce_windows']} |")
   print("\n".join(lines))
 
