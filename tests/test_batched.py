@@ -36,30 +36,30 @@ LAYOUTS = {
 }
 
 
+def _results(layout: str, factor_fn) -> list[tuple[jax.Array, tuple]]:
+  """``(factor, factor_fn's results for it)`` for every A and G."""
+  factors = _factors()
+  decomposed = jax.jit(lambda fs: LAYOUTS[layout](fs, factor_fn))(factors)
+  return [(factor, result) for name, pair in factors.items()
+          for factor, result in zip(pair, decomposed[name])]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_inverses_match_float64_numpy(layout):
-  factors = _factors()
-  decomposed = jax.jit(lambda fs: LAYOUTS[layout](fs, inverse.damped_inverse))(
-      factors)
-  for name, pair in factors.items():
-    for factor, (result,) in zip(pair, decomposed[name]):
-      expected = np.linalg.inv(np.asarray(factor, np.float64) +
-                               DAMPING * np.eye(factor.shape[0]))
-      np.testing.assert_allclose(result, expected, rtol=2e-5, atol=1e-6)
+  for factor, (result,) in _results(layout, inverse.damped_inverse):
+    expected = np.linalg.inv(np.asarray(factor, np.float64) +
+                             DAMPING * np.eye(factor.shape[0]))
+    np.testing.assert_allclose(result, expected, rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_eigenbases_rebuild_each_factor(layout):
-  factors = _factors()
-  decomposed = jax.jit(lambda fs: LAYOUTS[layout](fs, eigen.eigh_factor))(
-      factors)
-  for name, pair in factors.items():
-    for factor, (values, vectors) in zip(pair, decomposed[name]):
-      expected = np.linalg.eigvalsh(np.asarray(factor, np.float64))
-      np.testing.assert_allclose(values, expected, rtol=1e-5, atol=1e-6)
-      rebuilt = (np.asarray(vectors, np.float64) * np.asarray(values)) @ (
-          np.asarray(vectors, np.float64).T)
-      np.testing.assert_allclose(rebuilt, factor, rtol=1e-4, atol=1e-5)
+  for factor, (values, vectors) in _results(layout, eigen.eigh_factor):
+    expected = np.linalg.eigvalsh(np.asarray(factor, np.float64))
+    np.testing.assert_allclose(values, expected, rtol=1e-5, atol=1e-6)
+    vectors = np.asarray(vectors, np.float64)
+    rebuilt = (vectors * np.asarray(values)) @ vectors.T
+    np.testing.assert_allclose(rebuilt, factor, rtol=1e-4, atol=1e-5)
 
 
 def _choleskies(decompose) -> list[str]:
