@@ -45,17 +45,17 @@ def damped_inverse(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array]:
   triangle, so ``F`` is not symmetrized first, and the result (symmetric up
   to rounding) is not symmetrized after: each would be a pass over every
   factor on every decomposition step, for a change at the level of float32
-  rounding. The
-  preconditioning products use the inverse as stored, so both sides of the
-  factored and dense forms agree (``gradient_matrix.sandwich``).
+  rounding. The preconditioning products use the inverse as stored, so both
+  sides of the factored and dense forms agree (``gradient_matrix.sandwich``).
   """
   identity = jnp.eye(factor.shape[0], dtype=DECOMPOSITION_DTYPE)
   damped = factor.astype(DECOMPOSITION_DTYPE) + damping * identity
   # lax directly: jax.scipy's cho_factor/cho_solve wrap the same calls in
   # nested jits, which cost trace and lowering time per factor size. LAPACK
-  # takes column-major arrays, so XLA lays its operands and results out
+  # takes column-major arrays, so XLA:CPU lays its operands and results out
   # transposed; handing it the (symmetric) transposes turns those two
-  # transposing copies into straight ones.
+  # transposing copies into straight ones (elsewhere a transpose is at
+  # most one copy beside a d³ factorization).
   lower = lax.linalg.cholesky(damped.T, symmetrize_input=False)
   inverse_lower = lax.linalg.triangular_solve(lower, identity, left_side=True,
                                               lower=True)
