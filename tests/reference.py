@@ -22,6 +22,12 @@ def cov(x: np.ndarray) -> np.ndarray:
   return sym(x.T @ x / x.shape[0])
 
 
+def damped_inverse(factor: np.ndarray, damping: float) -> np.ndarray:
+  """``(F + λI)⁻¹`` in float64."""
+  return np.linalg.inv(np.asarray(factor, np.float64) +
+                       damping * np.eye(len(factor)))
+
+
 def im2col(x: np.ndarray, window: tuple[int, int], strides: tuple[int, int],
            padding: tuple[tuple[int, int], tuple[int, int]]) -> np.ndarray:
   """Loop im2col of NHWC ``x``: ``[B, Ho, Wo, kh*kw*C]`` in (kh, kw, C) order."""

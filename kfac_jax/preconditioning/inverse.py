@@ -78,9 +78,10 @@ def damped_inverse(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array]:
   lower = lax.linalg.cholesky(damped.T, symmetrize_input=False)
   num_blocks = max(1, round(size / INVERSE_BLOCK_SIZE))
   cuts = [size * block // num_blocks for block in range(num_blocks + 1)]
+  spans = list(zip(cuts[:-1], cuts[1:]))
   # trailing[j] = (F + λI)⁻¹[c_j:, b_j].
   trailing = []
-  for start, stop in zip(cuts[:-1], cuts[1:]):
+  for start, stop in spans:
     lower_tail = lower[start:, start:]
     inverse_lower_block = lax.linalg.triangular_solve(
         lower_tail, identity[start:, start:stop], left_side=True, lower=True)
@@ -91,7 +92,7 @@ def damped_inverse(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array]:
       jnp.concatenate(
           [trailing[above][start - cuts[above]:stop - cuts[above]].T
            for above in range(block)] + [trailing[block]], axis=0)
-      for block, (start, stop) in enumerate(zip(cuts[:-1], cuts[1:]))]
+      for block, (start, stop) in enumerate(spans)]
   # Returned transposed (the same matrix up to rounding): with one block,
   # XLA's copy out of LAPACK's column-major result is then a straight one.
   return (jnp.concatenate(block_columns, axis=1).T,)
