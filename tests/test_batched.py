@@ -78,3 +78,48 @@ def test_on_cpu_each_factor_is_its_own_call_and_stacks_group_by_size():
   assert sorted(_choleskies(LAYOUTS["dispatched"])) == [
       "5,5", "5,5", "5,5", "7,7"]
   assert sorted(_choleskies(LAYOUTS["stacked"])) == ["1,7,7", "3,5,5"]
+
+
+def test_padded_sizes_pad_by_one_row_at_most():
+  assert batched.padded_sizes([30, 31, 32, 7, 1000, 1001]) == {
+      31: 32, 1000: 1001}
+  assert batched.padded_sizes([5, 7]) == {}
+
+
+def _chained_factors() -> dict[str, LayerFactors]:
+  # Sizes 4, 5 and 6: 5 is padded to 6, 4 is left alone.
+  rng = np.random.default_rng(1)
+
+  def spd(d):
+    x = rng.standard_normal((2 * d, d)).astype(np.float32)
+    return jnp.asarray(x.T @ x / (2 * d))
+
+  return {"a": LayerFactors(spd(5), spd(4)), "b": LayerFactors(spd(6), spd(5))}
+
+
+@pytest.mark.parametrize("layout", ["dispatched", "each", "stacked"])
+def test_inverses_of_padded_factors_match_float64_numpy(layout):
+  decompose = {
+      "dispatched": batched.decompose_layers,
+      "each": batched.decompose_each,
+      "stacked": batched.decompose_stacked,
+  }[layout]
+  factors = _chained_factors()
+  decomposed = jax.jit(lambda fs: decompose(
+      fs, inverse.damped_inverse, DAMPING, crop=inverse.crop))(factors)
+  for name, pair in factors.items():
+    for factor, (result,) in zip(pair, decomposed[name]):
+      assert result.shape == factor.shape
+      np.testing.assert_allclose(result,
+                                 reference.damped_inverse(factor, DAMPING),
+                                 rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU lowering")
+def test_padded_factors_share_their_decompositions_size():
+  text = jax.jit(lambda fs: batched.decompose_layers(
+      fs, inverse.damped_inverse, DAMPING, crop=inverse.crop)).lower(
+          _chained_factors()).compile().as_text()
+  choleskies = re.findall(
+      r"= \(f32\[([\d,]+)\][^ ]* \S+ custom-call\([^\n]*potrf", text)
+  assert sorted(choleskies) == ["4,4", "6,6", "6,6", "6,6"]

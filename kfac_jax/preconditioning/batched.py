@@ -11,11 +11,19 @@ so each factor is decomposed on its own. Same-sized factors still share
 their compiled kernels (XLA:CPU compiles identical kernels once), and no
 stacking copies are made. ``benchmarks/README.md``, *Decompositions one by
 one on CPU*, has the measurements.
+
+A method whose results can be cut back from those of ``diag(F, I)`` (the
+inverse method: ``(diag(F, 1) + λI)⁻¹ = diag((F + λI)⁻¹, 1/(1 + λ))``) passes
+``crop``, and a factor one row short of another factor's size is padded to
+it. A hidden layer's G (its width) is one row short of the next layer's A
+(that width plus the bias row), so an MLP's factors fall from two sizes per
+width to one: half the distinct decomposition kernels for XLA to compile,
+and larger stacks, for one row and column more of arithmetic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Sequence
 
 import jax
@@ -28,49 +36,101 @@ from kfac_jax.factors.running import LayerFactors
 FactorFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, ...]]
 Results = tuple[jax.Array, ...]
 Decomposed = dict[str, tuple[Results, Results]]
+# (factor_fn's results for diag(F, I) [size, size], d) -> those for F [d, d].
+Crop = Callable[[Results, int], Results]
+
+
+def padded_sizes(sizes: Iterable[int]) -> dict[int, int]:
+  """``{d: d + 1}`` for each size ``d`` whose ``d + 1`` is also present.
+
+  A size padded to is not padded itself (from the largest size down), so a
+  factor is padded by one row at most: of 30, 31 and 32 rows, 31 is padded
+  to 32 and 30 is left alone.
+  """
+  present = set(sizes)
+  targets: dict[int, int] = {}
+  for size in sorted(present, reverse=True):
+    if size + 1 in present and size + 1 not in targets:
+      targets[size] = size + 1
+  return targets
+
+
+def pad_with_identity(factor: jax.Array, size: int) -> jax.Array:
+  """``diag(F, I)``: ``F [d, d]`` padded to ``[size, size]`` (``size ≥ d``)."""
+  extra = size - factor.shape[-1]
+  if extra == 0:
+    return factor
+  corner = jnp.eye(extra, dtype=factor.dtype)
+  side = jnp.zeros((factor.shape[-1], extra), factor.dtype)
+  return jnp.block([[factor, side], [side.T, corner]])
+
+
+def _sizes(factors: Mapping[str, LayerFactors]) -> list[int]:
+  return [factor.shape[-1] for pair in factors.values() for factor in pair]
 
 
 def decompose_each(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
-                   damping: jax.Array) -> Decomposed:
-  """``{layer: (factor_fn(A), factor_fn(G))}``, one call per factor."""
-  return {name: (factor_fn(pair.activation_factor, damping),
-                 factor_fn(pair.gradient_factor, damping))
+                   damping: jax.Array, crop: Crop | None = None) -> Decomposed:
+  """``{layer: (factor_fn(A), factor_fn(G))}``, one call per factor.
+
+  ``crop``: pad factors to shared sizes (``padded_sizes``) and cut their
+  results back with it; ``None``: no padding.
+  """
+  targets = padded_sizes(_sizes(factors)) if crop is not None else {}
+
+  def decompose(factor):
+    size = factor.shape[-1]
+    if size not in targets:
+      return factor_fn(factor, damping)
+    return crop(factor_fn(pad_with_identity(factor, targets[size]), damping),
+                size)
+
+  return {name: (decompose(pair.activation_factor),
+                 decompose(pair.gradient_factor))
           for name, pair in factors.items()}
 
 
 def decompose_stacked(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
-                      damping: jax.Array,
-                      batch_size: int | None = None) -> Decomposed:
+                      damping: jax.Array, batch_size: int | None = None,
+                      crop: Crop | None = None) -> Decomposed:
   """``decompose_each``'s result from one call per ``(size, dtype)`` stack.
 
   ``batch_size``: decompose at most this many factors of a stack at once
   (``lax.map`` over ``vmap``ped batches); ``None``: the whole stack.
+  ``crop``: as for ``decompose_each`` (padded factors join the stack of the
+  size they are padded to).
   """
+  targets = padded_sizes(_sizes(factors)) if crop is not None else {}
   groups: dict[tuple[int, jnp.dtype], list[tuple[str, int, jax.Array]]] = {}
   for name, layer_factors in factors.items():
     for which, factor in enumerate(layer_factors):
-      groups.setdefault((factor.shape[-1], factor.dtype), []).append(
+      size = targets.get(factor.shape[-1], factor.shape[-1])
+      groups.setdefault((size, factor.dtype), []).append(
           (name, which, factor))
 
   results: dict[str, list[Results | None]] = {
       name: [None, None] for name in factors
   }
-  for members in groups.values():
-    stack = jnp.stack([factor for _, _, factor in members])
+  for (size, _), members in groups.items():
+    stack = jnp.stack([pad_with_identity(factor, size)
+                       for _, _, factor in members])
     if batch_size is None or batch_size >= len(stack):
       decomposed: Sequence[jax.Array] = jax.vmap(
           factor_fn, in_axes=(0, None))(stack, damping)
     else:
       decomposed = lax.map(lambda factor: factor_fn(factor, damping), stack,
                            batch_size=batch_size)
-    for index, (name, which, _) in enumerate(members):
-      results[name][which] = tuple(array[index] for array in decomposed)
+    for index, (name, which, factor) in enumerate(members):
+      member = tuple(array[index] for array in decomposed)
+      if factor.shape[-1] != size:
+        member = crop(member, factor.shape[-1])
+      results[name][which] = member
   return {name: (pair[0], pair[1]) for name, pair in results.items()}
 
 
 def decompose_layers(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
-                     damping: jax.Array,
-                     batch_size: int | None = None) -> Decomposed:
+                     damping: jax.Array, batch_size: int | None = None,
+                     crop: Crop | None = None) -> Decomposed:
   """Applies ``factor_fn`` to every A and G: one by one on CPU, else stacked.
 
   Args:
@@ -79,15 +139,18 @@ def decompose_layers(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
     damping: λ, passed to every call.
     batch_size: bounds the factors decomposed at once, on every platform
       (``decompose_stacked``); ``None``: no bound.
+    crop: cuts ``factor_fn``'s results for ``diag(F, I)`` back to those for
+      ``F``; given, factors are padded to shared sizes (``padded_sizes``).
 
   Returns:
     ``{layer: (factor_fn(A), factor_fn(G))}``.
   """
   stacked = lambda factors, damping: decompose_stacked(
-      factors, factor_fn, damping, batch_size)
+      factors, factor_fn, damping, batch_size, crop)
   if batch_size is not None:
     return stacked(factors, damping)
   return lax.platform_dependent(
       dict(factors), damping,
-      cpu=lambda factors, damping: decompose_each(factors, factor_fn, damping),
+      cpu=lambda factors, damping: decompose_each(factors, factor_fn, damping,
+                                                  crop),
       default=stacked)

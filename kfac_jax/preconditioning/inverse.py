@@ -98,6 +98,15 @@ def damped_inverse(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array]:
   return (jnp.concatenate(block_columns, axis=1).T,)
 
 
+def crop(padded: tuple[jax.Array], size: int) -> tuple[jax.Array]:
+  """``damped_inverse`` of ``F [size, size]`` from that of ``diag(F, I)``.
+
+  ``(diag(F, I) + λI)⁻¹ = diag((F + λI)⁻¹, I/(1 + λ))``: its leading block,
+  exactly (``batched.decompose_layers`` pads factors to shared sizes).
+  """
+  return (padded[0][:size, :size],)
+
+
 def assemble(activation: tuple[jax.Array], gradient: tuple[jax.Array],
              damping: jax.Array, dtype: jnp.dtype) -> InversePreconditioner:
   """A layer's preconditioner from ``damped_inverse`` of A and of G."""

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from kfac_jax import finite
 from kfac_jax.preconditioning import eigen, inverse
-from kfac_jax.preconditioning.batched import FactorFn, Results
+from kfac_jax.preconditioning.batched import Crop, FactorFn, Results
 
 Preconditioner = eigen.EigenPreconditioner | inverse.InversePreconditioner
 
@@ -32,6 +32,9 @@ class Method(NamedTuple):
       came out finite (a non-finite one is rejected).
     decomposition_batch_size: factors decomposed at once per size
       (``batched.decompose_layers``); ``None``: all of them.
+    crop: ``factor_fn``'s results for ``diag(F, I)`` cut back to those for
+      ``F`` (``batched.Crop``), where that is exact; factors are then padded
+      to shared sizes. ``None``: never padded.
   """
 
   init: Callable[[int, int], Preconditioner]
@@ -40,6 +43,7 @@ class Method(NamedTuple):
   precondition: Callable[..., jax.Array]
   is_finite: Callable[[Preconditioner], jax.Array]
   decomposition_batch_size: int | None = None
+  crop: Crop | None = None
 
 
 def make_method(use_eigen: bool, dtype: jnp.dtype,
@@ -64,4 +68,5 @@ def make_method(use_eigen: bool, dtype: jnp.dtype,
       assemble=functools.partial(inverse.assemble, dtype=dtype),
       precondition=inverse.precondition,
       is_finite=inverse.is_finite,
-      decomposition_batch_size=decomposition_batch_size)
+      decomposition_batch_size=decomposition_batch_size,
+      crop=inverse.crop)
