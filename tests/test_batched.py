@@ -17,15 +17,21 @@ from tests import reference
 DAMPING = 0.1
 
 
-def _factors() -> dict[str, LayerFactors]:
-  # Two layers share the size 5 (one stack of three), one has a 7.
-  rng = np.random.default_rng(0)
+def _spd_factors(sizes: dict[str, tuple[int, int]],
+                 seed: int) -> dict[str, LayerFactors]:
+  """``{layer: LayerFactors}`` of random SPD factors of the given sizes."""
+  rng = np.random.default_rng(seed)
 
   def spd(d):
     x = rng.standard_normal((2 * d, d)).astype(np.float32)
     return jnp.asarray(x.T @ x / (2 * d))
 
-  return {"a": LayerFactors(spd(5), spd(7)), "b": LayerFactors(spd(5), spd(5))}
+  return {name: LayerFactors(spd(a), spd(g)) for name, (a, g) in sizes.items()}
+
+
+def _factors() -> dict[str, LayerFactors]:
+  # Two layers share the size 5 (one stack of three), one has a 7.
+  return _spd_factors({"a": (5, 7), "b": (5, 5)}, seed=0)
 
 
 LAYOUTS = {
@@ -88,13 +94,7 @@ def test_padded_sizes_pad_by_one_row_at_most():
 
 def _chained_factors() -> dict[str, LayerFactors]:
   # Sizes 4, 5 and 6: 5 is padded to 6, 4 is left alone.
-  rng = np.random.default_rng(1)
-
-  def spd(d):
-    x = rng.standard_normal((2 * d, d)).astype(np.float32)
-    return jnp.asarray(x.T @ x / (2 * d))
-
-  return {"a": LayerFactors(spd(5), spd(4)), "b": LayerFactors(spd(6), spd(5))}
+  return _spd_factors({"a": (5, 4), "b": (6, 5)}, seed=1)
 
 
 @pytest.mark.parametrize("layout", ["dispatched", "each", "stacked"])
