@@ -21,10 +21,12 @@ A layer called several times contributes the sum of its calls' factors.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
@@ -51,21 +53,48 @@ def contract_rows(left: jax.Array, right: jax.Array) -> jax.Array:
                          out_sharding=replicated)
 
 
-def inner_product(left: jax.Array, right: jax.Array) -> jax.Array:
-  """``Σ left ⊙ right`` over every axis, float32, as one ``dot_general``.
+def inner_products(arrays: Sequence[jax.Array],
+                   pairs: Sequence[tuple[int, int]]) -> jax.Array:
+  """``[Σ arrays[i] ⊙ arrays[j] for (i, j) in pairs]`` over every axis, float32.
 
-  Not ``sum(left * right)``: on XLA:CPU that is a materialized product and a
-  windowed tree reduction. Not ``jnp.vdot``: it flattens, and flattening a
-  sharded kernel's gradient gathers it whole. The contraction keeps each
-  device on its own shard, and the (replicated) result is said explicitly
-  for meshes with Explicit axes.
+  ``arrays`` share one shape; the result is ``[len(pairs)]``. Several pairs
+  make one variadic reduction, so each array is read once however many pairs
+  use it. (A ``dot_general`` per pair reads both operands every time, and on
+  XLA:CPU runs single-threaded once fused with the sum over leaves: the
+  adaptive mode's ten inner products of the autoencoder's 2.8M parameters
+  took 17 ms that way, 2 ms as one pass.) One pair stays a ``dot_general``:
+  it reads the same two arrays, and is one kernel where XLA:CPU compiles a
+  large reduction as a windowed tree reduction and a reduce (KL clipping's
+  inner product on every step). Not ``jnp.vdot``: flattening a sharded
+  kernel's gradient gathers it whole; both forms stay on each device's shard
+  and the result is replicated.
   """
-  left, right = left.astype(COMPUTE_DTYPE), right.astype(COMPUTE_DTYPE)
-  replicated = jax.typeof(left).sharding.update(spec=PartitionSpec())
-  axes = tuple(range(left.ndim))
-  return lax.dot_general(left, right, ((axes, axes), ((), ())),
-                         precision=lax.Precision.HIGHEST,
-                         out_sharding=replicated)
+  arrays = [a.astype(COMPUTE_DTYPE) for a in arrays]
+  axes = tuple(range(arrays[0].ndim))
+  if len(pairs) == 1:
+    ((i, j),) = pairs
+    # On a mesh with Explicit axes the contraction must say where its
+    # result lives.
+    replicated = jax.typeof(arrays[i]).sharding.update(spec=PartitionSpec())
+    return lax.dot_general(arrays[i], arrays[j], ((axes, axes), ((), ())),
+                           precision=lax.Precision.HIGHEST,
+                           out_sharding=replicated)[None]
+  products = tuple(arrays[i] * arrays[j] for i, j in pairs)
+  zeros = (np.zeros([], COMPUTE_DTYPE),) * len(products)
+  sums = lax.reduce(products, zeros,
+                    lambda xs, ys: tuple(x + y for x, y in zip(xs, ys)), axes)
+  return jnp.stack(sums)
+
+
+def tree_inner_products(trees: Sequence[Any],
+                        pairs: Sequence[tuple[int, int]]) -> jax.Array:
+  """``inner_products`` of pytrees of one structure, summed over the leaves.
+
+  ``[Σ_leaves Σ trees[i] ⊙ trees[j] for (i, j) in pairs]``, ``[len(pairs)]``.
+  """
+  per_leaf = [inner_products(arrays, pairs)
+              for arrays in zip(*(jax.tree.leaves(t) for t in trees))]
+  return sum(per_leaf, jnp.zeros([len(pairs)], COMPUTE_DTYPE))
 
 
 def covariance(rows: jax.Array) -> jax.Array:

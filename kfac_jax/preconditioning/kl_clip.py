@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from kfac_jax.factors.batch import inner_product
+from kfac_jax.factors.batch import tree_inner_products
 
 
 def kl_clip_scale(preconditioned: Sequence[jax.Array],
@@ -17,8 +17,8 @@ def kl_clip_scale(preconditioned: Sequence[jax.Array],
 
   ``ν = 1`` when ``vg = 0`` (nothing to clip).
   """
-  vg = learning_rate**2 * sum(
-      inner_product(p, g) for p, g in zip(preconditioned, gradients))
+  vg = learning_rate**2 * tree_inner_products(
+      (list(preconditioned), list(gradients)), [(0, 1)])[0]
   vg = jnp.abs(vg)
   safe_vg = jnp.where(vg > 0, vg, 1.0)
   return jnp.where(vg > 0, jnp.minimum(1.0, jnp.sqrt(kl_clip / safe_vg)), 1.0)

@@ -31,7 +31,7 @@ import numpy as np
 import optax
 
 from kfac_jax import finite
-from kfac_jax.factors.batch import inner_product
+from kfac_jax.factors.batch import tree_inner_products
 
 # Below this determinant (relative to the diagonal's product) the 2×2 system
 # is treated as singular: δ is (nearly) parallel to Δ, or δ = 0 at step 0.
@@ -134,11 +134,12 @@ def init(params: Any, damping: float) -> QuadraticModelState:
       reduction_ratio=jnp.ones([], jnp.float32))
 
 
-def _dot(x: Any, y: Any) -> jax.Array:
-  """``Σ x ⊙ y`` over all leaves, in float32 (``batch.inner_product``)."""
-  return sum((inner_product(a, b)
-              for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y))),
-             jnp.zeros([], jnp.float32))
+def _cross_products(left: Sequence[Any], right: Sequence[Any]) -> jax.Array:
+  """``[leftᵢᵀ rightⱼ]`` (``[len(left), len(right)]``) of pytrees, one pass."""
+  pairs = [(i, len(left) + j) for i in range(len(left))
+           for j in range(len(right))]
+  return tree_inner_products((*left, *right), pairs).reshape(
+      len(left), len(right))
 
 
 def loss_value(split_loss: SplitLoss, params: Any) -> jax.Array:
@@ -162,15 +163,13 @@ def curvature_products(split_loss: SplitLoss, params: Any,
   output_tangents = [jacobian_product(v) for v in vectors]
   _, hessian_product = jax.linearize(jax.grad(split_loss.loss_fn), outputs)
   curved = [hessian_product(t) for t in output_tangents]
-  matrix = jnp.stack([jnp.stack([_dot(t, h) for h in curved])
-                      for t in output_tangents])
+  matrix = _cross_products(output_tangents, curved)
   if split_loss.regularizer is not None:
     loss = loss + jnp.asarray(split_loss.regularizer(params), jnp.float32)
     _, regularizer_hessian = jax.linearize(jax.grad(split_loss.regularizer),
                                            params)
     curved_params = [regularizer_hessian(v) for v in vectors]
-    matrix = matrix + jnp.stack([jnp.stack([_dot(v, h) for h in curved_params])
-                                 for v in vectors])
+    matrix = matrix + _cross_products(vectors, curved_params)
   return loss, (matrix + matrix.T) / 2
 
 
@@ -251,11 +250,10 @@ def step(state: QuadraticModelState, direction: Any, gradients: Any,
   padding = [(0, 2 - len(vectors))]
   loss, curvature = curvature_products(split_loss, params, vectors)
   curvature = jnp.pad(curvature, padding * 2)
-  inner_products = jnp.pad(
-      jnp.stack([jnp.stack([_dot(u, v) for v in vectors]) for u in vectors]),
-      padding * 2)
-  gradient_products = jnp.pad(
-      jnp.stack([_dot(gradients, v) for v in vectors]), padding)
+  # [gradients, *vectors]ᵀ vectors: the first row gives ∇ᵀvⱼ, the rest vᵢᵀvⱼ.
+  products = _cross_products((gradients, *vectors), vectors)
+  inner_products = jnp.pad(products[1:], padding * 2)
+  gradient_products = jnp.pad(products[0], padding)
   coefficients = solve_step_sizes(curvature, inner_products,
                                   gradient_products, state.damping,
                                   config.use_momentum)
