@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Step-time benchmark: K-FAC (eigen, inverse) vs SGD+momentum and AdamW.
+"""Step-time benchmark: K-FAC (eigen, inverse, adaptive) vs SGD+momentum, AdamW.
 
 Every optimizer ("variant") of one configuration (model, batch size) is timed
 in the same process, interleaved: after each variant's first call (compile
@@ -65,13 +65,18 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_common  # pylint: disable=g-import-not-at-top,wrong-import-position
 from bench_common import Contestant  # pylint: disable=g-import-not-at-top,wrong-import-position
+from convergence import KFAC_ADAPTIVE_SETTINGS  # pylint: disable=g-import-not-at-top,wrong-import-position
 import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 ALL_MODELS = ("autoencoder", "resnet")
 # "-gfs": scale_by_kfac(gradient_from_stats=True), the dense layers'
 # gradients preconditioned in their factored form aᵀg where that is cheaper.
+# "kfac-adaptive": the adaptive mode as convergence.py races it (its
+# settings, the quadratic model and the factors on a quarter of the batch),
+# with this run's --inv-update-steps; autoencoder only (it needs a
+# SplitLoss), no FLOP floor (the quadratic model's products are not in it).
 ALL_VARIANTS = ("sgd", "adamw", "kfac-eigen", "kfac-inverse", "kfac-eigen-gfs",
-                "kfac-inverse-gfs")
+                "kfac-inverse-gfs", "kfac-adaptive")
 DEFAULT_DM_PYTHON = "/tmp/dm-venv/bin/python"
 DM_VENV_COMMAND = (
     "python3 -m venv /tmp/dm-venv && /tmp/dm-venv/bin/pip install "
@@ -215,7 +220,7 @@ def load_kfac_revision(rev: str) -> tuple[str, Any]:
 
 
 def kfac_method(variant: str) -> str:
-  """``eigen`` or ``inverse`` of ``kfac-<method>[-gfs][@<commit>]``."""
+  """``eigen``, ``inverse`` or ``adaptive``: ``kfac-<method>[-gfs][@<rev>]``."""
   return variant.split("@")[0].split("-")[1]
 
 
@@ -224,7 +229,7 @@ def from_stats(variant: str) -> bool:
   return variant.split("@")[0].endswith("-gfs")
 
 
-def make_tx(variant: str, args: argparse.Namespace,
+def make_tx(variant: str, args: argparse.Namespace, batch: int,
             lib: Any = kfac_jax) -> optax.GradientTransformation:
   lr = args.learning_rate
   if variant == "sgd":
@@ -232,6 +237,11 @@ def make_tx(variant: str, args: argparse.Namespace,
   if variant == "adamw":
     return optax.adamw(1e-3, weight_decay=1e-4)
   method = kfac_method(variant)
+  if method == "adaptive":
+    settings = dict(KFAC_ADAPTIVE_SETTINGS,
+                    inv_update_steps=args.inv_update_steps,
+                    factor_batch_size=curvature_examples(batch))
+    return lib.scale_by_kfac(adaptive=lib.AdaptiveConfig(), **settings)
   # Only where asked, so that --kfac-revs can time commits before the option.
   extra = dict(gradient_from_stats=True) if from_stats(variant) else {}
   return optax.chain(
@@ -247,8 +257,17 @@ def is_kfac(variant: str) -> bool:
   return variant.startswith("kfac")
 
 
+def curvature_examples(batch: int) -> int:
+  """``kfac-adaptive``'s curvature mini-batch: a quarter of the batch (the
+  race's 250 of 1000)."""
+  return max(1, batch // 4)
+
+
 def kfac_count(opt_state: Any) -> int:
-  return int(opt_state[0].count)
+  """The step count of a K-FAC state, alone (adaptive) or first in a chain."""
+  alone = "count" in getattr(opt_state, "_fields", ())  # a chain's is a tuple
+  kfac_state = opt_state if alone else opt_state[0]
+  return int(kfac_state.count)
 
 
 class Config:
@@ -260,6 +279,8 @@ class Config:
   extra_state: Any  # threaded through the step (BatchNorm stats) or None
   data: tuple[jax.Array, ...]
   loss_fn: Callable[..., Any]  # (params, extra_state, *data) -> (loss, extra)
+  # (lib, *data) -> lib.SplitLoss on the curvature examples, or None.
+  split_loss: Callable[..., Any] | None
   description: str
 
 
@@ -282,7 +303,15 @@ def autoencoder_config(batch: int, args: argparse.Namespace) -> Config:
     logits = model.apply({"params": params}, x)
     return bench_common.autoencoder_loss(logits, x), extra
 
+  def split_loss(lib, x):
+    curvature = x[:curvature_examples(len(x))]
+    return lib.SplitLoss(
+        outputs_fn=lambda params: model.apply({"params": params}, curvature),
+        loss_fn=lambda logits: bench_common.autoencoder_loss(logits,
+                                                             curvature))
+
   c.loss_fn = loss_fn
+  c.split_loss = split_loss
   return c
 
 
@@ -304,13 +333,14 @@ def resnet_config(args: argparse.Namespace) -> Config:
                    f", {'BatchNorm' if args.batch_norm else 'no BatchNorm'}, "
                    f"{size}x{size}x3, float32")
   c.loss_fn = models.resnet_loss_fn(model)
+  c.split_loss = None  # BatchNorm's state: no SplitLoss, no adaptive mode
   return c
 
 
 def make_contestant(variant: str, config: Config, args: argparse.Namespace,
                     lib: Any = kfac_jax) -> Contestant:
   """``lib``: the kfac_jax module to time (``load_kfac_revision``)."""
-  tx = make_tx(variant, args, lib)
+  tx = make_tx(variant, args, config.batch, lib)
   # Each contestant gets its own copies: its step donates them.
   params, extra_state = (jax.tree.map(jnp.copy, t)
                          for t in (config.params, config.extra_state))
@@ -322,8 +352,10 @@ def make_contestant(variant: str, config: Config, args: argparse.Namespace,
     def step(params, extra, opt_state, *data):
       (loss, extra), grads, stats = lib.value_grad_and_stats(
           loss_fn, has_aux=True)(params, extra, *data)
+      adaptive = (dict(split_loss=config.split_loss(lib, *data))
+                  if kfac_method(variant) == "adaptive" else {})
       updates, opt_state = tx.update(grads, opt_state, params,
-                                     kfac_stats=stats)
+                                     kfac_stats=stats, **adaptive)
       return optax.apply_updates(params, updates), extra, opt_state, loss
   else:
 
@@ -432,18 +464,20 @@ def flop_floor(shapes: Sequence[dict[str, int]], method: str, period: int,
 
 
 def run_config(config: Config, args: argparse.Namespace) -> dict[str, Any]:
-  contestants = [make_contestant(v, config, args) for v in args.variants]
+  variants = [v for v in args.variants
+              if config.split_loss is not None or v != "kfac-adaptive"]
+  contestants = [make_contestant(v, config, args) for v in variants]
   contestants += [
       make_contestant(f"{v}@{commit}", config, args, lib)
       for commit, lib in args.kfac_libs.items()
-      for v in args.variants if is_kfac(v)]
+      for v in variants if is_kfac(v)]
   meta, summary = bench_common.run_with_progress(
       contestants, args, f"{config.name} b={config.batch}")
   shapes = layer_shapes(config)
   for c in contestants:
     s = summary[c.name]
     s["final_loss"] = float(c.carry[3])
-    if is_kfac(c.name):
+    if is_kfac(c.name) and kfac_method(c.name) != "adaptive":
       floor = flop_floor(shapes, kfac_method(c.name),
                          args.inv_update_steps, args.eigh_flops,
                          args.inverse_flops, from_stats(c.name))

@@ -27,14 +27,16 @@ def test_step_time_smoke(tmp_path):
   (results_file,) = tmp_path.glob("step_time_*.json")
   results = json.loads(results_file.read_text())
   assert results  # a non-empty record of the run
-  for variant in ("sgd", "kfac-eigen", "kfac-inverse", "kfac-inverse-gfs"):
+  for variant in ("sgd", "kfac-eigen", "kfac-inverse", "kfac-inverse-gfs",
+                  "kfac-adaptive"):
     assert variant in result.stdout
   # --kfac-revs: the committed package, timed beside the working tree's.
   head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                         capture_output=True, text=True,
                         check=True).stdout.strip()
   timed = results["results"][0]["variants"]
-  for variant in ("kfac-eigen", "kfac-inverse", "kfac-inverse-gfs"):
+  for variant in ("kfac-eigen", "kfac-inverse", "kfac-inverse-gfs",
+                  "kfac-adaptive"):
     assert timed[f"{variant}@{head}"]["n_plain"] > 0
 
 
