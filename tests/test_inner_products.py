@@ -60,3 +60,9 @@ def test_tree_sums_over_leaves_of_mixed_shapes():
   flat = [[np.asarray(x) for x in jax.tree.leaves(t)] for t in trees]
   want = sum(_reference(leaves, pairs) for leaves in zip(*flat))
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+
+
+def test_trees_with_different_leaf_counts_are_refused():
+  x = jnp.ones(3)
+  with pytest.raises(ValueError):
+    batch.tree_inner_products([{"a": x}, {"a": x, "b": x}], [(0, 1)])

@@ -91,9 +91,11 @@ def tree_inner_products(trees: Sequence[Any],
   """``inner_products`` of pytrees of one structure, summed over the leaves.
 
   ``[Σ_leaves Σ trees[i] ⊙ trees[j] for (i, j) in pairs]``, ``[len(pairs)]``.
+  Trees with different numbers of leaves raise ``ValueError`` (rather than
+  pairing leaves up to the shorter one).
   """
-  per_leaf = [inner_products(arrays, pairs)
-              for arrays in zip(*(jax.tree.leaves(t) for t in trees))]
+  per_leaf = [inner_products(arrays, pairs) for arrays in zip(
+      *(jax.tree.leaves(t) for t in trees), strict=True)]
   return sum(per_leaf, jnp.zeros([len(pairs)], COMPUTE_DTYPE))
 
 
