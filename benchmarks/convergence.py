@@ -43,7 +43,9 @@ scale_by_kfac + SGD momentum 0.9, with the task's settings in
 ``KFAC_SETTINGS``, which come from the examples and are not tuned here) and
 ``kfac_adaptive`` (``scale_by_kfac(adaptive=...)``: learning rate, momentum
 and damping from the exact quadratic model, with DeepMind kfac-jax's
-autoencoder-example settings, ``KFAC_ADAPTIVE_SETTINGS``). Having no learning
+autoencoder-example settings, ``KFAC_ADAPTIVE_SETTINGS``, except for λ's
+floor: the library's ``AdaptiveConfig`` default, 1e-4, where the example has
+1e-5, ``--min-damping``; each run records λ, α, μ and ρ per step). Having no learning
 rate, ``kfac_adaptive`` is not swept. Its quadratic model is computed on the
 first ``--curvature-examples`` of each batch (default 250: a quarter of the
 autoencoder's batch, all of the others'), Martens' curvature mini-batch. Its
@@ -369,13 +371,22 @@ def import_kron():
   return distributed_kron.kron
 
 
+def adaptive_config(min_damping: float | None) -> kfac_jax.AdaptiveConfig:
+  """``kfac_adaptive``'s settings: the library's, with λ's floor if given."""
+  if min_damping is None:
+    return kfac_jax.AdaptiveConfig()
+  return kfac_jax.AdaptiveConfig(min_damping=min_damping)
+
+
 def build_optimizer(name: str, lr: float | None, task: Task,
                     curvature: str = "batch",
-                    curvature_examples: int | None = None) -> common.Optimizer:
+                    curvature_examples: int | None = None,
+                    min_damping: float | None = None) -> common.Optimizer:
   """One contestant at learning rate ``lr`` (None for ``NO_LEARNING_RATE``).
 
   ``curvature``: ``kfac_adaptive``'s factor statistics (``--curvature``);
   with ``"subset"``, from ``curvature_examples`` of each batch.
+  ``min_damping``: ``kfac_adaptive``'s floor of λ (None: the library's).
   """
   if name == "sgd":
     return common.Optimizer(
@@ -410,13 +421,14 @@ def build_optimizer(name: str, lr: float | None, task: Task,
     settings = dict(KFAC_ADAPTIVE_SETTINGS)
     if curvature == "subset":
       settings["factor_batch_size"] = curvature_examples
+    adaptive = adaptive_config(min_damping)
     return common.Optimizer(
         "kfac_adaptive",
-        kfac_jax.scale_by_kfac(layers=task.layers,
-                               adaptive=kfac_jax.AdaptiveConfig(), **settings),
+        kfac_jax.scale_by_kfac(layers=task.layers, adaptive=adaptive,
+                               **settings),
         uses_kfac=True, needs_split_loss=True,
         separate_curvature=curvature in ("empirical", "gauss-newton"),
-        description="kfac_jax.scale_by_kfac(adaptive=AdaptiveConfig(), " +
+        description=f"kfac_jax.scale_by_kfac(adaptive={adaptive}, " +
         ", ".join(f"{k}={v!r}" for k, v in settings.items()) +
         f"), curvature {curvature!r}")
   raise ValueError(f"unknown optimizer {name!r}; use one of {OPTIMIZERS}.")
@@ -474,17 +486,29 @@ def train_run(task: Task, optimizer: common.Optimizer, seed: int,
     params, opt_state, _, loss = compiled(params, opt_state, None, key, *batch)
     return params, opt_state, loss
 
-  record = timed_training(task, step, params, opt_state, seed, budget,
-                          eval_every, max_steps, progress, label)
+  record = timed_training(
+      task, step, params, opt_state, seed, budget, eval_every, max_steps,
+      progress, label,
+      trace=adaptive_trace if optimizer.needs_split_loss else None)
   return dict(task=task.name, optimizer=optimizer.name,
               description=optimizer.description, seed=seed, budget=budget,
               compile_seconds=compile_seconds, **record)
 
 
+def adaptive_trace(opt_state: kfac_jax.ScaleByKFACState) -> dict[str, float]:
+  """λ, ``[α, μ]`` and the last ρ after a ``kfac_adaptive`` step."""
+  model = opt_state.quadratic_model
+  alpha, mu = np.asarray(model.step_sizes).tolist()
+  return dict(damping=float(model.damping), alpha=alpha, mu=mu,
+              rho=float(model.reduction_ratio))
+
+
 def timed_training(task: Task, step: Callable[..., tuple[Any, Any, Any]],
                    params: Any, opt_state: Any, seed: int, budget: float,
                    eval_every: float, max_steps: int | None, progress: bool,
-                   label: str) -> dict[str, Any]:
+                   label: str,
+                   trace: Callable[[Any], dict[str, float]] | None = None
+                   ) -> dict[str, Any]:
   """Runs ``step(params, opt_state, key, *batch) -> (params, opt_state,
   loss)`` on the task's shuffled batches for ``budget`` training seconds,
   with a fresh PRNG key each step.
@@ -492,12 +516,15 @@ def timed_training(task: Task, step: Callable[..., tuple[Any, Any, Any]],
   Each step is timed alone (``jax.block_until_ready``). The metric is
   evaluated at the start, every ``eval_every`` training seconds and at the
   end, with the training clock stopped. A non-finite mini-batch loss ends the
-  run (``diverged``), its last metric recorded as NaN.
+  run (``diverged``), its last metric recorded as NaN. ``trace(opt_state)``,
+  if given, is read after every step, off the clock, and recorded per step
+  (``trace``: ``{name: [value per step]}``).
   """
   curve = [(0, 0.0, task.evaluate(params))]
   batches = common.epoch_batches(len(task.data[0]), task.batch_size,
                                  epochs=10**9, seed=seed)
   trained, steps, diverged = 0.0, 0, False
+  traced: dict[str, list[float]] = {}
   next_eval = eval_every
   bar = tqdm(total=round(budget), desc=label, unit="s", disable=not progress,
              dynamic_ncols=True, leave=False)
@@ -512,6 +539,9 @@ def timed_training(task: Task, step: Callable[..., tuple[Any, Any, Any]],
     trained += elapsed
     steps += 1
     bar.update(min(elapsed, budget - bar.n))
+    if trace is not None:
+      for name, value in trace(opt_state).items():
+        traced.setdefault(name, []).append(value)
     if not math.isfinite(float(loss)):
       diverged = True
       curve.append((steps, trained, float("nan")))
@@ -523,10 +553,13 @@ def timed_training(task: Task, step: Callable[..., tuple[Any, Any, Any]],
       while next_eval <= trained:
         next_eval += eval_every
   bar.close()
-  return dict(steps=steps, train_seconds=trained,
-              ms_per_step=1000 * trained / max(steps, 1), diverged=diverged,
-              final=curve[-1][2],
-              curve=[dict(step=s, seconds=t, metric=m) for s, t, m in curve])
+  record = dict(steps=steps, train_seconds=trained,
+                ms_per_step=1000 * trained / max(steps, 1), diverged=diverged,
+                final=curve[-1][2],
+                curve=[dict(step=s, seconds=t, metric=m) for s, t, m in curve])
+  if trace is not None:
+    record.update(trace=traced)
+  return record
 
 
 def first_reach(task: Task, run: dict[str, Any],
@@ -545,7 +578,8 @@ def first_reach(task: Task, run: dict[str, Any],
 def run_key(run: dict[str, Any]) -> tuple:
   curvature = run.get("curvature")
   return (run["phase"], run["task"], run["optimizer"], run["lr"], run["seed"],
-          run["budget"], None if curvature is None else tuple(curvature))
+          run["budget"], None if curvature is None else tuple(curvature),
+          run.get("min_damping"))
 
 
 class Race:
@@ -565,22 +599,28 @@ class Race:
 
   def run(self, phase: str, task: Task, name: str, lr: float, seed: int,
           budget: float) -> dict[str, Any]:
-    # kfac_adaptive's runs also depend on where its curvature comes from.
+    # kfac_adaptive's runs also depend on where its curvature comes from
+    # and on λ's floor (the value in effect: a run recorded before the
+    # floor was recorded, or under another default, is not reused).
+    adaptive = name == "kfac_adaptive"
     curvature = ((self.args.curvature, self.args.curvature_examples)
-                 if name == "kfac_adaptive" else None)
-    key = (phase, task.name, name, lr, seed, budget, curvature)
+                 if adaptive else None)
+    min_damping = (adaptive_config(self.args.min_damping).min_damping
+                   if adaptive else None)
+    key = (phase, task.name, name, lr, seed, budget, curvature, min_damping)
     if key in self.done:
       record = self.done[key]
     else:
       optimizer = build_optimizer(name, lr, task, self.args.curvature,
-                                  self.args.curvature_examples)
+                                  self.args.curvature_examples,
+                                  self.args.min_damping)
       label = f"{task.name} {phase} {name} lr={format_lr(lr)} seed={seed}"
       record = train_run(task, optimizer, seed, budget, self.args.eval_every,
                          self.args.max_steps, not self.args.no_progress, label,
                          self.args.curvature_examples, self.args.curvature)
       record.update(phase=phase, lr=lr)
-      if curvature is not None:
-        record.update(curvature=list(curvature))
+      if adaptive:
+        record.update(curvature=list(curvature), min_damping=min_damping)
       tqdm.write(f"{label}: {task.metric} {record['final']:.4g} after "
                  f"{record['steps']} steps ({record['ms_per_step']:.0f} "
                  f"ms/step, compile {record['compile_seconds']:.1f} s)"
@@ -809,6 +849,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       "curvature examples, or from the task's "
                       "kfac_jax.sampled_curvature surrogate (Gauss-Newton) "
                       "on them")
+  parser.add_argument("--min-damping", type=float, default=None,
+                      help="kfac_adaptive: AdaptiveConfig.min_damping, the "
+                      "floor of λ (default: the library's, "
+                      f"{kfac_jax.AdaptiveConfig().min_damping:g})")
   parser.add_argument("--max-steps", type=int, default=None,
                       help="also stop every run after this many steps")
   parser.add_argument("--out", type=pathlib.Path,
@@ -830,6 +874,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     value = getattr(args, flag)
     if value is not None and not value > 0:
       raise SystemExit(f"--{flag.replace('_', '-')} must be > 0.")
+  if args.min_damping is not None and not args.min_damping > 0:
+    raise SystemExit("--min-damping must be > 0.")
   if args.curvature_examples < 1:
     raise SystemExit("--curvature-examples must be >= 1.")
   if args.max_extensions < 0:

@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import kfac_jax
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -135,13 +137,24 @@ def test_convergence_smoke_and_resume(tmp_path):
   # The adaptive mode has no learning rate, and was not swept.
   assert "| kfac_adaptive | adaptive |" in table.read_text()
   assert "curvature 'gauss-newton'" in runs[-1]["description"]
+  # Its λ, α, μ, ρ after each step: at the first step δ = 0, so μ = 0.
+  trace = runs[-1]["trace"]
+  assert sorted(trace) == ["alpha", "damping", "mu", "rho"]
+  assert all(len(values) == 2 for values in trace.values())
+  assert trace["mu"][0] == 0 and trace["alpha"][0] != 0
+  floor = kfac_jax.AdaptiveConfig().min_damping
+  assert runs[-1]["min_damping"] == floor
+  assert all(floor <= d <= 1000 for d in trace["damping"])
+  assert all("trace" not in r for r in runs[:-1])
   assert list((tmp_path / "first").glob("convergence_*_cifar.png"))
   assert "after 2 steps" in first.stdout
 
   # A resumed race takes every run from the JSON, except kfac_adaptive's
-  # under another --curvature: here the default, factor_batch_size=4.
+  # under another --curvature (here the default, factor_batch_size=4) and
+  # another floor of λ.
   second = run_convergence("--smoke", "--tasks", "cifar", "--optimizers",
                            *optimizers, "--curvature-examples", "4",
+                           "--min-damping", "1e-3",
                            "--resume", str(path), "--out",
                            str(tmp_path / "second"))
   (retrained,) = [line for line in second.stdout.splitlines()
@@ -152,6 +165,8 @@ def test_convergence_smoke_and_resume(tmp_path):
   assert runs2[:-1] == runs[:-1]
   assert runs2[-1]["curvature"] == ["subset", 4]
   assert "factor_batch_size=4" in runs2[-1]["description"]
+  assert runs2[-1]["min_damping"] == 1e-3
+  assert "min_damping=0.001" in runs2[-1]["description"]
 
 
 def test_deepmind_scripts_refuse_this_kfac_jax(tmp_path):
