@@ -24,7 +24,7 @@ demo: install-examples
 # Tests run on PYTEST_WORKERS processes (pytest-xdist): XLA compiles on one
 # thread, so two tests at a time keep both cores of the CI machine busy,
 # and one OpenBLAS thread each keeps their LAPACK calls from oversubscribing
-# them (pytest took 11.3 min so against 17.5 min one at a time with the
+# them (pytest took 11.3 min this way against 17.5 min one at a time with the
 # default threads, on that 2-core machine).
 PYTEST_WORKERS ?= 2
 
