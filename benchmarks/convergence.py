@@ -610,7 +610,9 @@ class Race:
                  if adaptive else None)
     min_damping = (adaptive_config(self.args.min_damping).min_damping
                    if adaptive else None)
-    key = (phase, task.name, name, lr, seed, budget, curvature, min_damping)
+    key = run_key(dict(phase=phase, task=task.name, optimizer=name, lr=lr,
+                       seed=seed, budget=budget, curvature=curvature,
+                       min_damping=min_damping))
     if key in self.done:
       record = self.done[key]
     else:
