@@ -58,6 +58,9 @@ pass), from all of it (``batch``), from the loss on the curvature examples
 because it costs no extra pass on any task; on the autoencoder
 ``gauss-newton`` reaches the targets in fewer steps at the same step time
 (``benchmarks/README.md``, *Gauss-Newton factors at the 1e-4 floor*).
+``--inv-dtype bfloat16`` gives both K-FAC contestants ``inv_dtype=bfloat16``:
+their inverses stored and applied in bfloat16 (float32 accumulation), the
+products at twice float32's rate on CPUs with AVX512-BF16.
 
 Outputs in ``--out``: ``convergence_<stamp>.json`` (every run's curve,
 settings and versions, rewritten after each run; ``--resume FILE`` continues
@@ -109,6 +112,7 @@ import shakespeare_transformer  # pylint: disable=g-import-not-at-top,wrong-impo
 OPTIMIZERS = ("sgd", "adam", "muon", "kron", "kfac", "kfac_adaptive")
 FIRST_ORDER = ("sgd", "adam", "muon", "kron")
 NO_LEARNING_RATE = ("kfac_adaptive",)
+KFAC_OPTIMIZERS = ("kfac", "kfac_adaptive")
 # Each optimizer's customary learning rate; the sweep is center × LR_GRID.
 CENTERS = {"sgd": 1e-2, "adam": 1e-3, "muon": 1e-2, "kron": 3e-4,
            "kfac": 0.1}
@@ -381,15 +385,24 @@ def adaptive_config(min_damping: float | None) -> kfac_jax.AdaptiveConfig:
   return kfac_jax.AdaptiveConfig(min_damping=min_damping)
 
 
+def kfac_dtypes(inv_dtype: str) -> dict[str, Any]:
+  """The K-FAC contestants' ``inv_dtype`` setting (none for the default)."""
+  if inv_dtype == "float32":
+    return {}
+  return dict(inv_dtype=jnp.dtype(inv_dtype))
+
+
 def build_optimizer(name: str, lr: float | None, task: Task,
                     curvature: str = "batch",
                     curvature_examples: int | None = None,
-                    min_damping: float | None = None) -> common.Optimizer:
+                    min_damping: float | None = None,
+                    inv_dtype: str = "float32") -> common.Optimizer:
   """One contestant at learning rate ``lr`` (None for ``NO_LEARNING_RATE``).
 
   ``curvature``: ``kfac_adaptive``'s factor statistics (``--curvature``);
   with ``"subset"``, from ``curvature_examples`` of each batch.
   ``min_damping``: ``kfac_adaptive``'s floor of λ (None: the library's).
+  ``inv_dtype``: both K-FAC contestants' ``inv_dtype`` (``--inv-dtype``).
   """
   if name == "sgd":
     return common.Optimizer(
@@ -412,7 +425,7 @@ def build_optimizer(name: str, lr: float | None, task: Task,
                             description=f"distributed_kron.kron(lr={lr:g}, "
                             "b1=0.9)")
   if name == "kfac":
-    settings = KFAC_SETTINGS[task.name]
+    settings = dict(KFAC_SETTINGS[task.name], **kfac_dtypes(inv_dtype))
     return common.Optimizer(
         "kfac",
         kfac_jax.kfac(learning_rate=lr, momentum=0.9, layers=task.layers,
@@ -421,7 +434,7 @@ def build_optimizer(name: str, lr: float | None, task: Task,
         description=f"kfac_jax.kfac(lr={lr:g}, momentum=0.9, " + ", ".join(
             f"{k}={v!r}" for k, v in settings.items()) + ")")
   if name == "kfac_adaptive":
-    settings = dict(KFAC_ADAPTIVE_SETTINGS)
+    settings = dict(KFAC_ADAPTIVE_SETTINGS, **kfac_dtypes(inv_dtype))
     if curvature == "subset":
       settings["factor_batch_size"] = curvature_examples
     adaptive = adaptive_config(min_damping)
@@ -582,7 +595,7 @@ def run_key(run: dict[str, Any]) -> tuple:
   curvature = run.get("curvature")
   return (run["phase"], run["task"], run["optimizer"], run["lr"], run["seed"],
           run["budget"], None if curvature is None else tuple(curvature),
-          run.get("min_damping"))
+          run.get("min_damping"), run.get("inv_dtype", "float32"))
 
 
 class Race:
@@ -604,21 +617,23 @@ class Race:
           budget: float) -> dict[str, Any]:
     # kfac_adaptive's runs also depend on where its curvature comes from
     # and on λ's floor (the value in effect: a run recorded before the
-    # floor was recorded, or under another default, is not reused).
+    # floor was recorded, or under another default, is not reused), both
+    # K-FAC contestants' on inv_dtype (runs recorded without it: float32).
     adaptive = name == "kfac_adaptive"
+    inv_dtype = self.args.inv_dtype if name in KFAC_OPTIMIZERS else "float32"
     curvature = ((self.args.curvature, self.args.curvature_examples)
                  if adaptive else None)
     min_damping = (adaptive_config(self.args.min_damping).min_damping
                    if adaptive else None)
     key = run_key(dict(phase=phase, task=task.name, optimizer=name, lr=lr,
                        seed=seed, budget=budget, curvature=curvature,
-                       min_damping=min_damping))
+                       min_damping=min_damping, inv_dtype=inv_dtype))
     if key in self.done:
       record = self.done[key]
     else:
       optimizer = build_optimizer(name, lr, task, self.args.curvature,
                                   self.args.curvature_examples,
-                                  self.args.min_damping)
+                                  self.args.min_damping, inv_dtype)
       label = f"{task.name} {phase} {name} lr={format_lr(lr)} seed={seed}"
       record = train_run(task, optimizer, seed, budget, self.args.eval_every,
                          self.args.max_steps, not self.args.no_progress, label,
@@ -626,6 +641,8 @@ class Race:
       record.update(phase=phase, lr=lr)
       if adaptive:
         record.update(curvature=list(curvature), min_damping=min_damping)
+      if name in KFAC_OPTIMIZERS:
+        record.update(inv_dtype=inv_dtype)
       tqdm.write(f"{label}: {task.metric} {record['final']:.4g} after "
                  f"{record['steps']} steps ({record['ms_per_step']:.0f} "
                  f"ms/step, compile {record['compile_seconds']:.1f} s)"
@@ -858,6 +875,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="kfac_adaptive: AdaptiveConfig.min_damping, the "
                       "floor of λ (default: the library's, "
                       f"{kfac_jax.AdaptiveConfig().min_damping:g})")
+  parser.add_argument("--inv-dtype", choices=("float32", "bfloat16"),
+                      default="float32",
+                      help="kfac and kfac_adaptive: scale_by_kfac's "
+                      "inv_dtype, in which the inverses are stored and "
+                      "applied")
   parser.add_argument("--max-steps", type=int, default=None,
                       help="also stop every run after this many steps")
   parser.add_argument("--out", type=pathlib.Path,

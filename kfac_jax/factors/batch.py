@@ -40,6 +40,7 @@ COMPUTE_DTYPE = jnp.float32
 def contract_rows(left: jax.Array, right: jax.Array) -> jax.Array:
   """``leftᵀ right`` over the rows: ``[..., N, d1], [..., N, d2] -> [..., d1, d2]``.
 
+  Accumulated and returned in float32 whatever the operands' float dtype.
   Leading axes are batch axes. On a mesh with Explicit axes and batch-sharded
   rows, a contraction over them must say where the result lives: here
   replicated, as the factors and gradients it makes are.
@@ -50,6 +51,7 @@ def contract_rows(left: jax.Array, right: jax.Array) -> jax.Array:
   return lax.dot_general(left, right, (((rows_axis,), (rows_axis,)),
                                        (batch_axes, batch_axes)),
                          precision=lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32,
                          out_sharding=replicated)
 
 

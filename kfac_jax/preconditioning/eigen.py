@@ -114,8 +114,9 @@ def precondition(preconditioner: EigenPreconditioner,
   applied to each ``[dA, dG]`` operand before a product contracting its
   ``axis`` (see ``Reshard``).
   """
-  q_a = preconditioner.activation_eigenvectors.astype(DECOMPOSITION_DTYPE)
-  q_g = preconditioner.gradient_eigenvectors.astype(DECOMPOSITION_DTYPE)
+  # Eigenbases as stored: ``sandwich`` multiplies in ``product_dtype``.
+  q_a = preconditioner.activation_eigenvectors
+  q_g = preconditioner.gradient_eigenvectors
   rotated = sandwich(q_a.T, gradient, q_g, reshard)
   if preconditioner.damped_inverse is not None:
     scale = preconditioner.damped_inverse.astype(DECOMPOSITION_DTYPE)

@@ -63,24 +63,44 @@ def factored_is_cheaper(rows: int, activation_dim: int,
   return factored < dense
 
 
+def product_dtype(left: jnp.dtype, right: jnp.dtype) -> jnp.dtype:
+  """The operand dtype of ``sandwich``'s products for these stored operands.
+
+  A preconditioner stored narrower than float32 (``inv_dtype`` bfloat16 or
+  float16) is applied in that dtype, every operand rounded to it and every
+  product accumulated in float32, as KAISA preconditions in its
+  ``inv_dtype``: the products then run at the hardware's low-precision rate
+  (TPU MXU passes, GPU tensor cores, AVX512-BF16; twice float32's on the CI
+  machine's CPU), at the price of a relative rounding of ``2⁻⁸`` (bfloat16)
+  per operand. Anything else (float32, float64) multiplies in float32.
+  """
+  dtype = jnp.result_type(left, right)
+  return dtype if jnp.finfo(dtype).bits < 32 else jnp.dtype(jnp.float32)
+
+
 def sandwich(left: jax.Array, gradient: jax.Array | FactoredGradient,
              right: jax.Array, reshard: Reshard = no_reshard) -> jax.Array:
-  """``left ∇ right`` in float32: ``[dA', dA] · [dA, dG] · [dG, dG']``.
+  """``left ∇ right``, float32: ``[dA', dA] · [dA, dG] · [dG, dG']``.
 
-  A ``FactoredGradient`` is multiplied as ``(a leftᵀ)ᵀ (g right)``, never
-  forming ``∇`` (``factored_is_cheaper`` says when that pays).
-  ``reshard`` (dense ``∇`` only) is applied to each ``[dA, dG]`` operand
-  before a product contracting its ``axis`` (see ``Reshard``).
+  Each product's operands are cast to ``product_dtype(left, right)`` and
+  accumulated in float32. A ``FactoredGradient`` is multiplied as
+  ``(a leftᵀ)ᵀ (g right)``, never forming ``∇`` (``factored_is_cheaper``
+  says when that pays). ``reshard`` (dense ``∇`` only) is applied to each
+  ``[dA, dG]`` operand before a product contracting its ``axis`` (see
+  ``Reshard``).
   """
-  matmul = lambda x, y: jnp.matmul(x, y, precision=lax.Precision.HIGHEST)
-  left, right = left.astype(jnp.float32), right.astype(jnp.float32)
+  dtype = product_dtype(left.dtype, right.dtype)
+  cast = lambda x: x.astype(dtype)
+  matmul = lambda x, y: jnp.matmul(cast(x), cast(y),
+                                   precision=lax.Precision.HIGHEST,
+                                   preferred_element_type=jnp.float32)
   if isinstance(gradient, FactoredGradient):
     activation_side = lax.dot_general(
-        gradient.activation_rows.astype(jnp.float32), left,
-        (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
-    gradient_side = matmul(gradient.gradient_rows.astype(jnp.float32), right)
-    return contract_rows(activation_side, gradient_side)
-  left_product = matmul(left, reshard(gradient.astype(jnp.float32), 0))
+        cast(gradient.activation_rows), cast(left), (((1,), (1,)), ((), ())),
+        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    gradient_side = matmul(gradient.gradient_rows, right)
+    return contract_rows(cast(activation_side), cast(gradient_side))
+  left_product = matmul(left, reshard(gradient, 0))
   return matmul(reshard(left_product, 1), right)
 
 

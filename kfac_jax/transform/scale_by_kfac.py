@@ -156,8 +156,10 @@ def scale_by_kfac(
       are known only once stats arrive, so such layers still get (unused)
       state; skip by path to save that memory.
     factor_dtype: storage dtype of A and G; default the kernel's dtype.
-    inv_dtype: storage dtype of eigenbases/inverses (decompositions always run
-      in float32).
+    inv_dtype: dtype of eigenbases/inverses (decompositions always run in
+      float32): stored in it, and applied in it when narrower than float32
+      (bfloat16, float16: operands rounded, products accumulated in float32;
+      ``gradient_matrix.product_dtype``).
     mesh_axes: axis names of the mesh set by ``jax.set_mesh`` over which the
       decompositions and preconditioner memory are spread (KAISA); ``None``
       computes everything where the program runs.
