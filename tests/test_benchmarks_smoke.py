@@ -144,25 +144,31 @@ def test_convergence_smoke_and_resume(tmp_path):
   assert trace["mu"][0] == 0 and trace["alpha"][0] != 0
   floor = kfac_jax.AdaptiveConfig().min_damping
   assert runs[-1]["min_damping"] == floor
+  assert [r.get("inv_dtype") for r in runs] == [None, None, "float32",
+                                                "float32"]
   assert all(floor <= d <= 1000 for d in trace["damping"])
   assert all("trace" not in r for r in runs[:-1])
   assert list((tmp_path / "first").glob("convergence_*_cifar.png"))
   assert "after 2 steps" in first.stdout
 
-  # A resumed race takes every run from the JSON, except kfac_adaptive's
-  # under another --curvature (here the default, factor_batch_size=4) and
-  # another floor of λ.
+  # A resumed race takes every run from the JSON, except the K-FAC ones
+  # under another --inv-dtype, and kfac_adaptive's under another
+  # --curvature (here the default, factor_batch_size=4) and another floor
+  # of λ.
   second = run_convergence("--smoke", "--tasks", "cifar", "--optimizers",
                            *optimizers, "--curvature-examples", "4",
-                           "--min-damping", "1e-3",
-                           "--resume", str(path), "--out",
+                           "--min-damping", "1e-3", "--inv-dtype",
+                           "bfloat16", "--resume", str(path), "--out",
                            str(tmp_path / "second"))
-  (retrained,) = [line for line in second.stdout.splitlines()
-                  if "after 2 steps" in line]
-  assert "kfac_adaptive" in retrained
+  retrained = [line.split()[2] for line in second.stdout.splitlines()
+               if "after 2 steps" in line]
+  assert retrained == ["kfac", "kfac_adaptive"]
   (path2,) = (tmp_path / "second").glob("convergence_*.json")
   runs2 = json.loads(path2.read_text())["runs"]
-  assert runs2[:-1] == runs[:-1]
+  assert runs2[:2] == runs[:2]
+  for run in runs2[2:]:
+    assert run["inv_dtype"] == "bfloat16"
+    assert "inv_dtype=dtype(bfloat16)" in run["description"]
   assert runs2[-1]["curvature"] == ["subset", 4]
   assert "factor_batch_size=4" in runs2[-1]["description"]
   assert runs2[-1]["min_damping"] == 1e-3
