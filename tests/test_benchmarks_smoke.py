@@ -88,6 +88,33 @@ def test_flop_floor_of_the_issue_autoencoder():
             floor(2048, method, False)["precondition_flops"])
 
 
+def test_race_flops_match_the_shapes_and_share_a_forward_pass(tmp_path):
+  """XLA's counts of the race step's model passes against the shape counts.
+
+  Each piece within 2 % of its count from the layer shapes (XLA also counts
+  the elementwise work), and the capture and the quadratic model jitted
+  together cost one forward pass over the curvature examples (``2·M·W``,
+  1.415 GFLOP) less than apart.
+  """
+  result = subprocess.run(
+      [sys.executable, "benchmarks/race_flops.py", "--no-progress", "--out",
+       str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=240)
+  assert result.returncode == 0, result.stderr[-3000:]
+  (path,) = tmp_path.glob("race_flops_*.json")
+  counts = json.loads(path.read_text())
+  xla, shapes = counts["xla_flops"], counts["shape_flops"]
+  assert sorted(shapes) == ["capture", "gradient", "quadratic_model"]
+  for name, flops in shapes.items():
+    assert abs(xla[name] / flops - 1) < 0.02, (name, xla[name], flops)
+  weights = sum(a * b for a, b in zip((784, 1000, 500, 250, 30, 250, 500,
+                                       1000), (1000, 500, 250, 30, 250, 500,
+                                               1000, 784)))
+  forward = 2 * counts["curvature_examples"] * weights
+  shared = (xla["capture"] + xla["quadratic_model"] -
+            xla["capture_and_quadratic_model"])
+  assert abs(shared / forward - 1) < 0.05, (shared, forward)
+
+
 def test_scaling_smoke(tmp_path):
   # Simulated CPU devices also where an accelerator is present.
   run_smoke("scaling.py", tmp_path, JAX_PLATFORMS="cpu")
