@@ -161,7 +161,7 @@ def recompute_preconditioners(
     damping: λ, constant or schedule of the step count, > 0.
     compute_method: ``"eigen"`` or ``"inverse"``.
     compute_eigenvalue_outer_product: eigen only, as in ``scale_by_kfac``.
-    inv_dtype: storage dtype of the preconditioners, as in ``scale_by_kfac``.
+    inv_dtype: dtype of the preconditioners, as in ``scale_by_kfac``.
     mesh_axes: as in ``scale_by_kfac``.
     grad_worker_fraction: as in ``scale_by_kfac``.
     assignment_strategy: as in ``scale_by_kfac``.

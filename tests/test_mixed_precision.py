@@ -210,8 +210,9 @@ def test_bf16_preconditioner_multiplies_in_bf16(form):
   ``round(L·round(∇))·R`` (dense) or ``round(a·Lᵀ)ᵀ·round(g·R)``
   (factored), ``round`` to bfloat16, ``L, R`` the stored bf16 inverses.
   Only the float32 accumulation order separates ours from the emulation
-  (~1e-7); the float32 path is ~u = 2⁻⁸ away from it, so the test tells the
-  two apart.
+  (~4e-8 here, ~1e-4 more where it flips one rounding of a middle product);
+  the float32 path is ~u = 2⁻⁸ away from it, so the test tells the two
+  apart.
   """
   rng = np.random.default_rng(0)
   rows, activation_dim, gradient_dim = 40, 65, 33
@@ -243,7 +244,7 @@ def test_bf16_preconditioner_multiplies_in_bf16(form):
     emulated = (_bf16_rounded(_bf16_rounded(a) @ stored_left.T).T @
                 _bf16_rounded(_bf16_rounded(g) @ stored_right))
   relative = lambda x, y: np.linalg.norm(x - y) / np.linalg.norm(y)
-  assert relative(ours(jnp.bfloat16), emulated) < 1e-5
+  assert relative(ours(jnp.bfloat16), emulated) < 3e-4
   assert relative(ours(jnp.float32), emulated) > 1e-3
   exact = left @ (a.T @ g) @ right
   assert relative(ours(jnp.bfloat16), exact) < 3 * BF16_ROUNDOFF
@@ -287,3 +288,31 @@ def test_bf16_inv_dtype_changes_the_step_by_rounding_only(compute_method):
     assert p16[name]["kernel"].dtype == jnp.float32
     error = np.linalg.norm(update16 - update32) / np.linalg.norm(update32)
     assert 1e-4 < error <= 4 * BF16_ROUNDOFF, (name, error)
+
+
+@pytest.mark.parametrize("form", ["dense", "factored"])
+def test_float16_preconditioner_multiplies_in_float32(form):
+  """float16 inverses are stored only: their products run in float32.
+
+  An inverse's entries are up to ~1/λ; here 1000·I times a gradient of
+  entries 100 gives 1e5, past float16's largest value (65504), which float16
+  products would turn to inf/NaN. The result must equal the float32
+  products of the float16-stored operands.
+  """
+  left = 1000.0 * np.eye(6) + 0.1
+  right = np.eye(3) + 0.01
+  a = np.full((4, 6), 5.0)
+  g = np.full((4, 3), 5.0)
+  if form == "dense":
+    gradient = jnp.asarray(a.T @ g, jnp.float32)  # Entries 100.
+  else:
+    gradient = FactoredGradient(jnp.asarray(a, jnp.float32),
+                                jnp.asarray(g, jnp.float32))
+  out = sandwich(jnp.asarray(left, jnp.float16), gradient,
+                 jnp.asarray(right, jnp.float16))
+  assert out.dtype == jnp.float32
+  stored = lambda x: np.asarray(jnp.asarray(x, jnp.float16), np.float64)
+  expected = stored(left) @ (a.T @ g) @ stored(right)
+  assert np.abs(expected).max() > 65504
+  np.testing.assert_allclose(np.asarray(out, np.float64), expected,
+                             rtol=1e-6)

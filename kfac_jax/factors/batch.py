@@ -40,7 +40,7 @@ COMPUTE_DTYPE = jnp.float32
 def contract_rows(left: jax.Array, right: jax.Array) -> jax.Array:
   """``leftᵀ right`` over the rows: ``[..., N, d1], [..., N, d2] -> [..., d1, d2]``.
 
-  Accumulated and returned in float32 whatever the operands' float dtype.
+  Accumulated and returned in float32, for float32 or narrower operands.
   Leading axes are batch axes. On a mesh with Explicit axes and batch-sharded
   rows, a contraction over them must say where the result lives: here
   replicated, as the factors and gradients it makes are.

@@ -66,16 +66,17 @@ def factored_is_cheaper(rows: int, activation_dim: int,
 def product_dtype(left: jnp.dtype, right: jnp.dtype) -> jnp.dtype:
   """The operand dtype of ``sandwich``'s products for these stored operands.
 
-  A preconditioner stored narrower than float32 (``inv_dtype`` bfloat16 or
-  float16) is applied in that dtype, every operand rounded to it and every
-  product accumulated in float32, as KAISA preconditions in its
-  ``inv_dtype``: the products then run at the hardware's low-precision rate
-  (TPU MXU passes, GPU tensor cores, AVX512-BF16; twice float32's on the CI
-  machine's CPU), at the price of a relative rounding of ``2⁻⁸`` (bfloat16)
-  per operand. Anything else (float32, float64) multiplies in float32.
+  A preconditioner stored in bfloat16 (``inv_dtype``) is applied in it,
+  every operand rounded to it and every product accumulated in float32, as
+  KAISA preconditions in its ``inv_dtype``: the products then run at the
+  hardware's bfloat16 rate (TPU, GPU tensor cores, AVX512-BF16: twice
+  float32's on the CI machine's CPU), at the price of a relative rounding
+  of ``2⁻⁸`` per operand. Anything else multiplies in float32: float16 or
+  float8 storage too, whose range (float16's largest is 65504) the
+  gradient and the ``~1/λ`` entries of an inverse times it overflow.
   """
   dtype = jnp.result_type(left, right)
-  return dtype if jnp.finfo(dtype).bits < 32 else jnp.dtype(jnp.float32)
+  return dtype if dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
 def sandwich(left: jax.Array, gradient: jax.Array | FactoredGradient,
@@ -91,6 +92,7 @@ def sandwich(left: jax.Array, gradient: jax.Array | FactoredGradient,
   """
   dtype = product_dtype(left.dtype, right.dtype)
   cast = lambda x: x.astype(dtype)
+  # Operands are cast before ``reshard``, which then moves the narrow ones.
   matmul = lambda x, y: jnp.matmul(cast(x), cast(y),
                                    precision=lax.Precision.HIGHEST,
                                    preferred_element_type=jnp.float32)
@@ -100,8 +102,8 @@ def sandwich(left: jax.Array, gradient: jax.Array | FactoredGradient,
         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     gradient_side = matmul(gradient.gradient_rows, right)
     return contract_rows(cast(activation_side), cast(gradient_side))
-  left_product = matmul(left, reshard(gradient, 0))
-  return matmul(reshard(left_product, 1), right)
+  left_product = matmul(left, reshard(cast(gradient), 0))
+  return matmul(reshard(cast(left_product), 1), right)
 
 
 def to_matrix(layer_grads: Mapping[str, jax.Array], layer: LayerInfo,

@@ -157,8 +157,8 @@ def scale_by_kfac(
       state; skip by path to save that memory.
     factor_dtype: storage dtype of A and G; default the kernel's dtype.
     inv_dtype: dtype of eigenbases/inverses (decompositions always run in
-      float32): stored in it, and applied in it when narrower than float32
-      (bfloat16, float16: operands rounded, products accumulated in float32;
+      float32): stored in it, and, when bfloat16, applied in it (operands
+      rounded, products accumulated in float32;
       ``gradient_matrix.product_dtype``).
     mesh_axes: axis names of the mesh set by ``jax.set_mesh`` over which the
       decompositions and preconditioner memory are spread (KAISA); ``None``
