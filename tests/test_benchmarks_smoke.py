@@ -106,9 +106,8 @@ def test_race_flops_match_the_shapes_and_share_a_forward_pass(tmp_path):
   assert sorted(shapes) == ["capture", "gradient", "quadratic_model"]
   for name, flops in shapes.items():
     assert abs(xla[name] / flops - 1) < 0.02, (name, xla[name], flops)
-  weights = sum(a * b for a, b in zip((784, 1000, 500, 250, 30, 250, 500,
-                                       1000), (1000, 500, 250, 30, 250, 500,
-                                               1000, 784)))
+  weights = sum(layer["fan_in"] * layer["fan_out"]
+                for layer in _autoencoder_shapes(1))
   forward = 2 * counts["curvature_examples"] * weights
   shared = (xla["capture"] + xla["quadratic_model"] -
             xla["capture_and_quadratic_model"])
