@@ -20,9 +20,10 @@ def _spd(size: int, seed: int = 0) -> np.ndarray:
   return (x.T @ x / (2 * size)).astype(np.float32)
 
 
-# One block; two blocks, one a row longer; three uneven blocks (1001 rows:
-# 333, 334, 334).
-@pytest.mark.parametrize("size", [1, 7, BLOCK, 2 * BLOCK + 1, 3 * BLOCK - 49])
+# One block; two blocks, one a row longer; three uneven blocks; four (the
+# autoencoder's 1001 rows at the default block size).
+@pytest.mark.parametrize("size", [1, 7, BLOCK, 2 * BLOCK + 1, 3 * BLOCK - 49,
+                                  4 * BLOCK + 1])
 def test_matches_float64_numpy_across_block_boundaries(size):
   factor = _spd(size)
   (result,) = jax.jit(inverse.damped_inverse)(factor, jnp.float32(DAMPING))

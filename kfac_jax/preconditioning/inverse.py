@@ -40,9 +40,12 @@ def init_inverse(activation_dim: int, gradient_dim: int,
 # small enough that skipping the zero upper part of ``L⁻¹`` pays, large
 # enough that each LAPACK call still runs at speed and that few factor sizes
 # get the blocked form's extra kernels (slices, the assembly: ~0.1 s of XLA
-# compile per size on CPU). Factors of 785 and 1001 rows get 2 and 3 blocks,
-# 501 rows one.
-INVERSE_BLOCK_SIZE = 350
+# compile per size on CPU). Factors of 501, 785 and 1001 rows get 2, 3 and 4
+# blocks, 251 rows one. Against 350 (2 blocks for 785, 3 for 1001, 1 for
+# 501), the autoencoder's decomposition steps took ~5 % less time for 0.1 s
+# more XLA compile; 200 and 150 gained no more (``benchmarks/README.md``,
+# *Blocked triangular solves*).
+INVERSE_BLOCK_SIZE = 250
 
 
 def damped_inverse(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array]:
@@ -57,7 +60,7 @@ def damped_inverse(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array]:
     (F + λI)⁻¹[c_j:, b_j] = L_j⁻ᵀ (L_j⁻¹ I[c_j:, b_j])
 
   and the blocks above come from symmetry. That is ``Σ_j 2(d − c_j)²·|b_j|``
-  solve flops against ``2d³`` for whole solves (48 % fewer for 3 blocks);
+  solve flops against ``2d³`` for whole solves (53 % fewer for 4 blocks);
   the Cholesky adds ``d³/3``. Everything is float32. A failed Cholesky
   (``F + λI`` not positive definite) comes out NaN throughout, which
   ``is_finite`` rejects. The factorization reads only one triangle, so ``F``
