@@ -288,31 +288,3 @@ def test_bf16_inv_dtype_changes_the_step_by_rounding_only(compute_method):
     assert p16[name]["kernel"].dtype == jnp.float32
     error = np.linalg.norm(update16 - update32) / np.linalg.norm(update32)
     assert 1e-4 < error <= 4 * BF16_ROUNDOFF, (name, error)
-
-
-@pytest.mark.parametrize("form", ["dense", "factored"])
-def test_float16_preconditioner_multiplies_in_float32(form):
-  """float16 inverses are stored only: their products run in float32.
-
-  An inverse's entries are up to ~1/λ; here 1000·I times a gradient of
-  entries 100 gives 1e5, past float16's largest value (65504), which float16
-  products would turn to inf/NaN. The result must equal the float32
-  products of the float16-stored operands.
-  """
-  left = 1000.0 * np.eye(6) + 0.1
-  right = np.eye(3) + 0.01
-  a = np.full((4, 6), 5.0)
-  g = np.full((4, 3), 5.0)
-  if form == "dense":
-    gradient = jnp.asarray(a.T @ g, jnp.float32)  # Entries 100.
-  else:
-    gradient = FactoredGradient(jnp.asarray(a, jnp.float32),
-                                jnp.asarray(g, jnp.float32))
-  out = sandwich(jnp.asarray(left, jnp.float16), gradient,
-                 jnp.asarray(right, jnp.float16))
-  assert out.dtype == jnp.float32
-  stored = lambda x: np.asarray(jnp.asarray(x, jnp.float16), np.float64)
-  expected = stored(left) @ (a.T @ g) @ stored(right)
-  assert np.abs(expected).max() > 65504
-  np.testing.assert_allclose(np.asarray(out, np.float64), expected,
-                             rtol=1e-6)

@@ -29,10 +29,19 @@ import kfac_jax
     (dict(accumulation_steps=0), ValueError, "accumulation_steps"),
     (dict(skip_layers=["(unclosed"]), ValueError, "invalid regex"),
     (dict(factor_dtype=jnp.int32), ValueError, "factor_dtype must be a floating"),
+    # float16's range cannot hold (F + λI)⁻¹'s ~1/λ entries.
+    (dict(inv_dtype=jnp.float16), ValueError, "inv_dtype=float16 cannot hold.*bfloat16"),
+    (dict(inv_dtype=jnp.float8_e4m3fn), ValueError, "inv_dtype=float8_e4m3fn cannot hold"),
+    (dict(inv_dtype=None), TypeError, "inv_dtype must be a floating dtype"),
 ])
 def test_bad_configuration(kwargs, error, match):
   with pytest.raises(error, match=match):
     kfac_jax.scale_by_kfac(**kwargs)
+
+
+def test_partition_specs_reject_a_float16_inv_dtype():
+  with pytest.raises(ValueError, match="inv_dtype=float16 cannot hold"):
+    kfac_jax.get_opt_state_partition_specs({}, inv_dtype=jnp.float16)
 
 
 def test_schedules_are_accepted():

@@ -71,9 +71,7 @@ def product_dtype(left: jnp.dtype, right: jnp.dtype) -> jnp.dtype:
   KAISA preconditions in its ``inv_dtype``: the products then run at the
   hardware's bfloat16 rate (TPU, GPU tensor cores, AVX512-BF16: twice
   float32's on the CI machine's CPU), at the price of a relative rounding
-  of ``2⁻⁸`` per operand. Anything else multiplies in float32, float16 and
-  float8 storage included: a gradient times an inverse's ``~1/λ`` entries
-  overflows their range (float16's largest value is 65504).
+  of ``2⁻⁸`` per operand. Anything else multiplies in float32.
   """
   dtype = jnp.result_type(left, right)
   return dtype if dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)

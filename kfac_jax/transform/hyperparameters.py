@@ -157,3 +157,27 @@ def floating_dtype(name: str, dtype: jnp.dtype | None) -> jnp.dtype | None:
         f"{name} must be a floating dtype such as jnp.float32 or "
         f"jnp.bfloat16; got {resolved}.")
   return resolved
+
+
+def preconditioner_dtype(name: str, dtype: jnp.dtype) -> jnp.dtype:
+  """``floating_dtype`` with float32's exponent range (bfloat16 passes).
+
+  A stored preconditioner holds ``(F + λI)⁻¹``, whose entries reach ``1/λ``,
+  or a factor's eigenvalues, which pass 65504 for large activations: past
+  float16's (and float8's) largest value, where the decomposition comes out
+  non-finite, is rejected, and the layer keeps its previous preconditioner
+  (the identity at first) without a sign beyond ``rejected_decompositions``.
+  """
+  resolved = floating_dtype(name, dtype)
+  if resolved is None:
+    raise TypeError(f"{name} must be a floating dtype such as jnp.float32; "
+                    "got None.")
+  largest = jnp.finfo(resolved).max
+  if jnp.finfo(resolved).maxexp < jnp.finfo(jnp.float32).maxexp:
+    raise ValueError(
+        f"{name}={resolved} cannot hold the preconditioners: entries of "
+        f"(F + λI)⁻¹ reach 1/λ and factor eigenvalues can pass {largest:g}, "
+        "its largest value, so decompositions would be rejected and layers "
+        "left unpreconditioned. Use jnp.bfloat16 (float32's range, half the "
+        "memory; KAISA's float16 inv_dtype maps to it) or jnp.float32.")
+  return resolved

@@ -159,7 +159,8 @@ def scale_by_kfac(
     inv_dtype: dtype of eigenbases/inverses (decompositions always run in
       float32): stored in it, and, when bfloat16, applied in it (operands
       rounded, products accumulated in float32;
-      ``gradient_matrix.product_dtype``).
+      ``gradient_matrix.product_dtype``). It needs float32's range: float16
+      raises (``hyperparameters.preconditioner_dtype``).
     mesh_axes: axis names of the mesh set by ``jax.set_mesh`` over which the
       decompositions and preconditioner memory are spread (KAISA); ``None``
       computes everything where the program runs.
@@ -280,7 +281,7 @@ def scale_by_kfac(
                                   table=table,
                                   include_embeddings=precondition_embeddings)
   factor_dtype = hp.floating_dtype("factor_dtype", factor_dtype)
-  inv_dtype = hp.floating_dtype("inv_dtype", inv_dtype)
+  inv_dtype = hp.preconditioner_dtype("inv_dtype", inv_dtype)
   if decomposition_batch_size is not None:
     decomposition_batch_size = hp.static_positive_integer(
         "decomposition_batch_size", decomposition_batch_size)
@@ -553,7 +554,7 @@ def make_placement(
   """Where ``scale_by_kfac``'s preconditioners are computed and kept."""
   method = make_method(
       use_eigen=ComputeMethod.parse(compute_method) is ComputeMethod.EIGEN,
-      dtype=hp.floating_dtype("inv_dtype", inv_dtype),
+      dtype=hp.preconditioner_dtype("inv_dtype", inv_dtype),
       precompute_damped_inverse=compute_eigenvalue_outer_product,
       decomposition_batch_size=decomposition_batch_size)
   distribution = strategy.make_config(mesh_axes, grad_worker_fraction,
