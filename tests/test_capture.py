@@ -102,3 +102,58 @@ def test_has_aux_requires_a_pair():
   with pytest.raises(ValueError, match=r"\(loss, aux\)"):
     kfac_jax.value_grad_and_stats(
         lambda p: jnp.sum(model.apply({"params": p}, x)), has_aux=True)(params)
+
+
+class TwoDense(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2, name="out")(jnp.tanh(nn.Dense(4, name="hidden")(x)))
+
+
+def _two_dense_setup(seed=0):
+  model = TwoDense()
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(6, 3)), jnp.float32)
+  y = jnp.asarray(rng.normal(size=(6, 2)), jnp.float32)
+  params = model.init(jax.random.PRNGKey(seed), x)["params"]
+  return model, x, y, params
+
+
+def test_a_vmap_inside_the_loss_over_broadcast_params_is_refused():
+  # Broadcast probes would sum each layer's rows over the mapped axis.
+  model, x, y, params = _two_dense_setup()
+
+  def per_example(params, xi, yi):
+    return 0.5 * jnp.sum((model.apply({"params": params}, xi) - yi)**2)
+
+  def loss_fn(params, x, y):
+    return jnp.mean(jax.vmap(per_example, in_axes=(None, 0, 0))(params, x, y))
+
+  with pytest.raises(ValueError, match="'hidden' runs under a jax.vmap"):
+    kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+
+
+def test_a_vmap_around_value_grad_and_stats_matches_each_model_alone():
+  # Mapped outside, every model's probes are its own: no refusal, and each
+  # model's statistics equal those of its own call.
+  model, x, y, params0 = _two_dense_setup(0)
+  _, _, _, params1 = _two_dense_setup(1)
+
+  def loss_fn(params, x, y):
+    return 0.5 * jnp.mean(jnp.sum((model.apply({"params": params}, x) - y)**2,
+                                  -1))
+
+  capture = kfac_jax.value_grad_and_stats(loss_fn)
+  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params0, params1)
+  _, grads, stats = jax.vmap(capture, in_axes=(0, None, None))(stacked, x, y)
+  for index, params in enumerate((params0, params1)):
+    _, grads_alone, stats_alone = capture(params, x, y)
+    for name in ("hidden", "out"):
+      np.testing.assert_allclose(grads[name]["kernel"][index],
+                                 grads_alone[name]["kernel"], rtol=1e-6)
+      for mapped, alone in zip(
+          (*stats[name].inputs, *stats[name].output_cotangents),
+          (*stats_alone[name].inputs, *stats_alone[name].output_cotangents)):
+        np.testing.assert_allclose(mapped[index], alone, rtol=1e-6,
+                                   atol=1e-7)

@@ -71,6 +71,7 @@ class _ShapeRecorder:
   """Interceptor of the shape pass: which layers run, how, and how often."""
 
   params: Any
+  top_trace: Any = None  # the loss's own trace (set on entry)
   counter: probes_lib.CallCounter = dataclasses.field(
       default_factory=probes_lib.CallCounter)
   calls: dict[str, list[probes_lib.Call]] = dataclasses.field(
@@ -98,6 +99,16 @@ class _ShapeRecorder:
     # Lifted transforms (nn.scan) slice leading kernel axes off inside.
     signature = _signature(module, inputs,
                            len(kernel.shape) - len(inner_kernel.shape))
+    if (signature is not None and signature.stack_ndim == 0 and
+        probes_lib.trace_state() != self.top_trace and
+        (probes_lib.batch_traced(inputs) or probes_lib.batch_traced(outputs))):
+      raise ValueError(
+          f"value_grad_and_stats: layer {name!r} runs under a jax.vmap (or "
+          "nn.vmap) inside the loss with its params broadcast, so its "
+          "captured inputs and cotangents would be summed over the mapped "
+          "axis. Apply the model to the whole batch (Flax layers take "
+          "leading batch axes), vmap outside value_grad_and_stats, or add "
+          f"{name!r} to skip_layers.")
     if signature is not None:
       probes_lib.record_call(self.calls, self.counter, name,
                              probes_lib.make_call(signature, inputs, outputs))
@@ -164,6 +175,7 @@ def _shape_pass(fun: Callable[..., Any], params: Any, args,
   recorder = _ShapeRecorder(params)
 
   def traced(params):
+    recorder.top_trace = probes_lib.trace_state()
     with nn.intercept_methods(recorder):
       return fun(params, *args, **kwargs)
 

@@ -96,6 +96,18 @@ def trace_state() -> Any:
   return get_state()
 
 
+def batch_traced(array: Any) -> bool:
+  """Whether ``array`` is a ``jax.vmap`` (or ``nn.vmap``) tracer.
+
+  A layer applied under a ``vmap`` inside the loss, its params broadcast
+  (``in_axes=None``), gets its probes broadcast too, so their gradients sum
+  over the mapped axis: ``A`` would be ``(Σx)(Σx)ᵀ``. jax has no public test
+  for a batching tracer; the class name holds on the supported versions
+  (``tests/test_capture.py`` checks the refusal it backs).
+  """
+  return type(array).__name__ == "BatchTracer"
+
+
 class CallCounter:
   """Numbers a layer's calls within each trace.
 
