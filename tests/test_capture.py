@@ -157,3 +157,42 @@ def test_a_vmap_around_value_grad_and_stats_matches_each_model_alone():
           (*stats_alone[name].inputs, *stats_alone[name].output_cotangents)):
         np.testing.assert_allclose(mapped[index], alone, rtol=1e-6,
                                    atol=1e-7)
+
+
+class ScaledDense(nn.Dense):
+  """A Dense subclass that overrides ``__call__`` around the base call."""
+
+  @nn.compact
+  def __call__(self, x):
+    return 2.0 * super().__call__(x) + 1.0
+
+
+def test_a_subclass_overriding_call_is_captured_at_the_base_call():
+  # Linen intercepts both calls; only the inner, linear one is the layer.
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return ScaledDense(3, name="scaled")(x)
+
+  model = Model()
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(5, 4))
+  y = rng.normal(size=(5, 3))
+  params = model.init(jax.random.PRNGKey(0), jnp.asarray(x, jnp.float32))[
+      "params"]
+
+  def loss_fn(params):
+    out = model.apply({"params": params}, jnp.asarray(x, jnp.float32))
+    return 0.5 * jnp.mean(jnp.sum((out - y)**2, -1))
+
+  _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  assert len(stats["scaled"].inputs) == 1
+  kernel = np.asarray(params["scaled"]["kernel"], np.float64)
+  bias = np.asarray(params["scaled"]["bias"], np.float64)
+  out = 2.0 * (x @ kernel + bias) + 1.0
+  # d loss / d (the base call's output): through the override's factor 2.
+  cotangent = 2.0 * (out - y) / len(x)
+  np.testing.assert_allclose(stats["scaled"].inputs[0], x, rtol=1e-6)
+  np.testing.assert_allclose(stats["scaled"].output_cotangents[0], cotangent,
+                             rtol=1e-5, atol=1e-7)

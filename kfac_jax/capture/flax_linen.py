@@ -67,11 +67,39 @@ def _captured_call(context: nn.module.InterceptorContext) -> bool:
 
 
 @dataclasses.dataclass
+class _Nesting:
+  """Which captured calls hold another call of the same module.
+
+  A subclass of a captured layer that overrides ``__call__`` (``2 *
+  super().__call__(x)``) is intercepted twice per use: its own call and,
+  inside it, the base class's. Only the innermost is the linear layer whose
+  input and output K-FAC needs; the calls around it are left alone.
+  """
+
+  # module path -> per open call, whether a call of it ran inside.
+  open: dict[tuple[str, ...], list[bool]] = dataclasses.field(
+      default_factory=dict)
+
+  def call(self, path: tuple[str, ...], next_fun, args, kwargs):
+    """``(outputs, innermost)`` of ``next_fun(*args, **kwargs)``."""
+    stack = self.open.setdefault(path, [])
+    if stack:
+      stack[-1] = True
+    stack.append(False)
+    try:
+      outputs = next_fun(*args, **kwargs)
+    finally:
+      held_another = stack.pop()
+    return outputs, not held_another
+
+
+@dataclasses.dataclass
 class _ShapeRecorder:
   """Interceptor of the shape pass: which layers run, how, and how often."""
 
   params: Any
   top_trace: Any = None  # the loss's own trace (set on entry)
+  nesting: _Nesting = dataclasses.field(default_factory=_Nesting)
   counter: probes_lib.CallCounter = dataclasses.field(
       default_factory=probes_lib.CallCounter)
   calls: dict[str, list[probes_lib.Call]] = dataclasses.field(
@@ -83,8 +111,10 @@ class _ShapeRecorder:
       return next_fun(*args, **kwargs)
     module = context.module
     inputs = args[0] if args else kwargs["inputs"]
-    outputs = next_fun(*args, **kwargs)
     path = tuple(module.path)
+    outputs, innermost = self.nesting.call(path, next_fun, args, kwargs)
+    if not innermost:
+      return outputs
     name = layers.layer_name(path)
     key = (layers.EMBEDDING if isinstance(module, nn.Embed) else
            layers.KERNEL)
@@ -141,6 +171,7 @@ class _ShapeRecorder:
 class _ProbeRecorder:
   """Interceptor of the real pass: applies each call's injected probes."""
 
+  nesting: _Nesting = dataclasses.field(default_factory=_Nesting)
   counter: probes_lib.CallCounter = dataclasses.field(
       default_factory=probes_lib.CallCounter)
 
@@ -149,7 +180,10 @@ class _ProbeRecorder:
       return next_fun(*args, **kwargs)
     module = context.module
     inputs = args[0] if args else kwargs["inputs"]
-    outputs = next_fun(*args, **kwargs)
+    outputs, innermost = self.nesting.call(tuple(module.path), next_fun, args,
+                                           kwargs)
+    if not innermost:
+      return outputs
     layer_probes = module.get_variable("params", PROBES)
     if layer_probes is None:
       return outputs  # not captured (see _signature)
