@@ -199,3 +199,45 @@ def test_layer_under_lifted_transform_is_refused():
   model = Remat(nnx.Rngs(0))
   with pytest.raises(ValueError, match="'dense'.*skip_layers"):
     kfac_jax.value_grad_and_stats(lambda m: jnp.sum(m(jnp.ones((2, 3)))))(model)
+
+
+class ScaledLinear(nnx.Linear):
+  """An nnx.Linear subclass that overrides ``__call__`` around the base call."""
+
+  def __call__(self, x):
+    return 2.0 * super().__call__(x) + 1.0
+
+
+def test_a_subclass_overriding_call_is_captured_at_the_base_call():
+  # The probes apply at nnx.Linear's call, the linear layer, not at the
+  # override's output; the subclass's name still names the layer type.
+
+  class Model(nnx.Module):
+
+    def __init__(self, rngs):
+      self.scaled = ScaledLinear(4, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.scaled(x)
+
+  model = Model(nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(5, 4))
+  y = rng.normal(size=(5, 3))
+
+  def loss_fn(model):
+    out = model(jnp.asarray(x, jnp.float32))
+    return 0.5 * jnp.mean(jnp.sum((out - y)**2, -1))
+
+  _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(model)
+  layer = stats["scaled"]
+  assert len(layer.inputs) == 1
+  assert layer.signature.module_type == "ScaledLinear"
+  kernel = np.asarray(model.scaled.kernel[...], np.float64)
+  bias = np.asarray(model.scaled.bias[...], np.float64)
+  out = 2.0 * (x @ kernel + bias) + 1.0
+  cotangent = 2.0 * (out - y) / len(x)
+  np.testing.assert_allclose(layer.inputs[0], x, rtol=1e-6)
+  np.testing.assert_allclose(layer.output_cotangents[0], cotangent,
+                             rtol=1e-5, atol=1e-7)
+  assert type(model.scaled) is ScaledLinear  # the user's model is untouched

@@ -3,7 +3,8 @@
 NNX has no method interceptors, so the capture works on a private copy of the
 model: the loss runs on ``nnx.merge(nnx.split(model))``, whose ``nnx.Linear``,
 ``nnx.LinearGeneral``, ``nnx.Conv`` and ``nnx.Embed`` instances are switched to a subclass
-that applies the call's probes (``capture.probes``) to the output. The user's
+that applies the call's probes (``capture.probes``) to the output of that
+Flax class's call (under a user subclass's own ``__call__``). The user's
 model object is never modified; state the loss updates on the copy (batch
 statistics, RNG counters) is written back to it, as ``nnx.value_and_grad``
 does.
@@ -59,10 +60,12 @@ def _instrument(model: nnx.Module, hook: Hook) -> None:
       continue
     cls = type(module)
     name = layers.layer_name(path)
+    # The Flax class whose call is the linear layer; a subclass may wrap it.
+    base = next(c for c in cls.__mro__ if c in CAPTURED_MODULES)
 
-    def call(self, inputs, *args, _cls=cls, _name=name, **kwargs):
-      outputs = _cls.__call__(self, inputs, *args, **kwargs)
-      signature = _signature(self, _cls.__name__, inputs)
+    def call(self, inputs, *args, _base=base, _name=name, **kwargs):
+      outputs = _base.__call__(self, inputs, *args, **kwargs)
+      signature = _signature(self, type(self).__name__, inputs)
       if signature is None:
         return outputs
       if probes_lib.trace_state() != top_trace:
@@ -72,9 +75,14 @@ def _instrument(model: nnx.Module, hook: Hook) -> None:
             f"does not support. Add {_name!r} to skip_layers.")
       return hook(_name, inputs, outputs, signature)
 
+    probed = type(base.__name__, (base,), {"__call__": call})
+    # Between a subclass and its Flax class in the method order, so that a
+    # subclass overriding __call__ (2 * super().__call__(x)) is probed at
+    # the Flax call, the linear layer, not at its own output.
+    switched = (probed if cls is base else
+                type(cls.__name__, (cls, probed), {}))
     # nnx.Module guards __setattr__; the copy may change class freely.
-    object.__setattr__(module, "__class__",
-                       type(cls.__name__, (cls,), {"__call__": call}))
+    object.__setattr__(module, "__class__", switched)
 
 
 def _run(fun: Callable[..., Any], model: nnx.Module, hook: Hook, args,
