@@ -196,3 +196,21 @@ def test_a_subclass_overriding_call_is_captured_at_the_base_call():
   np.testing.assert_allclose(stats["scaled"].inputs[0], x, rtol=1e-6)
   np.testing.assert_allclose(stats["scaled"].output_cotangents[0], cotangent,
                              rtol=1e-5, atol=1e-7)
+
+
+def test_calls_that_contract_different_axes_are_refused():
+  # axis=1 is the features of the rank-3 input and of the rank-2 one, -2 and
+  # -1 counted from the end: one factor layout cannot hold both.
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, x3, x2):
+      layer = nn.DenseGeneral(3, axis=1, name="general")
+      return jnp.sum(layer(x3)) + jnp.sum(layer(x2)**2)
+
+  model = Model()
+  x3, x2 = jnp.ones((5, 4, 2)), jnp.ones((5, 4))
+  params = model.init(jax.random.PRNGKey(0), x3, x2)["params"]
+  with pytest.raises(ValueError, match="'general' is called with two signatures"):
+    kfac_jax.value_grad_and_stats(
+        lambda params: model.apply({"params": params}, x3, x2))(params)

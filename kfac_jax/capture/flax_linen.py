@@ -158,9 +158,9 @@ class _ShapeRecorder:
             f"value_grad_and_stats: layer {name!r} runs in {len(traces)} "
             "separate traces, so its calls cannot be told apart. This happens "
             "with a layer whose params are broadcast over nn.scan steps (an "
-            "RNN cell), or a lifted (scanned/remat) layer applied in more than "
-            "one model.apply per loss. Add it to skip_layers, or apply the "
-            "model once per loss.")
+            "RNN cell), or a lifted (scanned/remat) layer applied more than "
+            "once: twice in one model.apply, or in more than one model.apply "
+            "per loss. Add it to skip_layers, or apply it once per loss.")
 
   def stack_shape(self, name: str) -> tuple[int, ...]:
     stack_ndim = self.calls[name][0].signature.stack_ndim

@@ -149,10 +149,23 @@ def make_call(signature: LayerSignature, inputs: jax.Array,
 
 def record_call(calls: dict[str, list[Call]], counter: CallCounter, name: str,
                 call: Call) -> None:
-  """Adds ``call`` to ``calls[name]`` unless a repeated trace already did."""
+  """Adds ``call`` to ``calls[name]`` unless a repeated trace already did.
+
+  Every call of a layer is read with its first call's signature (the
+  factors' layout), so a call with another signature raises.
+  """
   index = counter.next(name)
   layer_calls = calls.setdefault(name, [])
   if index == len(layer_calls):
+    if layer_calls and call.signature != layer_calls[0].signature:
+      raise ValueError(
+          f"value_grad_and_stats: layer {name!r} is called with two "
+          f"signatures, {layer_calls[0].signature} and then "
+          f"{call.signature}; its factors need every call to contract the "
+          "same input axes. A DenseGeneral with a positive axis applied to "
+          "inputs of different ranks does this: reshape the inputs so every "
+          "call contracts the same trailing axes, or add the layer to "
+          "skip_layers.")
     layer_calls.append(call)
 
 
