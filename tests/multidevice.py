@@ -304,6 +304,66 @@ def division(axis_type: AxisType) -> None:
               label, plain)
 
 
+def local_fsdp(axis_type: AxisType) -> None:
+  """Kernels sharded without mesh_axes: one device's training, and the state
+  the jitted update returns keeps get_opt_state_partition_specs (replicated
+  factors and preconditioners)."""
+  params, loss_fn, batches = conv_problem()
+  methods = {method: dict(compute_method=method)
+             for method in ("eigen", "inverse")}
+  references = {method: train(params, loss_fn, batches, kwargs)
+                for method, kwargs in methods.items()}
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
+
+  def kernel_spec(p, rows_axis):
+    if p.ndim < 2 or p.shape[-1] % 4:
+      return PartitionSpec()
+    rows = rows_axis if p.shape[-2] % 2 == 0 else None
+    return PartitionSpec(*([None] * (p.ndim - 2)), rows, "fsdp")
+
+  for rows_axis in (None, "data"):
+    specs = jax.tree.map(lambda p: kernel_spec(p, rows_axis), params)
+    sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    for method, method_kwargs in methods.items():
+      kwargs = dict(method_kwargs, params_partition_specs=specs)
+      with jax.set_mesh(mesh):
+        run = train(params, loss_fn, batches, kwargs, mesh,
+                    PartitionSpec("data"), sharding)
+        expected = kfac_jax.get_opt_state_partition_specs(params, **kwargs)
+      label = f"local {method}, kernel rows over {rows_axis}"
+      assert_same_run(run, references[method], kwargs, method_kwargs, label)
+      is_spec = lambda x: isinstance(x, PartitionSpec)
+      for leaf, spec in zip(jax.tree.leaves(run[1]),
+                            jax.tree.leaves(expected, is_leaf=is_spec)):
+        assert leaf.sharding.is_equivalent_to(
+            NamedSharding(mesh, spec), leaf.ndim), (
+                label, leaf.shape, leaf.sharding, spec)
+
+
+def mixed(axis_type: AxisType) -> None:
+  """A mesh of one Explicit and one Auto axis: mesh_axes naming either kind
+  equal one device; naming both in one spec is a clear error."""
+  del axis_type  # the mesh has both
+  params, loss_fn, batches = conv_problem()
+  reference = train(params, loss_fn, batches, {})
+  for kinds in ((AxisType.Explicit, AxisType.Auto),
+                (AxisType.Auto, AxisType.Explicit)):
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=kinds)
+    for mesh_axes in ("data", "model"):
+      kwargs = dict(mesh_axes=mesh_axes, grad_worker_fraction=0.5)
+      with jax.set_mesh(mesh):
+        run = train(params, loss_fn, batches, kwargs, mesh, PartitionSpec())
+        assert_same_run(run, reference, kwargs, {}, f"{kinds} {mesh_axes}")
+    try:
+      with jax.set_mesh(mesh):
+        train(params, loss_fn, batches, dict(mesh_axes=("data", "model")),
+              mesh, PartitionSpec())
+    except ValueError as error:
+      assert "Explicit and Auto" in str(error), error
+    else:
+      raise AssertionError(f"no ValueError for both axes of {kinds}")
+
+
 def specs(axis_type: AxisType) -> None:
   """get_opt_state_partition_specs is what jit(tx.init) produces."""
   params, _, _ = conv_problem()
@@ -537,8 +597,9 @@ def gradient_from_stats(axis_type: AxisType) -> None:
                     "batch over 8 devices")
 
 
-PROGRAMS = {f.__name__: f for f in (adaptive, equality, fsdp, division, specs,
-                                    checkpoint, blocks, gradient_from_stats)}
+PROGRAMS = {f.__name__: f for f in (adaptive, equality, fsdp, local_fsdp,
+                                    mixed, division, specs, checkpoint, blocks,
+                                    gradient_from_stats)}
 
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()

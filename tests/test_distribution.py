@@ -54,6 +54,19 @@ def test_fsdp_sharded_kernels_train_as_one_device_and_keep_their_specs():
 
 
 @pytest.mark.multidevice
+def test_fsdp_kernels_without_mesh_axes_keep_the_state_specs():
+  # Before, the preconditioning of a sharded kernel pulled its factors and
+  # preconditioner onto the kernel's sharding (a donated step compiled
+  # twice), or into one XLA could not lay out (kernel rows over 'data').
+  run_on_eight_devices("local_fsdp", "Auto")
+
+
+@pytest.mark.multidevice
+def test_a_mesh_of_explicit_and_auto_axes_equals_one_device():
+  run_on_eight_devices("mixed", "Auto")
+
+
+@pytest.mark.multidevice
 def test_adaptive_mode_on_a_mesh_with_fsdp_kernels_equals_one_device():
   run_on_eight_devices("adaptive", "Auto")
 

@@ -287,12 +287,26 @@ def constrain(x: jax.Array, spec: PartitionSpec,
   """Places ``x`` as ``spec`` on the context mesh, Explicit or Auto axes.
 
   On Explicit axes the sharding is part of the type and ``reshard`` moves the
-  data; on Auto axes ``with_sharding_constraint`` does.
+  data; on Auto axes ``with_sharding_constraint`` does. The axes ``spec``
+  names decide (a mesh may mix both kinds); a spec naming both raises.
   """
   mesh = context_mesh(axes)
-  if all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+  named = [name for entry in spec if entry is not None
+           for name in ((entry,) if isinstance(entry, str) else entry)]
+  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == jax.sharding.AxisType.Explicit}
+  if not named:  # Replicated: the mesh's own kind of placement.
+    if len(explicit) == len(mesh.axis_names):
+      return jax.sharding.reshard(x, spec)
+    return lax.with_sharding_constraint(x, spec)
+  if all(name in explicit for name in named):
     return jax.sharding.reshard(x, spec)
-  return lax.with_sharding_constraint(x, spec)
+  if not any(name in explicit for name in named):
+    return lax.with_sharding_constraint(x, spec)
+  raise ValueError(
+      f"kfac_jax cannot place an array as {spec}: it names Explicit and Auto "
+      "mesh axes together. Give mesh_axes and params_partition_specs axes "
+      "of one kind per spec (jax.make_mesh(..., axis_types=...)).")
 
 
 def constrain_like_params(tree: Any, params_specs: Any) -> Any:

@@ -80,8 +80,9 @@ class AdaptiveConfig(NamedTuple):
     use_momentum: solve for ``(α, μ)``; ``False`` solves for ``α`` alone.
     include_damping_in_quadratic_change: whether the predicted change that ρ
       divides by includes the ``½λ‖v‖²`` term. Without it (kfac-jax's
-      default), ρ measures the Gauss-Newton model alone, and a λ much larger
-      than the curvature does not by itself read as a poor model (ρ ≈ 2).
+      default), ρ measures the Gauss-Newton model alone: a λ much larger
+      than the curvature gives short steps the model predicts well (ρ ≈ 1),
+      where with the term the same steps read as ρ ≈ 2.
   """
 
   min_damping: float = 1e-4

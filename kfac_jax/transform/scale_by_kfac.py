@@ -313,6 +313,25 @@ def scale_by_kfac(
       return tree
     return placement_lib.constrain_like_params(tree, params_partition_specs)
 
+  def pin_to_specs(factors: Any, preconditioners: Any, dims: Any) -> tuple[
+      Any, Any]:
+    """Factors replicated, preconditioners as ``placement.partition_specs``.
+
+    With sharded kernels and no ``mesh_axes`` nothing else pins them: the
+    in-place preconditioning of a sharded kernel pulled its preconditioner,
+    the decomposition and the running factors onto the kernel's sharding,
+    off ``get_opt_state_partition_specs`` (a donated step then compiled
+    twice), or into shardings XLA could not lay out.
+    """
+    if params_partition_specs is None:
+      return factors, preconditioners
+    place = lambda spec, x: placement_lib.constrain(x, spec, ())
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    factors = jax.tree.map(functools.partial(place, PartitionSpec()), factors)
+    preconditioners = jax.tree.map(place, placement.partition_specs(dims),
+                                   preconditioners, is_leaf=is_spec)
+    return factors, preconditioners
+
   def init_fn(params: Any) -> ScaleByKFACState:
     if params_partition_specs is not None:
       placement_lib.check_params_specs(params, params_partition_specs)
@@ -443,6 +462,7 @@ def scale_by_kfac(
             layers[name], layers_lib.get_layer_params(grads, layers[name]))
         for name in active
     }
+    factors, preconditioners = pin_to_specs(factors, preconditioners, dims)
     new_state = state._replace(
         count=count + 1,
         factors=factors,
