@@ -291,8 +291,9 @@ def constrain(x: jax.Array, spec: PartitionSpec,
   names decide (a mesh may mix both kinds); a spec naming both raises.
   """
   mesh = context_mesh(axes)
-  named = [name for entry in spec if entry is not None
-           for name in ((entry,) if isinstance(entry, str) else entry)]
+  named = [name for entry in spec
+           for name in ((entry,) if isinstance(entry, str) else
+                        entry if isinstance(entry, tuple) else ())]
   explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
               if kind == jax.sharding.AxisType.Explicit}
   if not named:  # Replicated: the mesh's own kind of placement.

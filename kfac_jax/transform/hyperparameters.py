@@ -172,11 +172,11 @@ def preconditioner_dtype(name: str, dtype: jnp.dtype) -> jnp.dtype:
   if resolved is None:
     raise TypeError(f"{name} must be a floating dtype such as jnp.float32; "
                     "got None.")
-  largest = jnp.finfo(resolved).max
-  if jnp.finfo(resolved).maxexp < jnp.finfo(jnp.float32).maxexp:
+  info = jnp.finfo(resolved)
+  if info.maxexp < jnp.finfo(jnp.float32).maxexp:
     raise ValueError(
         f"{name}={resolved} cannot hold the preconditioners: entries of "
-        f"(F + λI)⁻¹ reach 1/λ and factor eigenvalues can pass {largest:g}, "
+        f"(F + λI)⁻¹ reach 1/λ and factor eigenvalues can pass {info.max:g}, "
         "its largest value, so decompositions would be rejected and layers "
         "left unpreconditioned. Use jnp.bfloat16 (float32's range, half the "
         "memory; KAISA's float16 inv_dtype maps to it) or jnp.float32.")
