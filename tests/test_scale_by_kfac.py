@@ -173,6 +173,24 @@ def test_schedules_are_called_with_the_step():
       state.preconditioners["Dense_0"].activation_inverse, expected, rtol=1e-4)
 
 
+def test_zero_learning_rate_clips_nothing():
+  """At lr 0 (a warmup's first step) ν = 1: the update is the unclipped one."""
+  params, batches, loss_fn, _ = make_problem("mlp", True)
+  x, y = next(batches)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+  warmup = optax.linear_schedule(0.0, LEARNING_RATE, 10)
+  updates = {}
+  for kl_clip in (1e-12, None):  # 1e-12 would clip any step with lr > 0
+    tx = kfac_jax.scale_by_kfac(learning_rate=warmup, damping=DAMPING,
+                                kl_clip=kl_clip)
+    updates[kl_clip], _ = tx.update(grads, tx.init(params), params,
+                                    kfac_stats=stats)
+  for a, b in zip(jax.tree.leaves(updates[1e-12]),
+                  jax.tree.leaves(updates[None])):
+    assert np.all(np.isfinite(a))
+    np.testing.assert_array_equal(a, b)
+
+
 def test_dense_layer_equals_explicit_kronecker_solve():
   """P = solve(kron(A, G) + λI, vec(∇)) with the explicit Kronecker matrix."""
   params, batches, loss_fn, reference_tensors = make_problem("mlp", True)
@@ -226,12 +244,15 @@ def test_unregistered_gradients_pass_through_and_skip_layers():
       assert same == (name not in preconditioned), (skip, name)
 
 
-def test_kfac_alias_with_accumulation_matches_manual_chain():
+# A NumPy integer as well: the alias once wrapped SGD in MultiSteps only for
+# a Python int, so SGD stepped on every micro-batch.
+@pytest.mark.parametrize("steps_type", [int, np.int64])
+def test_kfac_alias_with_accumulation_matches_manual_chain(steps_type):
   params, batches, loss_fn, _ = make_problem("mlp", True)
   micro = [next(batches) for _ in range(4)]
   kwargs = dict(damping=DAMPING, inv_update_steps=2, accumulation_steps=2)
   alias = kfac_jax.kfac(LEARNING_RATE, momentum=0.9, weight_decay=1e-3,
-                        **kwargs)
+                        **{**kwargs, "accumulation_steps": steps_type(2)})
   plain = kfac_jax.scale_by_kfac(learning_rate=LEARNING_RATE, **kwargs)
   sgd = optax.chain(optax.add_decayed_weights(1e-3),
                     optax.sgd(LEARNING_RATE, momentum=0.9))

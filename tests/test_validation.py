@@ -22,7 +22,8 @@ import kfac_jax
     (dict(inv_update_steps=-2), ValueError, "inv_update_steps must be a positive"),
     (dict(inv_update_steps=2.5), TypeError, "inv_update_steps must be an integer"),
     (dict(kl_clip=-1.0), ValueError, "kl_clip must be > 0"),
-    (dict(learning_rate=float("nan")), ValueError, "learning_rate must be > 0"),
+    (dict(learning_rate=float("nan")), ValueError, "learning_rate must be >= 0"),
+    (dict(learning_rate=-0.1), ValueError, "learning_rate must be >= 0"),
     (dict(damping="big"), TypeError, "damping must be a real number"),
     (dict(damping=lambda step: jnp.ones(2)), TypeError, r"damping must be a real scalar.*step 0"),
     (dict(damping=optax.linear_schedule(-1.0, 1.0, 10)), ValueError, "step 0"),
@@ -48,6 +49,12 @@ def test_schedules_are_accepted():
   kfac_jax.scale_by_kfac(
       damping=optax.exponential_decay(1e-2, 100, 0.5),
       learning_rate=optax.cosine_decay_schedule(0.1, 1000),
+      inv_update_steps=lambda step: jnp.where(step < 100, 1, 10))
+  # A warmup from 0, as optax's warmup schedules start.
+  kfac_jax.kfac(optax.warmup_cosine_decay_schedule(0.0, 0.1, 10, 100),
+                kl_clip=1e-3)
+  kfac_jax.scale_by_kfac(
+      learning_rate=0.0,
       inv_update_steps=lambda step: jnp.where(step < 100, 1, 10))
 
 

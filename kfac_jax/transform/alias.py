@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import optax
 
-from kfac_jax.transform.hyperparameters import ScalarOrSchedule
+from kfac_jax.transform.hyperparameters import (ScalarOrSchedule,
+                                                static_positive_integer)
 from kfac_jax.transform.scale_by_kfac import scale_by_kfac
 
 
@@ -31,16 +33,22 @@ def kfac(learning_rate: ScalarOrSchedule,
     nesterov: Nesterov momentum.
     **kfac_kwargs: any other ``scale_by_kfac`` argument.
   """
-  if weight_decay < 0:
-    raise ValueError(f"weight_decay must be >= 0; got {weight_decay!r}.")
+  if isinstance(weight_decay, bool) or not isinstance(
+      weight_decay, numbers.Real) or not weight_decay >= 0:  # NaN fails too
+    raise ValueError(f"weight_decay must be a number >= 0; got "
+                     f"{weight_decay!r}.")
+  # Built first: it validates kfac_kwargs (accumulation_steps included).
+  preconditioner = scale_by_kfac(learning_rate=learning_rate, **kfac_kwargs)
   first_order = optax.chain(
       optax.add_decayed_weights(weight_decay) if weight_decay else
       optax.identity(),
       optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov))
-  accumulation_steps = kfac_kwargs.get("accumulation_steps", 1)
-  if isinstance(accumulation_steps, int) and accumulation_steps > 1:
+  # NumPy integers count as in scale_by_kfac (else SGD would step on every
+  # micro-batch while K-FAC holds).
+  accumulation_steps = static_positive_integer(
+      "accumulation_steps", kfac_kwargs.get("accumulation_steps", 1))
+  if accumulation_steps > 1:
     first_order = optax.MultiSteps(
         first_order, every_k_schedule=accumulation_steps,
         use_grad_mean=False).gradient_transformation()
-  return optax.chain(
-      scale_by_kfac(learning_rate=learning_rate, **kfac_kwargs), first_order)
+  return optax.chain(preconditioner, first_order)

@@ -135,6 +135,10 @@ def positive(name: str, value: ScalarOrSchedule) -> Hyperparameter:
   return hyperparameter(name, value, lambda v: v > 0, "> 0")
 
 
+def non_negative(name: str, value: ScalarOrSchedule) -> Hyperparameter:
+  return hyperparameter(name, value, lambda v: v >= 0, ">= 0")
+
+
 def positive_integer(name: str, value: ScalarOrSchedule) -> Hyperparameter:
   return hyperparameter(
       name, value, lambda v: v >= 1, "a positive integer", integer=True)

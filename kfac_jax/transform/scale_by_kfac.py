@@ -132,7 +132,8 @@ def scale_by_kfac(
 
   Args:
     learning_rate: the learning rate of the chained optimizer; only KL clipping
-      uses it (``vg = lr² Σ P ⊙ ∇``). Constant or schedule, > 0.
+      uses it (``vg = lr² Σ P ⊙ ∇``). Constant or schedule, ≥ 0 (at 0, as
+      a warmup from 0 starts, nothing is clipped: ν = 1).
     damping: λ in ``(A ⊗ G + λI)⁻¹``. Constant or schedule, > 0.
     factor_decay: d in ``F ← d·F + (1 − d)·F_batch``. Constant or schedule,
       in (0, 1].
@@ -235,7 +236,8 @@ def scale_by_kfac(
     keyword argument ``kfac_stats`` (from ``value_grad_and_stats``), and
     with ``adaptive`` also ``split_loss``.
   """
-  learning_rate_fn = hp.positive("learning_rate", learning_rate)
+  # 0 allowed: a warmup schedule starts there, and KL clipping's ν is 1 then.
+  learning_rate_fn = hp.non_negative("learning_rate", learning_rate)
   damping_fn = hp.positive("damping", damping)
   factor_decay_fn = hp.decay("factor_decay", factor_decay)
   kl_clip_fn = None if kl_clip is None else hp.positive("kl_clip", kl_clip)
