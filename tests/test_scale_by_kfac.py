@@ -228,12 +228,17 @@ def test_unregistered_gradients_pass_through_and_skip_layers():
     return jnp.sum(model.apply({"params": params}, x)**2)
 
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
-  for skip, preconditioned in [(None, {"encoder", "head"}),
-                               (["^head$"], {"encoder"}),
-                               (["Dense"], set()),
-                               # By path: no K-FAC state at all.
-                               (["encoder|head"], set())]:
-    tx = kfac_jax.scale_by_kfac(skip_layers=skip)
+  table = kfac_jax.trace_layers(loss_fn, params)
+  for skip, preconditioned, layers in [(None, {"encoder", "head"}, None),
+                                       (["^head$"], {"encoder"}, None),
+                                       (["Dense"], set(), None),
+                                       # By class with the table too (init
+                                       # once said the params lacked them).
+                                       (["Dense"], set(), table),
+                                       (["^head$"], {"encoder"}, table),
+                                       # By path: no K-FAC state at all.
+                                       (["encoder|head"], set(), None)]:
+    tx = kfac_jax.scale_by_kfac(skip_layers=skip, layers=layers)
     state = tx.init(params)
     updates, _ = tx.update(grads, state, params, kfac_stats=stats)
     for name in ("encoder", "head", "LayerNorm_0"):
@@ -241,7 +246,7 @@ def test_unregistered_gradients_pass_through_and_skip_layers():
           np.array_equal(u, g)
           for u, g in zip(jax.tree.leaves(updates[name]),
                           jax.tree.leaves(grads[name])))
-      assert same == (name not in preconditioned), (skip, name)
+      assert same == (name not in preconditioned), (skip, layers, name)
 
 
 # A NumPy integer as well: the alias once wrapped SGD in MultiSteps only for

@@ -227,7 +227,8 @@ def find_layers(params: Any,
   visit(params, ())
   if table is not None:
     missing = sorted(set(table) - set(layers) - {
-        n for n, l in table.items() if is_skipped_path(l.path, skip) or (
+        n for n, l in table.items() if is_skipped_path(l.path, skip) or
+        matches_any(skip, l.module_type or "") or (
             l.kernel_key != KERNEL and not include_embeddings)})
     if missing:
       raise ValueError(
