@@ -186,6 +186,27 @@ def test_adaptive_mode_through_nnx_optimizer_matches_the_linen_path():
   assert float(state.quadratic_model.damping) != 1.0
 
 
+def test_trace_layers_takes_abstract_arguments():
+  """``jax.ShapeDtypeStruct`` arguments give the table concrete ones give;
+  other arguments (a Python flag here) stay static."""
+  x, target = _data()
+  abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, target)]
+  model = NnxModel(nnx.Rngs(0))
+  assert (kfac_jax.trace_layers(_nnx_loss, model, *abstract) ==
+          kfac_jax.trace_layers(_nnx_loss, model, x, target))
+  linen = LinenModel()
+
+  def linen_loss(params, x, target, squared=True):
+    error = linen.apply({"params": params}, x) - target
+    return jnp.mean(error**2 if squared else jnp.abs(error))
+
+  params = _linen_params(model)
+  table = kfac_jax.trace_layers(linen_loss, params, x, target)
+  assert kfac_jax.trace_layers(linen_loss, params, *abstract) == table
+  assert kfac_jax.trace_layers(linen_loss, params, *abstract,
+                               squared=False) == table
+
+
 def test_layer_under_lifted_transform_is_refused():
 
   class Remat(nnx.Module):

@@ -208,12 +208,12 @@ def _shape_pass(fun: Callable[..., Any], params: Any, args,
                 kwargs) -> tuple[_ShapeRecorder, Any]:
   recorder = _ShapeRecorder(params)
 
-  def traced(params):
+  def traced(params, args, kwargs):
     recorder.top_trace = probes_lib.trace_state()
     with nn.intercept_methods(recorder):
       return fun(params, *args, **kwargs)
 
-  out_shape = jax.eval_shape(traced, params)
+  out_shape = probes_lib.shape_pass(traced, params, args, kwargs)
   recorder.check_traces()
   return recorder, out_shape
 

@@ -111,7 +111,9 @@ def _shape_pass(fun, model, args, kwargs):
     return outputs
 
   params = nnx.state(model, nnx.Param)
-  out_shape, _ = jax.eval_shape(_run(fun, model, record, args, kwargs), params)
+  out_shape, _ = probes_lib.shape_pass(
+      lambda params, args, kwargs: _run(fun, model, record, args, kwargs)(
+          params), params, args, kwargs)
   return calls, out_shape
 
 

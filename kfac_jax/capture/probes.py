@@ -17,7 +17,7 @@ the probes can be allocated; both front ends (Linen, NNX) share this module.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -217,6 +217,28 @@ def layer_info(name: str, path: tuple[Any, ...], kernel_shape: Sequence[int],
       groups=signature.groups,
       module_type=signature.module_type,
       kernel_key=kernel_key(signature))
+
+
+def shape_pass(fun: Callable[..., Any], params: Any, args: Sequence[Any],
+               kwargs: Mapping[str, Any]) -> Any:
+  """``jax.eval_shape`` of ``fun(params, args, kwargs)``.
+
+  The ``jax.ShapeDtypeStruct`` leaves of ``args``/``kwargs`` (``trace_layers``
+  takes them) are traced abstractly; every other leaf is passed as given,
+  so Python flags (``train=False``) stay static.
+  """
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  abstract = [i for i, leaf in enumerate(leaves)
+              if isinstance(leaf, jax.ShapeDtypeStruct)]
+
+  def run(params, abstract_leaves):
+    filled = list(leaves)
+    for index, leaf in zip(abstract, abstract_leaves):
+      filled[index] = leaf
+    args, kwargs = jax.tree.unflatten(treedef, filled)
+    return fun(params, args, kwargs)
+
+  return jax.eval_shape(run, params, [leaves[i] for i in abstract])
 
 
 def split_output(out: Any, has_aux: bool, caller: str) -> tuple[Any, Any]:
