@@ -30,8 +30,9 @@ def value_grad_and_stats(
   gradients are then an ``nnx.State`` of its ``nnx.Param``s.
 
   Captured layers: Linen ``Dense``, ``DenseGeneral`` (without
-  ``batch_dims``) and ``Conv``; NNX ``Linear``, ``LinearGeneral`` and
-  ``Conv``; and their subclasses.
+  ``batch_dims``), ``Conv`` and ``Embed``; NNX ``Linear``, ``LinearGeneral``,
+  ``Conv`` and ``Embed``; and their subclasses. An ``Embed`` also called
+  through ``attend`` (tied output weights) is not captured.
 
   Args:
     fun: the loss, returning a scalar (or ``(loss, aux)`` with ``has_aux``).

@@ -105,8 +105,13 @@ class _ShapeRecorder:
   calls: dict[str, list[probes_lib.Call]] = dataclasses.field(
       default_factory=dict)
   paths: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  # Embed layers also called through attend (tied output weights).
+  attended: set[str] = dataclasses.field(default_factory=set)
 
   def __call__(self, next_fun, args, kwargs, context):
+    if (isinstance(context.module, nn.Embed) and
+        context.method_name == "attend"):
+      self.attended.add(layers.layer_name(tuple(context.module.path)))
     if not _captured_call(context):
       return next_fun(*args, **kwargs)
     module = context.module
@@ -215,6 +220,7 @@ def _shape_pass(fun: Callable[..., Any], params: Any, args,
 
   out_shape = probes_lib.shape_pass(traced, params, args, kwargs)
   recorder.check_traces()
+  probes_lib.drop_attended(recorder.calls, recorder.attended)
   return recorder, out_shape
 
 

@@ -52,8 +52,9 @@ def _signature(module: nnx.Module, module_type: str,
   return signatures.dense_signature(module_type, module.use_bias, inputs)
 
 
-def _instrument(model: nnx.Module, hook: Hook) -> None:
-  """Routes every captured module call of ``model`` (a private copy) through ``hook``."""
+def _instrument(model: nnx.Module, hook: Hook, attended: set[str]) -> None:
+  """Routes every captured module call of ``model`` (a private copy) through
+  ``hook``, and adds to ``attended`` each ``Embed`` called through ``attend``."""
   top_trace = probes_lib.trace_state()
   for path, module in nnx.iter_modules(model):
     if not isinstance(module, CAPTURED_MODULES):
@@ -75,7 +76,15 @@ def _instrument(model: nnx.Module, hook: Hook) -> None:
             f"does not support. Add {_name!r} to skip_layers.")
       return hook(_name, inputs, outputs, signature)
 
-    probed = type(base.__name__, (base,), {"__call__": call})
+    methods = {"__call__": call}
+    if issubclass(base, nnx.Embed):
+
+      def attend(self, query, *args, _name=name, **kwargs):
+        attended.add(_name)
+        return nnx.Embed.attend(self, query, *args, **kwargs)
+
+      methods["attend"] = attend
+    probed = type(base.__name__, (base,), methods)
     # Between a subclass and its Flax class in the method order, so that a
     # subclass overriding __call__ (2 * super().__call__(x)) is probed at
     # the Flax call, the linear layer, not at its own output.
@@ -86,7 +95,8 @@ def _instrument(model: nnx.Module, hook: Hook) -> None:
 
 
 def _run(fun: Callable[..., Any], model: nnx.Module, hook: Hook, args,
-         kwargs) -> Callable[[Any], tuple[Any, Any]]:
+         kwargs, attended: set[str] | None = None
+         ) -> Callable[[Any], tuple[Any, Any]]:
   """``params -> (fun output, updated non-param state)`` on a private copy."""
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
 
@@ -94,7 +104,7 @@ def _run(fun: Callable[..., Any], model: nnx.Module, hook: Hook, args,
     # Variables may only be updated in the trace that made them: rebuild the
     # non-param ones (batch statistics, RNG counters) in this one.
     copy = nnx.merge(graphdef, params, jax.tree.map(lambda v: v, rest))
-    _instrument(copy, hook)
+    _instrument(copy, hook, set() if attended is None else attended)
     out = fun(copy, *args, **kwargs)
     return out, nnx.state(copy, nnx.Not(nnx.Param))
 
@@ -110,10 +120,13 @@ def _shape_pass(fun, model, args, kwargs):
                            probes_lib.make_call(signature, inputs, outputs))
     return outputs
 
+  attended: set[str] = set()
   params = nnx.state(model, nnx.Param)
   out_shape, _ = probes_lib.shape_pass(
-      lambda params, args, kwargs: _run(fun, model, record, args, kwargs)(
-          params), params, args, kwargs)
+      lambda params, args, kwargs: _run(fun, model, record, args, kwargs,
+                                        attended)(params),
+      params, args, kwargs)
+  probes_lib.drop_attended(calls, attended)
   return calls, out_shape
 
 
@@ -151,6 +164,8 @@ def value_grad_and_stats(
 
     def apply(name, inputs, outputs, signature):
       del signature
+      if name not in probes:  # not captured (probes_lib.drop_attended)
+        return outputs
       return probes_lib.apply_probes(outputs, inputs,
                                      probes[name][counter.next(name)])
 

@@ -205,8 +205,11 @@ def find_layers(params: Any,
       return
     name = layer_name(path)
     key = KERNEL
-    if include_embeddings and table is not None and name in table:
-      key = table[name].kernel_key
+    if include_embeddings and table is not None:
+      if name in table:
+        key = table[name].kernel_key
+      elif warn_untraced:
+        _warn_untraced_embedding(name, path, node, skip)
     kernel = node.get(key)
     if kernel is not None and not isinstance(kernel, Mapping) and len(
         kernel.shape) >= 2 and not is_skipped_path(path, skip):
@@ -235,6 +238,22 @@ def find_layers(params: Any,
           f"The layer table has layers {missing} that the params lack. Trace "
           "the table (kfac_jax.trace_layers) from the same model and params.")
   return layers
+
+
+def _warn_untraced_embedding(name: str, path: tuple[str, ...],
+                             node: Mapping[str, Any],
+                             skip: Sequence[re.Pattern[str]]) -> None:
+  table = node.get(EMBEDDING)
+  if (table is None or isinstance(table, Mapping) or len(table.shape) < 2 or
+      KERNEL in node or is_skipped_path(path, skip)):
+    return
+  warnings.warn(
+      f"Embedding {name!r} {tuple(table.shape)} was not captured by "
+      "kfac_jax.trace_layers, so precondition_embeddings leaves it to the "
+      "chained optimizer: an Embed also called through attend (tied output "
+      "weights) is not captured, since its lookup's factors do not describe "
+      "that use (nor is an Embed the loss never calls). Add it to "
+      "skip_layers to silence this warning.", stacklevel=4)
 
 
 def _from_table(table: LayerTable, layer: LayerInfo,

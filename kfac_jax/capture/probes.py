@@ -169,6 +169,21 @@ def record_call(calls: dict[str, list[Call]], counter: CallCounter, name: str,
     layer_calls.append(call)
 
 
+def drop_attended(calls: dict[str, list[Call]], attended: set[str]) -> None:
+  """Removes the ``Embed`` layers also called through ``attend`` from ``calls``.
+
+  ``attend(q) = q Eᵀ`` uses the table as a dense kernel ``[features, vocab]``,
+  whose Kronecker factors (``q``'s covariance, the logits' cotangents) are
+  not the lookup's (token counts, the embeddings' cotangents), so the lookup
+  alone would misdescribe the table's curvature: rows only ``attend`` reaches
+  would be preconditioned as if they had none (their update ``∇/λ``). Left
+  uncaptured, the table goes to the chained optimizer (``layers.find_layers``
+  warns when ``precondition_embeddings`` asked for it).
+  """
+  for name in attended:
+    calls.pop(name, None)
+
+
 def zero_probes(calls: Sequence[Call],
                 stack_shape: tuple[int, ...] = ()) -> tuple[ProbePair, ...]:
   """Zero probes for each call, with the layer's stack axes in front."""

@@ -86,8 +86,9 @@ class LayerStatistics:
   Attributes:
     signature: static description of the layer (pytree metadata).
     inputs: one array per call, ``[*stack, *batch, in]`` (dense),
-      ``[*stack, *batch, *spatial, in]`` (conv), or any layout whose
-      ``input_axes`` are contracted (``DenseGeneral``).
+      ``[*stack, *batch, *spatial, in]`` (conv), any layout whose
+      ``input_axes`` are contracted (``DenseGeneral``), or the integer token
+      ids ``[*stack, *batch]`` (``Embed``).
     output_cotangents: one array per call, the gradient of the loss with
       respect to the layer output, ``[*stack, *batch, *output]`` or
       ``[*stack, *batch, *out_spatial, out]``.
