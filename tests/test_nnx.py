@@ -207,19 +207,43 @@ def test_trace_layers_takes_abstract_arguments():
                                squared=False) == table
 
 
-def test_layer_under_lifted_transform_is_refused():
+def test_layer_under_lifted_transform_is_refused_unless_skipped():
 
   class Remat(nnx.Module):
 
     def __init__(self, rngs):
       self.dense = nnx.Linear(3, 3, rngs=rngs)
+      self.head = nnx.Linear(3, 2, rngs=rngs)
 
     def __call__(self, x):
-      return nnx.remat(lambda layer, x: layer(x))(self.dense, x)
+      return self.head(nnx.remat(lambda layer, x: layer(x))(self.dense, x))
 
   model = Remat(nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(8).normal(size=(4, 3)), jnp.float32)
+  loss_fn = lambda m: jnp.sum(m(x)**2)
   with pytest.raises(ValueError, match="'dense'.*skip_layers"):
-    kfac_jax.value_grad_and_stats(lambda m: jnp.sum(m(jnp.ones((2, 3)))))(model)
+    kfac_jax.value_grad_and_stats(loss_fn)(model)
+
+  skip = ["^dense$"]
+  table = kfac_jax.trace_layers(loss_fn, model, skip_layers=skip)
+  loss, grads, stats = kfac_jax.value_grad_and_stats(
+      loss_fn, skip_layers=skip)(model)
+  expected_loss, expected_grads = nnx.value_and_grad(loss_fn)(model)
+  assert list(table) == list(stats) == ["head"]
+  np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+               nnx.to_pure_dict(grads), nnx.to_pure_dict(expected_grads))
+  optimizer = nnx.Optimizer(
+      model, kfac_jax.scale_by_kfac(kl_clip=None, layers=table,
+                                    skip_layers=skip), wrt=nnx.Param)
+  before = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  optimizer.update(model, grads, kfac_stats=stats)
+  after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  # scale_by_kfac alone: params move by the (preconditioned) update.
+  jax.tree.map(lambda a, b, g: np.testing.assert_allclose(a - b, g,
+                                                          rtol=1e-5),
+               after["dense"], before["dense"],
+               nnx.to_pure_dict(grads)["dense"])
 
 
 class ScaledLinear(nnx.Linear):

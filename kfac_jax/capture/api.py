@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from flax import nnx
 
 from kfac_jax.capture import flax_linen
 from kfac_jax.capture import flax_nnx
-from kfac_jax.capture.layers import LayerInfo
+from kfac_jax.capture.layers import LayerInfo, compile_patterns
 from kfac_jax.capture.statistics import LayerStatistics
 
 
@@ -20,6 +20,7 @@ def _front_end(params_or_model: Any):
 def value_grad_and_stats(
     fun: Callable[..., Any],
     has_aux: bool = False,
+    skip_layers: Sequence[str] | str | None = None,
 ) -> Callable[..., tuple[Any, Any, dict[str, LayerStatistics]]]:
   """Like ``jax.value_and_grad(fun, has_aux)``, plus K-FAC layer statistics.
 
@@ -37,6 +38,12 @@ def value_grad_and_stats(
   Args:
     fun: the loss, returning a scalar (or ``(loss, aux)`` with ``has_aux``).
     has_aux: whether ``fun`` returns ``(loss, aux)``.
+    skip_layers: regexes, as ``scale_by_kfac``'s (module path, or a module
+      above it, or the Flax class name): matching layers are not captured.
+      For a layer the capture refuses (an RNN cell whose params ``nn.scan``
+      broadcasts, a layer under an NNX lifted transform), with the same
+      patterns given to ``trace_layers`` and ``scale_by_kfac``, which then
+      leave it to the chained optimizer.
 
   Returns:
     A function of ``(params_or_model, *args, **kwargs)`` returning
@@ -47,14 +54,17 @@ def value_grad_and_stats(
     axes of a scanned layer.
   """
 
+  skip = compile_patterns(skip_layers)
+
   def value_grads_and_stats(params_or_model: Any, *args: Any, **kwargs: Any):
     return _front_end(params_or_model).value_grad_and_stats(
-        fun, has_aux, params_or_model, *args, **kwargs)
+        fun, has_aux, skip, params_or_model, *args, **kwargs)
 
   return value_grads_and_stats
 
 
 def trace_layers(fun: Callable[..., Any], params_or_model: Any, *args: Any,
+                 skip_layers: Sequence[str] | str | None = None,
                  **kwargs: Any) -> dict[str, LayerInfo]:
   """The layer table of a loss function, for ``scale_by_kfac(layers=...)``.
 
@@ -69,10 +79,12 @@ def trace_layers(fun: Callable[..., Any], params_or_model: Any, *args: Any,
     params_or_model: Linen params (arrays or ``jax.ShapeDtypeStruct``s) or an
       NNX model.
     *args: example arguments (arrays or ``jax.ShapeDtypeStruct``s).
+    skip_layers: as for ``value_grad_and_stats``: matching layers are left
+      out of the table.
     **kwargs: example keyword arguments.
 
   Returns:
     ``{layer name: LayerInfo}``.
   """
-  return _front_end(params_or_model).trace_layers(fun, params_or_model, *args,
-                                                  **kwargs)
+  return _front_end(params_or_model).trace_layers(
+      fun, compile_patterns(skip_layers), params_or_model, *args, **kwargs)

@@ -12,6 +12,7 @@ cotangents come out stacked on the layer axis.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -98,6 +99,7 @@ class _ShapeRecorder:
   """Interceptor of the shape pass: which layers run, how, and how often."""
 
   params: Any
+  skip: tuple[re.Pattern[str], ...] = ()  # compiled skip_layers
   top_trace: Any = None  # the loss's own trace (set on entry)
   nesting: _Nesting = dataclasses.field(default_factory=_Nesting)
   counter: probes_lib.CallCounter = dataclasses.field(
@@ -117,6 +119,8 @@ class _ShapeRecorder:
     module = context.module
     inputs = args[0] if args else kwargs["inputs"]
     path = tuple(module.path)
+    if layers.is_skipped_layer(path, type(module).__name__, self.skip):
+      return next_fun(*args, **kwargs)  # no probes: the real pass skips it
     outputs, innermost = self.nesting.call(path, next_fun, args, kwargs)
     if not innermost:
       return outputs
@@ -142,8 +146,8 @@ class _ShapeRecorder:
           "nn.vmap) inside the loss with its params broadcast, so its "
           "captured inputs and cotangents would be summed over the mapped "
           "axis. Apply the model to the whole batch (Flax layers take "
-          "leading batch axes), vmap outside value_grad_and_stats, or add "
-          f"{name!r} to skip_layers.")
+          "leading batch axes), vmap outside value_grad_and_stats, or "
+          f"{probes_lib.skip_advice(name)}.")
     if signature is not None:
       probes_lib.record_call(self.calls, self.counter, name,
                              probes_lib.make_call(signature, inputs, outputs))
@@ -165,7 +169,8 @@ class _ShapeRecorder:
             "with a layer whose params are broadcast over nn.scan steps (an "
             "RNN cell), or a lifted (scanned/remat) layer applied more than "
             "once: twice in one model.apply, or in more than one model.apply "
-            "per loss. Add it to skip_layers, or apply it once per loss.")
+            "per loss. Apply it once per loss, or "
+            f"{probes_lib.skip_advice(name)}.")
 
   def stack_shape(self, name: str) -> tuple[int, ...]:
     stack_ndim = self.calls[name][0].signature.stack_ndim
@@ -209,9 +214,9 @@ def _inject(params: Any, path: tuple[str, ...], value: Any) -> Any:
   return {**params, path[0]: _inject(params[path[0]], path[1:], value)}
 
 
-def _shape_pass(fun: Callable[..., Any], params: Any, args,
+def _shape_pass(fun: Callable[..., Any], params: Any, skip, args,
                 kwargs) -> tuple[_ShapeRecorder, Any]:
-  recorder = _ShapeRecorder(params)
+  recorder = _ShapeRecorder(params, skip)
 
   def traced(params, args, kwargs):
     recorder.top_trace = probes_lib.trace_state()
@@ -224,10 +229,11 @@ def _shape_pass(fun: Callable[..., Any], params: Any, args,
   return recorder, out_shape
 
 
-def trace_layers(fun: Callable[..., Any], params: Any, *args: Any,
+def trace_layers(fun: Callable[..., Any], skip: tuple[re.Pattern[str], ...],
+                 params: Any, *args: Any,
                  **kwargs: Any) -> dict[str, LayerInfo]:
   """Linen front end of ``kfac_jax.trace_layers``."""
-  recorder, _ = _shape_pass(fun, params, args, kwargs)
+  recorder, _ = _shape_pass(fun, params, skip, args, kwargs)
   return {
       name: probes_lib.layer_info(name, recorder.paths[name],
                                   recorder.kernel(name).shape,
@@ -237,11 +243,12 @@ def trace_layers(fun: Callable[..., Any], params: Any, *args: Any,
 
 
 def value_grad_and_stats(
-    fun: Callable[..., Any], has_aux: bool, params: Any, *args: Any,
+    fun: Callable[..., Any], has_aux: bool, skip: tuple[re.Pattern[str], ...],
+    params: Any, *args: Any,
     **kwargs: Any) -> tuple[Any, Any, dict[str, LayerStatistics]]:
   """Linen front end of ``kfac_jax.value_grad_and_stats``, for one call."""
   caller = "value_grad_and_stats"
-  shapes, out_shape = _shape_pass(fun, params, args, kwargs)
+  shapes, out_shape = _shape_pass(fun, params, skip, args, kwargs)
   probes_lib.check_scalar(
       probes_lib.split_output(out_shape, has_aux, caller)[0], caller)
   probes = {

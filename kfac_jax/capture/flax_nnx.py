@@ -11,11 +11,12 @@ does.
 
 Layers under a lifted NNX transform (``nnx.scan``, ``nnx.vmap``,
 ``nnx.remat``) run in another trace than the loss and are refused with an
-error naming them (add them to ``skip_layers``).
+error naming them (pass them in ``skip_layers``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,8 @@ CAPTURED_MODULES: tuple[type[nnx.Module], ...] = (
 
 # hook(name, inputs, outputs, signature) -> outputs as the loss sees them.
 Hook = Callable[[str, jax.Array, jax.Array, LayerSignature], jax.Array]
+# Compiled skip_layers patterns.
+Skip = tuple[re.Pattern[str], ...]
 
 
 def _signature(module: nnx.Module, module_type: str,
@@ -52,12 +55,15 @@ def _signature(module: nnx.Module, module_type: str,
   return signatures.dense_signature(module_type, module.use_bias, inputs)
 
 
-def _instrument(model: nnx.Module, hook: Hook, attended: set[str]) -> None:
+def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
+                attended: set[str]) -> None:
   """Routes every captured module call of ``model`` (a private copy) through
-  ``hook``, and adds to ``attended`` each ``Embed`` called through ``attend``."""
+  ``hook``, and adds to ``attended`` each ``Embed`` called through ``attend``.
+  Layers that ``skip`` matches are left as they are."""
   top_trace = probes_lib.trace_state()
   for path, module in nnx.iter_modules(model):
-    if not isinstance(module, CAPTURED_MODULES):
+    if not isinstance(module, CAPTURED_MODULES) or layers.is_skipped_layer(
+        path, type(module).__name__, skip):
       continue
     cls = type(module)
     name = layers.layer_name(path)
@@ -73,7 +79,7 @@ def _instrument(model: nnx.Module, hook: Hook, attended: set[str]) -> None:
         raise ValueError(
             f"value_grad_and_stats: NNX layer {_name!r} runs under a lifted "
             "transform (nnx.scan, nnx.vmap, nnx.remat), which the NNX capture "
-            f"does not support. Add {_name!r} to skip_layers.")
+            f"does not support; {probes_lib.skip_advice(_name)}.")
       return hook(_name, inputs, outputs, signature)
 
     methods = {"__call__": call}
@@ -94,8 +100,8 @@ def _instrument(model: nnx.Module, hook: Hook, attended: set[str]) -> None:
     object.__setattr__(module, "__class__", switched)
 
 
-def _run(fun: Callable[..., Any], model: nnx.Module, hook: Hook, args,
-         kwargs, attended: set[str] | None = None
+def _run(fun: Callable[..., Any], model: nnx.Module, hook: Hook, skip: Skip,
+         args, kwargs, attended: set[str] | None = None
          ) -> Callable[[Any], tuple[Any, Any]]:
   """``params -> (fun output, updated non-param state)`` on a private copy."""
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
@@ -104,14 +110,14 @@ def _run(fun: Callable[..., Any], model: nnx.Module, hook: Hook, args,
     # Variables may only be updated in the trace that made them: rebuild the
     # non-param ones (batch statistics, RNG counters) in this one.
     copy = nnx.merge(graphdef, params, jax.tree.map(lambda v: v, rest))
-    _instrument(copy, hook, set() if attended is None else attended)
+    _instrument(copy, hook, skip, set() if attended is None else attended)
     out = fun(copy, *args, **kwargs)
     return out, nnx.state(copy, nnx.Not(nnx.Param))
 
   return run
 
 
-def _shape_pass(fun, model, args, kwargs):
+def _shape_pass(fun, model, skip, args, kwargs):
   counter = probes_lib.CallCounter()
   calls: dict[str, list[probes_lib.Call]] = {}
 
@@ -123,17 +129,18 @@ def _shape_pass(fun, model, args, kwargs):
   attended: set[str] = set()
   params = nnx.state(model, nnx.Param)
   out_shape, _ = probes_lib.shape_pass(
-      lambda params, args, kwargs: _run(fun, model, record, args, kwargs,
-                                        attended)(params),
+      lambda params, args, kwargs: _run(fun, model, record, skip, args,
+                                        kwargs, attended)(params),
       params, args, kwargs)
   probes_lib.drop_attended(calls, attended)
   return calls, out_shape
 
 
-def trace_layers(fun: Callable[..., Any], model: nnx.Module, *args: Any,
+def trace_layers(fun: Callable[..., Any], skip: Skip, model: nnx.Module,
+                 *args: Any,
                  **kwargs: Any) -> dict[str, LayerInfo]:
   """NNX front end of ``kfac_jax.trace_layers``."""
-  calls, _ = _shape_pass(fun, model, args, kwargs)
+  calls, _ = _shape_pass(fun, model, skip, args, kwargs)
   modules = {layers.layer_name(path): (path, module)
              for path, module in nnx.iter_modules(model)}
   table = {}
@@ -146,15 +153,15 @@ def trace_layers(fun: Callable[..., Any], model: nnx.Module, *args: Any,
 
 
 def value_grad_and_stats(
-    fun: Callable[..., Any], has_aux: bool, model: nnx.Module, *args: Any,
-    **kwargs: Any) -> tuple[Any, Any, dict[str, LayerStatistics]]:
+    fun: Callable[..., Any], has_aux: bool, skip: Skip, model: nnx.Module,
+    *args: Any, **kwargs: Any) -> tuple[Any, Any, dict[str, LayerStatistics]]:
   """NNX front end of ``kfac_jax.value_grad_and_stats``, for one call.
 
   Gradients are an ``nnx.State`` of the model's ``nnx.Param``s, as
   ``nnx.value_and_grad`` gives them; ``model``'s other state is updated.
   """
   caller = "value_grad_and_stats"
-  calls, out_shape = _shape_pass(fun, model, args, kwargs)
+  calls, out_shape = _shape_pass(fun, model, skip, args, kwargs)
   probes_lib.check_scalar(
       probes_lib.split_output(out_shape, has_aux, caller)[0], caller)
   probes = {name: probes_lib.zero_probes(c) for name, c in calls.items()}
@@ -169,7 +176,7 @@ def value_grad_and_stats(
       return probes_lib.apply_probes(outputs, inputs,
                                      probes[name][counter.next(name)])
 
-    out, new_state = _run(fun, model, apply, args, kwargs)(params)
+    out, new_state = _run(fun, model, apply, skip, args, kwargs)(params)
     loss, aux = probes_lib.split_output(out, has_aux, caller)
     return loss, (aux, new_state)
 

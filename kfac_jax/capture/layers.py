@@ -173,6 +173,13 @@ def is_skipped_path(path: tuple[str, ...],
   return any(matches_any(skip, layer_name(prefix)) for prefix in prefixes)
 
 
+def is_skipped_layer(path: tuple[str, ...], module_type: str,
+                     skip: Sequence[re.Pattern[str]]) -> bool:
+  """Whether ``skip`` matches the layer's path (or a module's above it) or
+  its Flax class name."""
+  return is_skipped_path(path, skip) or matches_any(skip, module_type)
+
+
 def find_layers(params: Any,
                 skip: Sequence[re.Pattern[str]] = (),
                 table: LayerTable | None = None,
@@ -230,8 +237,8 @@ def find_layers(params: Any,
   visit(params, ())
   if table is not None:
     missing = sorted(set(table) - set(layers) - {
-        n for n, l in table.items() if is_skipped_path(l.path, skip) or
-        matches_any(skip, l.module_type or "") or (
+        n for n, l in table.items()
+        if is_skipped_layer(l.path, l.module_type or "", skip) or (
             l.kernel_key != KERNEL and not include_embeddings)})
     if missing:
       raise ValueError(

@@ -147,6 +147,13 @@ def make_call(signature: LayerSignature, inputs: jax.Array,
               _explicit_sharding(inputs), _explicit_sharding(outputs))
 
 
+def skip_advice(name: str) -> str:
+  """How to leave a layer the capture refuses to the chained optimizer."""
+  return (f"pass skip_layers=[{name!r}] to value_grad_and_stats, "
+          "trace_layers and scale_by_kfac to leave it to the chained "
+          "optimizer")
+
+
 def record_call(calls: dict[str, list[Call]], counter: CallCounter, name: str,
                 call: Call) -> None:
   """Adds ``call`` to ``calls[name]`` unless a repeated trace already did.
@@ -164,8 +171,7 @@ def record_call(calls: dict[str, list[Call]], counter: CallCounter, name: str,
           f"{call.signature}; its factors need every call to contract the "
           "same input axes. A DenseGeneral with a positive axis applied to "
           "inputs of different ranks does this: reshape the inputs so every "
-          "call contracts the same trailing axes, or add the layer to "
-          "skip_layers.")
+          f"call contracts the same trailing axes, or {skip_advice(name)}.")
     layer_calls.append(call)
 
 

@@ -770,8 +770,8 @@ def _check_stats(stats: Mapping[str, LayerStatistics] | None,
     if name in layers or layer_stats.signature.num_embeddings is not None:
       continue
     path = tuple(name.split("/")) if name else ()
-    if layers_lib.is_skipped_path(path, skip) or layers_lib.matches_any(
-        skip, layer_stats.signature.module_type):
+    if layers_lib.is_skipped_layer(path, layer_stats.signature.module_type,
+                                   skip):
       continue
     raise ValueError(
         f"kfac_stats has layer {name!r} ({layer_stats.signature.module_type}) "
