@@ -117,7 +117,8 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
       # A state saved without preconditioners has None there; Orbax restores
       # only onto a target of the saved structure.
       if saved_state["preconditioners"] is None:
-        return state._replace(preconditioners=None)
+        state = state._replace(preconditioners=None)
+      _check_fields(path, saved_state, state, directory)
       return state
 
     target = _map_kfac_states(match_saved, target)
@@ -233,6 +234,31 @@ def _check_layers(path: _KeyPath, target_layers: set[str],
         f"layers than the target: missing from the checkpoint: {missing}; in "
         f"the checkpoint but not the target: {extra}. Restore onto a target "
         "made by tx.init with the params (and skip_layers) of the saved run.")
+
+
+def _check_fields(path: _KeyPath, saved_state: Any, state: ScaleByKFACState,
+                  directory: str) -> None:
+  """The saved K-FAC state and the target's must have the same arrays.
+
+  Orbax fills a target array that the checkpoint holds as ``None`` (an eigen
+  state saved with ``compute_eigenvalue_outer_product=False`` has no
+  ``damped_inverse``) with ``None``, silently; the update then failed.
+  """
+  saved_leaves = {_key_path(p)
+                  for p, _ in jax.tree_util.tree_flatten_with_path(
+                      saved_state)[0]}
+  target_leaves = {_key_path(p)
+                   for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]}
+  missing = sorted("/".join(p) for p in target_leaves - saved_leaves)
+  extra = sorted("/".join(p) for p in saved_leaves - target_leaves)
+  if missing or extra:
+    raise ValueError(
+        f"The K-FAC state at {_describe(path)} in {directory} has other "
+        f"arrays than the target: missing from the checkpoint: {missing}; in "
+        f"the checkpoint but not the target: {extra}. Restore onto a target "
+        "made by tx.init of a transformation with the saved run's "
+        "compute_method, compute_eigenvalue_outer_product, adaptive and "
+        "accumulation_steps.")
 
 
 def _check_shapes(saved: Any, target: Any, directory: str) -> None:

@@ -203,6 +203,43 @@ def test_restoring_other_layers_lists_missing_and_extra(tmp_path):
           "(5, 5)") in message
 
 
+def test_restoring_another_configuration_names_the_arrays(tmp_path):
+  """Saved without the outer product (no ``damped_inverse``), restored onto
+  a target with it: Orbax filled the target's arrays with None silently,
+  and the update failed on them."""
+  params, tx, _ = make_training(compute_eigenvalue_outer_product=False)
+  saved = {"params": params, "opt_state": tx.init(params)}
+  checkpoint.save(tmp_path / "ckpt", saved)
+  _, other_tx, _ = make_training()
+  target = jax.eval_shape(lambda: {"params": params,
+                                   "opt_state": other_tx.init(params)})
+  with pytest.raises(ValueError, match=(
+      r"opt_state/0.*missing from the checkpoint: "
+      r"\['preconditioners/head/damped_inverse', "
+      r"'preconditioners/hidden/damped_inverse'\].*"
+      "compute_eigenvalue_outer_product")):
+    checkpoint.restore(tmp_path / "ckpt", target)
+
+
+def test_update_without_fitting_preconditioners_points_to_recompute(tmp_path):
+  params, tx, step = make_training()
+  state = tx.init(params)
+  checkpoint.save(tmp_path / "ckpt", state, include_preconditioners=False)
+  restored = checkpoint.restore(tmp_path / "ckpt",
+                                jax.eval_shape(lambda: state))
+  x, y = next(batches())
+  with pytest.raises(ValueError, match="no preconditioners.*"
+                     "recompute_preconditioners"):
+    step(params, restored, x, y)
+  # Recomputed for another method than the transformation's.
+  other = checkpoint.recompute_preconditioners(restored, DAMPING,
+                                               compute_method="inverse")
+  with pytest.raises(ValueError, match="compute_method.*"
+                     "recompute_preconditioners"):
+    step(params, other, x, y)
+  step(params, checkpoint.recompute_preconditioners(restored, DAMPING), x, y)
+
+
 def test_restoring_without_a_saved_kfac_state_is_a_value_error(tmp_path):
   params, tx, _ = make_training()
   checkpoint.save(tmp_path / "ckpt", {"params": params})

@@ -492,6 +492,8 @@ def scale_by_kfac(
       sharded = _sharded_kernels(layers, placement_lib.check_params_specs(
           updates, params_partition_specs))
     _check_state(layers, state)
+    _check_preconditioners(state.preconditioners, jax.eval_shape(
+        lambda: placement.init(layers_lib.blocks_of(layers))))
     active = _check_stats(kfac_stats, layers, skip)
 
     def stats_factors() -> dict[str, LayerFactors]:
@@ -713,6 +715,35 @@ def _check_state(layers: Mapping[str, LayerInfo],
             f"Layer {block!r}: state factors A{a_shape}, G{g_shape} do not fit "
             f"a kernel {layer.kernel_shape} (bias={layer.has_bias}); re-run "
             "tx.init with the current params.")
+
+
+def _check_preconditioners(preconditioners: Any, expected: Any) -> None:
+  """The state's preconditioners must be what this transformation makes.
+
+  ``checkpoint.restore`` of a state saved without them gives ``None``; a
+  state of another method, outer-product setting, ``inv_dtype`` or
+  distribution has other arrays. Either failed deep inside the update.
+  """
+  if preconditioners is None:
+    raise ValueError(
+        "scale_by_kfac.update: the state has no preconditioners (restored "
+        "from a checkpoint saved with include_preconditioners=False). Call "
+        "kfac_jax.checkpoint.recompute_preconditioners(state, damping, ...) "
+        "with this transformation's arguments first.")
+  describe = lambda tree: jax.tree.map(
+      lambda leaf: (tuple(leaf.shape), jnp.dtype(leaf.dtype)), tree)
+  try:
+    found = describe(preconditioners)
+  except (AttributeError, TypeError):
+    found = None
+  if found != describe(expected):
+    raise ValueError(
+        "scale_by_kfac.update: the state's preconditioners are not the ones "
+        "this transformation makes (another compute_method, "
+        "compute_eigenvalue_outer_product, inv_dtype or distribution). Call "
+        "kfac_jax.checkpoint.recompute_preconditioners(state, damping, ...) "
+        "with this transformation's arguments, or build the transformation "
+        "with the arguments the state was made with.")
 
 
 def _check_split_loss(split_loss: SplitLoss | None, params: Any) -> None:
