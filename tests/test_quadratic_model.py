@@ -299,6 +299,9 @@ def test_adaptive_kfac_fits_a_learnable_problem():
      "accumulation_steps"),
     (dict(kl_clip=None, damping=optax.constant_schedule(1.0)), TypeError,
      "initial"),
+    (dict(kl_clip=None, damping=5000.0), ValueError,
+     r"damping=5000.0.*\[min_damping=0.0001, max_damping=1000.0\]"),
+    (dict(kl_clip=None, damping=1e-5), ValueError, "min_damping"),
 ])
 def test_incompatible_settings_are_rejected(kwargs, error, match):
   with pytest.raises(error, match=match):

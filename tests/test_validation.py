@@ -29,6 +29,9 @@ import kfac_jax
     (dict(damping=optax.linear_schedule(-1.0, 1.0, 10)), ValueError, "step 0"),
     (dict(accumulation_steps=0), ValueError, "accumulation_steps"),
     (dict(skip_layers=["(unclosed"]), ValueError, "invalid regex"),
+    (dict(layers=5), TypeError, "layers must be the table from "
+     "kfac_jax.trace_layers"),
+    (dict(layers={"dense": (3, 4)}), TypeError, "layers must be the table"),
     (dict(factor_dtype=jnp.int32), ValueError, "factor_dtype must be a floating"),
     # float16's range cannot hold (F + λI)⁻¹'s ~1/λ entries.
     (dict(inv_dtype=jnp.float16), ValueError, "inv_dtype=float16 cannot hold.*bfloat16"),

@@ -257,6 +257,11 @@ def scale_by_kfac(
         "compute_eigenvalue_outer_product must be a bool; got "
         f"{compute_eigenvalue_outer_product!r}.")
   skip = layers_lib.compile_patterns(skip_layers)
+  if layers is not None and not (isinstance(layers, Mapping) and all(
+      isinstance(layer, LayerInfo) for layer in layers.values())):
+    raise TypeError(
+        "layers must be the table from kfac_jax.trace_layers(loss_fn, params, "
+        f"*batch) or None; got {type(layers).__name__}.")
   table = layers
   if adaptive is not None:
     AdaptiveConfig.check(adaptive)
@@ -275,6 +280,12 @@ def scale_by_kfac(
           "scale_by_kfac(adaptive=...): damping is the initial λ, which the "
           "Levenberg-Marquardt rule then adapts; pass a number, not a "
           "schedule.")
+    if not adaptive.min_damping <= damping <= adaptive.max_damping:
+      raise ValueError(
+          f"scale_by_kfac(adaptive=...): the initial damping={damping!r} "
+          "lies outside the range the rule keeps λ in, AdaptiveConfig's "
+          f"[min_damping={adaptive.min_damping!r}, "
+          f"max_damping={adaptive.max_damping!r}].")
   if not isinstance(precondition_embeddings, (bool, np.bool_)):
     raise TypeError("precondition_embeddings must be a bool; got "
                     f"{precondition_embeddings!r}.")
