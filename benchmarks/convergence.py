@@ -587,15 +587,84 @@ def first_reach(task: Task, run: dict[str, Any],
   return None
 
 
+def crossing(task: Task, run: dict[str, Any],
+             target: float) -> tuple[float, float] | None:
+  """(steps, seconds) where the curve first meets ``target``, read off the
+  straight line between the evaluations on either side of it."""
+  previous = None
+  for point in run["curve"]:
+    if task.reaches(point["metric"], target):
+      if previous is None or point["metric"] == previous["metric"]:
+        return float(point["step"]), float(point["seconds"])
+      fraction = ((target - previous["metric"]) /
+                  (point["metric"] - previous["metric"]))
+      return tuple(float(previous[k] + fraction * (point[k] - previous[k]))
+                   for k in ("step", "seconds"))
+    previous = point
+  return None
+
+
+def metric_at(run: dict[str, Any], seconds: float) -> float | None:
+  """The metric of the last evaluation at or before ``seconds`` of training
+  (``None`` before the first)."""
+  values = [p["metric"] for p in run["curve"] if p["seconds"] <= seconds]
+  return values[-1] if values else None
+
+
+def readouts(task: Task, run: dict[str, Any], targets: Sequence[float],
+             at_seconds: Sequence[float]) -> dict[str, Any]:
+  """Per target: the first evaluation meeting it and the interpolated
+  crossing; per time: the metric then."""
+  reached = {}
+  for target in targets:
+    hit, line = first_reach(task, run, target), crossing(task, run, target)
+    reached[f"{target:g}"] = None if hit is None else dict(
+        step=hit[0], seconds=hit[1], crossing_step=line[0],
+        crossing_seconds=line[1])
+  return dict(reached=reached,
+              at={f"{s:g}": metric_at(run, s) for s in at_seconds})
+
+
+def readouts_table(task: Task, runs: Sequence[tuple[str, dict[str, Any]]],
+                   targets: Sequence[float],
+                   at_seconds: Sequence[float]) -> str:
+  """Markdown: per run, ``readouts`` (``--targets``, ``--at-seconds``)."""
+  header = ["run"]
+  for target in targets:
+    header += [f"s to {target:g} (steps)", f"crossing {target:g}: steps, s"]
+  header += [f"at {s:g} s" for s in at_seconds] + ["final", "steps",
+                                                    "ms/step"]
+  lines = ["| " + " | ".join(header) + " |",
+           "|---" + "|---:" * (len(header) - 1) + "|"]
+  for label, run in runs:
+    values = readouts(task, run, targets, at_seconds)
+    cells = [label]
+    for target in targets:
+      hit = values["reached"][f"{target:g}"]
+      cells += (["never", "—"] if hit is None else [
+          f"{hit['seconds']:.0f} ({hit['step']})",
+          f"{hit['crossing_step']:.0f}, {hit['crossing_seconds']:.1f}"])
+    cells += ["—" if v is None else f"{v:.4g}"
+              for v in values["at"].values()]
+    cells += [f"{run['final']:.4g}", str(run["steps"]),
+              f"{run['ms_per_step']:.0f}"]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------
 # The race: sweep, final runs, summary.
 
 
 def run_key(run: dict[str, Any]) -> tuple:
+  """What a run depends on beyond the code. A run recorded without one of
+  these (an older JSON) matches no new run, so it is run again."""
   curvature = run.get("curvature")
   return (run["phase"], run["task"], run["optimizer"], run["lr"], run["seed"],
           run["budget"], None if curvature is None else tuple(curvature),
-          run.get("min_damping"), run.get("inv_dtype", "float32"))
+          run.get("min_damping"), run.get("inv_dtype", "float32"),
+          run.get("eval_examples", "unrecorded"), run.get("eval_every"),
+          run.get("max_steps", "unrecorded"))
 
 
 class Race:
@@ -612,6 +681,14 @@ class Race:
       previous = json.loads(args.resume.read_text())
       for run in previous["runs"]:
         self.done[run_key(run)] = run
+      if previous.get("git_commit") != meta.get("git_commit") or previous.get(
+          "git_dirty") or meta.get("git_dirty"):
+        tqdm.write(
+            f"Resuming runs recorded at commit {previous.get('git_commit')} "
+            f"(dirty: {previous.get('git_dirty')}) under commit "
+            f"{meta.get('git_commit')} (dirty: {meta.get('git_dirty')}): "
+            "their optimizer settings (KFAC_SETTINGS, the sweep centres) "
+            "are the code's of then; say so where the results are quoted.")
 
   def run(self, phase: str, task: Task, name: str, lr: float, seed: int,
           budget: float) -> dict[str, Any]:
@@ -625,9 +702,13 @@ class Race:
                  if adaptive else None)
     min_damping = (adaptive_config(self.args.min_damping).min_damping
                    if adaptive else None)
+    evaluation = dict(eval_examples=self.args.eval_examples,
+                      eval_every=self.args.eval_every,
+                      max_steps=self.args.max_steps)
     key = run_key(dict(phase=phase, task=task.name, optimizer=name, lr=lr,
                        seed=seed, budget=budget, curvature=curvature,
-                       min_damping=min_damping, inv_dtype=inv_dtype))
+                       min_damping=min_damping, inv_dtype=inv_dtype,
+                       **evaluation))
     if key in self.done:
       record = self.done[key]
     else:
@@ -638,7 +719,7 @@ class Race:
       record = train_run(task, optimizer, seed, budget, self.args.eval_every,
                          self.args.max_steps, not self.args.no_progress, label,
                          self.args.curvature_examples, self.args.curvature)
-      record.update(phase=phase, lr=lr)
+      record.update(phase=phase, lr=lr, **evaluation)
       if adaptive:
         record.update(curvature=list(curvature), min_damping=min_damping)
       if name in KFAC_OPTIMIZERS:
@@ -727,6 +808,17 @@ def race_task(task: Task, args: argparse.Namespace, race: Race
               target_name=target_name, target=target)
 
 
+def median_reach(hits: Sequence[tuple[int, float] | None],
+                 index: int) -> float | None:
+  """Median steps (``index`` 0) or seconds (1) to the target over all seeds,
+  a seed that never reached it counting as infinitely late; ``None`` when
+  that median is a miss. (Over the seeds that reached it alone, one lucky
+  seed of three would stand for the optimizer.)"""
+  value = float(np.median([h[index] if h is not None else np.inf
+                           for h in hits]))
+  return value if np.isfinite(value) else None
+
+
 def summary_table(result: dict[str, Any]) -> str:
   """Markdown: per optimizer, best rate, final metric, time to target."""
   task, target = result["task"], result["target"]
@@ -736,17 +828,18 @@ def summary_table(result: dict[str, Any]) -> str:
                    else None for r in runs]
   base_seconds = None
   if result["target_name"] is not None:
-    hits = [h for h in reach[result["target_name"]] if h is not None]
-    base_seconds = float(np.median([h[1] for h in hits])) if hits else None
+    base_seconds = median_reach(reach[result["target_name"]], 1)
   header = ("| optimizer | lr | final " + task.metric + " (median; min–max) "
-            "| reached target | steps to target | seconds to target | "
+            "| reached target | steps to target (median) | seconds to target "
+            "(median) | "
             "× best baseline's seconds | ms/step | compile s |")
   lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for name, runs in result["finals"].items():
     values = [r["final"] for r in runs]
     hits = [h for h in reach[name] if h is not None]
-    steps = f"{np.median([h[0] for h in hits]):.0f}" if hits else "—"
-    seconds = float(np.median([h[1] for h in hits])) if hits else None
+    median_steps = median_reach(reach[name], 0)
+    steps = "—" if median_steps is None else f"{median_steps:.0f}"
+    seconds = median_reach(reach[name], 1)
     ratio = (f"{seconds / base_seconds:.2f}" if seconds is not None and
              base_seconds else "—")
     spread = (f" ({min(values):.4g}–{max(values):.4g})" if len(values) > 1
@@ -850,6 +943,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="override sweep centers, e.g. kfac=0.3 adam=1e-3")
   parser.add_argument("--eval-every", type=float, default=10.0,
                       help="training seconds between evaluations")
+  parser.add_argument("--targets", nargs="*", type=float, default=[],
+                      help="also report, per final run, when the metric "
+                      "first met each of these values (first evaluation, "
+                      "and the crossing interpolated between evaluations)")
+  parser.add_argument("--at-seconds", nargs="*", type=float, default=[],
+                      help="also report, per final run, the metric at the "
+                      "last evaluation by each of these training seconds")
   parser.add_argument("--eval-examples", type=int, default=None,
                       help="evaluate on the first N examples of the task's "
                       "evaluation set (default: all)")
@@ -963,7 +1063,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.seeds}; sweep {result['sweep_budget']:g} s, seed 0. Target: "
         f"{target}.", "", summary_table(result), "", "Sweep (final metric):",
         "", sweep_table(result), "", f"Plot: `{png.name}`", ""]
-    print("\n".join(report[-12:]), flush=True)
+    if args.targets or args.at_seconds:
+      runs = [(f"{optimizer}, seed {run['seed']}", run)
+              for optimizer, seeds in result["finals"].items()
+              for run in seeds]
+      report += ["Readouts (`--targets`, `--at-seconds`):", "",
+                 readouts_table(task, runs, args.targets, args.at_seconds),
+                 ""]
+    print("\n".join(report[-16:]), flush=True)
   pathlib.Path(f"{stem}.md").write_text("\n".join(report))
   print(f"Wrote {stem}.json, {stem}.md and the plots.", flush=True)
   return 0

@@ -143,13 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   record = convergence.timed_training(
       task, step, params, opt_state, args.seed, args.budget, args.eval_every,
       args.max_steps, not args.no_progress, "DeepMind kfac-jax adaptive")
-  reached = {}
-  for target in args.targets:
-    hit = convergence.first_reach(task, record, target)
-    reached[str(target)] = (None if hit is None else
-                            dict(step=hit[0], seconds=hit[1]))
-    print(f"below {target:g}: " + ("never" if hit is None else
-                                   f"step {hit[0]}, {hit[1]:.0f} s"))
+  reached = convergence.readouts(task, record, args.targets, ())["reached"]
+  print(convergence.readouts_table(task, [("DeepMind kfac-jax", record)],
+                                   args.targets, ()))
   print(f"final {record['final']:.3f} after {record['steps']} steps, "
         f"{record['ms_per_step']:.0f} ms/step")
   result = dict(command=" ".join(sys.argv), environment=environment,

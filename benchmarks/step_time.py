@@ -73,8 +73,11 @@ ALL_MODELS = ("autoencoder", "resnet")
 # gradients preconditioned in their factored form aᵀg where that is cheaper.
 # "kfac-adaptive": the adaptive mode as convergence.py races it (its
 # settings, the quadratic model and the factors on a quarter of the batch),
-# with this run's --inv-update-steps; autoencoder only (it needs a
-# SplitLoss), no FLOP floor (the quadratic model's products are not in it).
+# with this run's --inv-update-steps, also as its damping-adaptation interval
+# (the race's 5 and 5) so that the extra loss evaluation of an adaptation
+# step falls on the decomposition steps, not among the plain ones; autoencoder
+# only (it needs a SplitLoss), no FLOP floor (the quadratic model's products
+# are not in it).
 ALL_VARIANTS = ("sgd", "adamw", "kfac-eigen", "kfac-inverse", "kfac-eigen-gfs",
                 "kfac-inverse-gfs", "kfac-adaptive")
 DEFAULT_DM_PYTHON = "/tmp/dm-venv/bin/python"
@@ -241,7 +244,9 @@ def make_tx(variant: str, args: argparse.Namespace, batch: int,
     settings = dict(KFAC_ADAPTIVE_SETTINGS,
                     inv_update_steps=args.inv_update_steps,
                     factor_batch_size=curvature_examples(batch))
-    return lib.scale_by_kfac(adaptive=lib.AdaptiveConfig(), **settings)
+    return lib.scale_by_kfac(
+        adaptive=lib.AdaptiveConfig(
+            damping_adaptation_interval=args.inv_update_steps), **settings)
   # Only where asked, so that --kfac-revs can time commits before the option.
   extra = dict(gradient_from_stats=True) if from_stats(variant) else {}
   return optax.chain(
@@ -396,7 +401,8 @@ def layer_shapes(config: Config) -> list[dict[str, int]]:
 
   Shapes only: ``jax.eval_shape`` of the capture gives each layer's output
   cotangent shape (rows = batch · output positions), the params give the
-  kernel shape.
+  kernel shape. In call order: the first layer is the one applied to the
+  data.
   """
 
   def loss_only(params, extra, *data):
@@ -425,7 +431,9 @@ def flop_floor(shapes: Sequence[dict[str, int]], method: str, period: int,
                gradient_from_stats: bool = False) -> dict[str, float]:
   """Analytic FLOPs of an SGD step and of K-FAC's additions.
 
-  sgd:            6 · Σ rows·in·out                 (forward + backward)
+  sgd:            6 · Σ rows·in·out − 2 · rows₀·in₀·out₀
+                  (forward + backward; no step computes the gradient of
+                  the first layer's input, the data)
   factors:        2 · Σ rows·(dA² + dG²)            (every step here)
   precondition:   pairs · 2 · Σ (dA²·dG + dA·dG²)   (pairs: eigen 2, inverse 1)
   decomposition:  c · Σ (dA³ + dG³)                 (every ``period`` steps;
@@ -435,6 +443,7 @@ def flop_floor(shapes: Sequence[dict[str, int]], method: str, period: int,
   that is less (``gradient_matrix.factored_is_cheaper``).
   """
   sgd = sum(6 * s["rows"] * s["fan_in"] * s["fan_out"] for s in shapes)
+  sgd -= 2 * shapes[0]["rows"] * shapes[0]["fan_in"] * shapes[0]["fan_out"]
   factors = precondition = decomposition = 0.0
   pairs = 2 if method == "eigen" else 1
   c = eigh_c if method == "eigen" else inverse_c

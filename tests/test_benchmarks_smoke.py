@@ -141,7 +141,8 @@ def test_convergence_smoke_and_resume(tmp_path):
   # kfac_adaptive's factors from the Gauss-Newton surrogate on 4 examples.
   first = run_convergence("--smoke", "--tasks", "cifar", "--optimizers",
                           *optimizers, "--curvature", "gauss-newton",
-                          "--curvature-examples", "4", "--out",
+                          "--curvature-examples", "4", "--targets", "0", "101",
+                          "--at-seconds", "0", "--out",
                           str(tmp_path / "first"))
   (path,) = (tmp_path / "first").glob("convergence_*.json")
   runs = json.loads(path.read_text())["runs"]
@@ -160,6 +161,12 @@ def test_convergence_smoke_and_resume(tmp_path):
   kfac_row = next(line for line in table.read_text().splitlines()
                   if line.startswith("| kfac |"))
   assert ("| 1/1 |" if reached else "| 0/1 |") in kfac_row
+  # Readouts: accuracy ≥ 0 from the first evaluation, 101 % never.
+  readout = next(line for line in table.read_text().splitlines()
+                 if line.startswith("| kfac, seed 0 |"))
+  initial = kfac_run["curve"][0]["metric"]
+  assert readout.startswith(f"| kfac, seed 0 | 0 (0) | 0, 0.0 | never | — | "
+                            f"{initial:.4g} | "), readout
   # The adaptive mode has no learning rate, and was not swept.
   assert "| kfac_adaptive | adaptive |" in table.read_text()
   assert "curvature 'gauss-newton'" in runs[-1]["description"]
@@ -199,6 +206,26 @@ def test_convergence_smoke_and_resume(tmp_path):
   assert "factor_batch_size=4" in runs2[-1]["description"]
   assert runs2[-1]["min_damping"] == 1e-3
   assert "min_damping=0.001" in runs2[-1]["description"]
+
+
+def test_time_to_target_readouts():
+  """The interpolated crossing, the metric at a time, and medians over seeds
+  that count a miss as infinitely late."""
+  sys.path.insert(0, str(REPO / "benchmarks"))
+  import convergence  # pylint: disable=g-import-not-at-top
+  task = convergence.Task(
+      name="toy", description="", metric="loss", higher_is_better=False,
+      data=(), batch_size=1, init=None, loss_fn=None, evaluate=None)
+  run = dict(curve=[dict(step=s, seconds=t, metric=m) for s, t, m in
+                    [(0, 0.0, 10.0), (10, 5.0, 8.0), (20, 10.0, 6.0)]])
+  assert convergence.first_reach(task, run, 7.0) == (20, 10.0)
+  assert convergence.crossing(task, run, 7.0) == (15.0, 7.5)
+  assert convergence.crossing(task, run, 10.0) == (0.0, 0.0)
+  assert convergence.crossing(task, run, 5.0) is None
+  assert convergence.metric_at(run, 9.9) == 8.0
+  assert convergence.metric_at(run, 10.0) == 6.0
+  assert convergence.median_reach([(4, 40.0), None, (2, 20.0)], 1) == 40.0
+  assert convergence.median_reach([(4, 40.0), None, None], 1) is None
 
 
 def test_deepmind_scripts_refuse_this_kfac_jax(tmp_path):
