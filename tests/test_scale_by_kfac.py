@@ -249,6 +249,40 @@ def test_unregistered_gradients_pass_through_and_skip_layers():
       assert same == (name not in preconditioned), (skip, layers, name)
 
 
+@pytest.mark.parametrize("wrap", ["multi_transform", "masked"])
+def test_layers_masked_out_by_the_chain_are_left_alone(wrap):
+  """K-FAC on the body, Adam on the head (multi_transform), or K-FAC masked
+  to the body: equal to K-FAC skipping the head (init once crashed on
+  optax.MaskedNode)."""
+  params, batches, loss_fn, _ = make_problem("mlp", True)
+  x, y = next(batches)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+  labels = {name: jax.tree.map(lambda _, name=name: (
+      "adam" if name == "Dense_1" else "kfac"), leaves)
+            for name, leaves in params.items()}
+  body = kfac_jax.kfac(LEARNING_RATE, damping=DAMPING)
+  if wrap == "multi_transform":
+    tx = optax.multi_transform({"kfac": body, "adam": optax.adam(1e-3)},
+                               labels)
+  else:
+    tx = optax.masked(body, jax.tree.map(lambda label: label == "kfac",
+                                         labels))
+  updates, _ = jax.jit(lambda g, s: tx.update(g, s, params, kfac_stats=stats))(
+      grads, tx.init(params))
+  skipping = kfac_jax.kfac(LEARNING_RATE, damping=DAMPING,
+                           skip_layers=["^Dense_1$"])
+  expected, _ = skipping.update(grads, skipping.init(params), params,
+                                kfac_stats=stats)
+  # One jitted, the other not: float32 rounding apart.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5),
+               updates["Dense_0"], expected["Dense_0"])
+  head = (optax.adam(1e-3).update(grads["Dense_1"], optax.adam(1e-3).init(
+      params["Dense_1"]))[0] if wrap == "multi_transform" else
+          grads["Dense_1"])  # optax.masked passes the rest through
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5),
+               updates["Dense_1"], head)
+
+
 # A NumPy integer as well: the alias once wrapped SGD in MultiSteps only for
 # a Python int, so SGD stepped on every micro-batch.
 @pytest.mark.parametrize("steps_type", [int, np.int64])

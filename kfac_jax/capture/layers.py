@@ -218,6 +218,14 @@ def find_layers(params: Any,
       elif warn_untraced:
         _warn_untraced_embedding(name, path, node, skip)
     kernel = node.get(key)
+    if _is_masked(kernel):
+      return  # the chain gives K-FAC no part of this layer
+    if _is_masked(node.get(BIAS)) and kernel is not None:
+      raise ValueError(
+          f"Layer {name!r}: its bias is masked out of K-FAC's part of the "
+          "chain (optax.masked, optax.multi_transform) but not its kernel. "
+          "K-FAC preconditions them together (A has the bias row): mask "
+          "both or neither.")
     if kernel is not None and not isinstance(kernel, Mapping) and len(
         kernel.shape) >= 2 and not is_skipped_path(path, skip):
       layer = LayerInfo(
@@ -245,6 +253,25 @@ def find_layers(params: Any,
           f"The layer table has layers {missing} that the params lack. Trace "
           "the table (kfac_jax.trace_layers) from the same model and params.")
   return layers
+
+
+def _is_masked(leaf: Any) -> bool:
+  """Whether ``leaf`` stands for a parameter the chain withholds
+  (``optax.MaskedNode`` in ``optax.masked``/``multi_transform``)."""
+  return leaf is not None and not isinstance(leaf, Mapping) and not hasattr(
+      leaf, "shape")
+
+
+def is_masked_layer(params: Any, path: tuple[str, ...]) -> bool:
+  """Whether the layer at ``path`` is masked out of ``params`` (its kernel
+  or embedding table withheld by the chain)."""
+  node = params
+  for key in path:
+    if not isinstance(node, Mapping) or key not in node:
+      return False
+    node = node[key]
+  return isinstance(node, Mapping) and any(
+      _is_masked(node.get(key)) for key in (KERNEL, EMBEDDING))
 
 
 def _warn_untraced_embedding(name: str, path: tuple[str, ...],

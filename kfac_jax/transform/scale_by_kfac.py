@@ -510,7 +510,7 @@ def scale_by_kfac(
     _check_state(layers, state)
     _check_preconditioners(state.preconditioners, jax.eval_shape(
         lambda: placement.init(layers_lib.blocks_of(layers))))
-    active = _check_stats(kfac_stats, layers, skip)
+    active = _check_stats(kfac_stats, layers, skip, updates)
 
     def stats_factors() -> dict[str, LayerFactors]:
       blocks = {}
@@ -785,7 +785,8 @@ def _check_split_loss(split_loss: SplitLoss | None, params: Any) -> None:
 
 
 def _check_stats(stats: Mapping[str, LayerStatistics] | None,
-                 layers: Mapping[str, LayerInfo], skip) -> list[str]:
+                 layers: Mapping[str, LayerInfo], skip,
+                 gradients: Any) -> list[str]:
   """Validates ``kfac_stats`` against the layers; returns the layers to precondition."""
   if stats is None:
     raise ValueError(
@@ -818,7 +819,8 @@ def _check_stats(stats: Mapping[str, LayerStatistics] | None,
       continue
     path = tuple(name.split("/")) if name else ()
     if layers_lib.is_skipped_layer(path, layer_stats.signature.module_type,
-                                   skip):
+                                   skip) or layers_lib.is_masked_layer(
+                                       gradients, path):
       continue
     raise ValueError(
         f"kfac_stats has layer {name!r} ({layer_stats.signature.module_type}) "
