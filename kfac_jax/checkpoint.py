@@ -133,7 +133,7 @@ def recompute_preconditioners(
     damping: ScalarOrSchedule,
     compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
     compute_eigenvalue_outer_product: bool = True,
-    inv_dtype: jnp.dtype = jnp.float32,
+    inv_dtype: jnp.dtype = jnp.dtype(jnp.float32),
     mesh_axes: str | Sequence[str] | None = None,
     grad_worker_fraction: DistributedStrategy | float = (
         DistributedStrategy.COMM_OPT),

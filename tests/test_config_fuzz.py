@@ -57,12 +57,12 @@ SKIP = st.one_of(st.none(), REGEX, st.lists(REGEX, max_size=3),
                  st.lists(REGEX, max_size=3).map(tuple))
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, np.float32, "float32",
                 "bfloat16", np.dtype("float16")]
-# Preconditioners need float32's exponent range: float16 raises.
+# Factors and preconditioners need float32's exponent range: float16 raises.
 INV_DTYPES = [dtype for dtype in FLOAT_DTYPES
               if jnp.finfo(jnp.dtype(dtype)).maxexp == 128]
 
 VALID = {
-    "learning_rate": POSITIVE,
+    "learning_rate": st.one_of(POSITIVE, st.just(0.0)),
     "damping": POSITIVE,
     "factor_decay": DECAY,
     "kl_clip": st.one_of(st.none(), POSITIVE),
@@ -72,7 +72,7 @@ VALID = {
     "compute_eigenvalue_outer_product": st.booleans(),
     "accumulation_steps": st.integers(1, 64),
     "skip_layers": SKIP,
-    "factor_dtype": st.sampled_from([None] + FLOAT_DTYPES),
+    "factor_dtype": st.sampled_from([None] + INV_DTYPES),
     "inv_dtype": st.sampled_from(INV_DTYPES),
     # Inert without mesh_axes (which needs a mesh to trace; see
     # test_distribution.py), but still validated at construction.
@@ -123,6 +123,9 @@ WRONG_TYPES = st.one_of(
 NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf, np.float32("nan")])
 NOT_POSITIVE = st.one_of(st.floats(max_value=0.0), st.integers(max_value=0),
                          NON_FINITE)
+# The learning rate may be 0 (a warmup's first step).
+NEGATIVE = st.one_of(st.floats(max_value=-1e-30), st.integers(max_value=-1),
+                     NON_FINITE)
 NOT_DECAY = st.one_of(
     st.floats(max_value=0.0),
     # Above 1 in float32, the dtype update uses (1 + 1e-16 is 1.0 there).
@@ -155,7 +158,7 @@ NOT_A_FLOAT_DTYPE = st.sampled_from(
      np.dtype("U3")])
 
 INVALID = {
-    "learning_rate": invalid_scalar(NOT_POSITIVE),
+    "learning_rate": invalid_scalar(NEGATIVE),
     "damping": invalid_scalar(NOT_POSITIVE),
     "kl_clip": st.one_of(NOT_POSITIVE, WRONG_TYPES,
                          st.one_of(NOT_POSITIVE, WRONG_TYPES,
@@ -180,7 +183,8 @@ INVALID = {
         st.lists(st.sampled_from([1, None, b"x", 2.5, ["a"]]), min_size=1,
                  max_size=2),
     ),
-    "factor_dtype": NOT_A_FLOAT_DTYPE,
+    "factor_dtype": st.one_of(NOT_A_FLOAT_DTYPE,
+                              st.sampled_from([jnp.float16, "float16"])),
     "inv_dtype": st.one_of(NOT_A_FLOAT_DTYPE,
                            st.sampled_from([jnp.float16, "float16"])),
     "mesh_axes": st.one_of(

@@ -313,11 +313,38 @@ def test_incompatible_settings_are_rejected(kwargs, error, match):
     (dict(min_damping=2.0, max_damping=1.0), "max_damping"),
     (dict(damping_adaptation_decay=1.0), "decay"),
     (dict(damping_adaptation_interval=0), "interval"),
+    # 0 in float32: λ then reached 0 and updates stayed 0.
+    (dict(min_damping=1e-50), "min_damping=1e-50 is below float32"),
 ])
 def test_invalid_adaptive_config(config, match):
   with pytest.raises(ValueError, match=match):
     kfac_jax.scale_by_kfac(kl_clip=None,
                            adaptive=kfac_jax.AdaptiveConfig(**config))
+
+
+@pytest.mark.parametrize("config", [dict(min_damping="1e-4"),
+                                    dict(max_damping=None),
+                                    dict(damping_adaptation_decay=None)])
+def test_adaptive_config_of_the_wrong_type_names_the_field(config):
+  (name,) = config
+  with pytest.raises(TypeError, match=f"AdaptiveConfig.{name} must be a real"):
+    kfac_jax.scale_by_kfac(kl_clip=None,
+                           adaptive=kfac_jax.AdaptiveConfig(**config))
+
+
+def test_state_of_another_configuration_is_refused():
+  params, batch, split, loss_fn = sigmoid_problem()
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, *batch)
+  plain = kfac_jax.scale_by_kfac(kl_clip=None)
+  adaptive, accumulating = adaptive_tx(), kfac_jax.scale_by_kfac(
+      accumulation_steps=4)
+  for tx, state, match in (
+      (adaptive, plain.init(params), "lacks the quadratic_model"),
+      (plain, adaptive.init(params), "has the quadratic_model"),
+      (accumulating, plain.init(params), "lacks the accumulator"),
+      (plain, accumulating.init(params), "has the accumulator")):
+    with pytest.raises(ValueError, match=match):
+      tx.update(grads, state, params, kfac_stats=stats, split_loss=split)
 
 
 def test_update_without_split_loss_says_what_to_pass():

@@ -283,6 +283,47 @@ def test_layers_masked_out_by_the_chain_are_left_alone(wrap):
                updates["Dense_1"], head)
 
 
+def test_inject_hyperparams_equals_building_with_the_values():
+  """optax.inject_hyperparams(kfac_jax.kfac / scale_by_kfac): a jitted update
+  equals the transformation built with the same values, and changing an
+  injected value in the state equals building with the new one."""
+  params, batches, loss_fn, _ = make_problem("mlp", True)
+  x, y = next(batches)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+  update = jax.jit(lambda tx, g, s: tx.update(g, s, params, kfac_stats=stats),
+                   static_argnums=0)
+  cases = [
+      (optax.inject_hyperparams(kfac_jax.kfac)(
+          learning_rate=LEARNING_RATE, damping=DAMPING),
+       "learning_rate", 0.5 * LEARNING_RATE,
+       lambda lr: kfac_jax.kfac(lr, damping=DAMPING)),
+      (optax.inject_hyperparams(
+          kfac_jax.scale_by_kfac, static_args=("accumulation_steps",))(
+              learning_rate=LEARNING_RATE, damping=DAMPING),
+       "damping", 10 * DAMPING,
+       lambda damping: kfac_jax.scale_by_kfac(learning_rate=LEARNING_RATE,
+                                              damping=damping))]
+  for injected, name, changed, build in cases:
+    state = injected.init(params)
+    initial = state.hyperparams[name]
+    for value in (float(initial), changed):
+      state.hyperparams[name] = jnp.asarray(value, initial.dtype)
+      updates, _ = update(injected, grads, state)
+      built = build(value)
+      expected, _ = update(built, grads, built.init(params))
+      jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+                   updates, expected)
+  # A dtype given as the scalar type (callable: inject_hyperparams calls it
+  # as a schedule) is refused with the way out.
+  with pytest.raises(TypeError, match="inv_dtype must be a dtype.*static_args"):
+    optax.inject_hyperparams(kfac_jax.scale_by_kfac)(
+        inv_dtype=jnp.bfloat16).init(params)
+  # Static arguments must stay static, and the error says how.
+  injected = optax.inject_hyperparams(kfac_jax.scale_by_kfac)(damping=DAMPING)
+  with pytest.raises(TypeError, match="static_args=\\('accumulation_steps',\\)"):
+    update(injected, grads, injected.init(params))
+
+
 # A NumPy integer as well: the alias once wrapped SGD in MultiSteps only for
 # a Python int, so SGD stepped on every micro-batch.
 @pytest.mark.parametrize("steps_type", [int, np.int64])

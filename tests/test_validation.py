@@ -33,6 +33,8 @@ import kfac_jax
      "kfac_jax.trace_layers"),
     (dict(layers={"dense": (3, 4)}), TypeError, "layers must be the table"),
     (dict(factor_dtype=jnp.int32), ValueError, "factor_dtype must be a floating"),
+    # A running factor of activations ~300 overflowed float16 to inf.
+    (dict(factor_dtype=jnp.float16), ValueError, "factor_dtype=float16 cannot hold the factors"),
     # float16's range cannot hold (F + λI)⁻¹'s ~1/λ entries.
     (dict(inv_dtype=jnp.float16), ValueError, "inv_dtype=float16 cannot hold.*bfloat16"),
     (dict(inv_dtype=jnp.float8_e4m3fn), ValueError, "inv_dtype=float8_e4m3fn cannot hold"),
@@ -80,6 +82,16 @@ def _setup(hidden=6):
 def _stats(model, params, x, **kwargs):
   return kfac_jax.value_grad_and_stats(
       lambda p: jnp.sum(model.apply({"params": p}, x, **kwargs)**2))(params)
+
+
+def test_a_complex_layer_is_refused_naming_it():
+  """The probes kept only the real part of complex inputs, silently."""
+  model = nn.Dense(3, dtype=jnp.complex64, param_dtype=jnp.complex64)
+  x = (jnp.ones((4, 5)) + 2j * jnp.ones((4, 5))).astype(jnp.complex64)
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  loss_fn = lambda p: jnp.sum(jnp.abs(model.apply({"params": p}, x))**2)
+  with pytest.raises(ValueError, match="layer ''.*complex.*skip_layers"):
+    kfac_jax.value_grad_and_stats(loss_fn)(params)
 
 
 def test_missing_stats_argument():

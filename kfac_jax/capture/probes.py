@@ -159,8 +159,15 @@ def record_call(calls: dict[str, list[Call]], counter: CallCounter, name: str,
   """Adds ``call`` to ``calls[name]`` unless a repeated trace already did.
 
   Every call of a layer is read with its first call's signature (the
-  factors' layout), so a call with another signature raises.
+  factors' layout), so a call with another signature raises; so does a
+  complex one (the probes would keep only the real part of its inputs).
   """
+  if any(jnp.issubdtype(array.dtype, jnp.complexfloating)
+         for array in (call.inputs, call.outputs)):
+    raise ValueError(
+        f"value_grad_and_stats: layer {name!r} runs on complex numbers "
+        f"(inputs {call.inputs.dtype}, outputs {call.outputs.dtype}), which "
+        f"K-FAC's real factors do not describe; {skip_advice(name)}.")
   index = counter.next(name)
   layer_calls = calls.setdefault(name, [])
   if index == len(layer_calls):

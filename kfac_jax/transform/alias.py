@@ -8,6 +8,7 @@ from typing import Any
 import optax
 
 from kfac_jax.transform.hyperparameters import (ScalarOrSchedule,
+                                                non_negative,
                                                 static_positive_integer)
 from kfac_jax.transform.scale_by_kfac import scale_by_kfac
 
@@ -33,16 +34,26 @@ def kfac(learning_rate: ScalarOrSchedule,
     nesterov: Nesterov momentum.
     **kfac_kwargs: any other ``scale_by_kfac`` argument.
   """
-  if isinstance(weight_decay, bool) or not isinstance(
-      weight_decay, numbers.Real) or not weight_decay >= 0:  # NaN fails too
-    raise ValueError(f"weight_decay must be a number >= 0; got "
-                     f"{weight_decay!r}.")
+  # optax.inject_hyperparams binds **kfac_kwargs as one argument of that
+  # name; its entries then stay static, as they must (accumulation_steps).
+  kfac_kwargs = {**kfac_kwargs.pop("kfac_kwargs", {}), **kfac_kwargs}
+  for name, value in (("weight_decay", weight_decay), ("momentum", momentum)):
+    if callable(value):
+      raise TypeError(f"{name} must be a number, not a schedule.")
+    if value is not None:
+      non_negative(name, value)
   # Built first: it validates kfac_kwargs (accumulation_steps included).
   preconditioner = scale_by_kfac(learning_rate=learning_rate, **kfac_kwargs)
+  # Only a Python zero drops a stage: under optax.inject_hyperparams the
+  # values are arrays (traced in a jitted update), and init and update must
+  # build the same chain.
+  is_zero = lambda value: value is None or (
+      isinstance(value, numbers.Real) and value == 0)
   first_order = optax.chain(
-      optax.add_decayed_weights(weight_decay) if weight_decay else
-      optax.identity(),
-      optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov))
+      optax.identity() if is_zero(weight_decay) else
+      optax.add_decayed_weights(weight_decay),
+      optax.sgd(learning_rate, momentum=None if is_zero(momentum) else
+                momentum, nesterov=nesterov))
   # NumPy integers count as in scale_by_kfac (else SGD would step on every
   # micro-batch while K-FAC holds).
   accumulation_steps = static_positive_integer(

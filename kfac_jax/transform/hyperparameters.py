@@ -73,6 +73,17 @@ def hyperparameter(name: str,
     sample = _call_schedule(name, value)
   else:
     sample = value
+  if isinstance(sample, jax.core.Tracer):
+    # optax.inject_hyperparams builds the transformation inside a jitted
+    # update from traced values: only their shape and kind can be checked.
+    kind_ok = (jnp.issubdtype(sample.dtype, jnp.integer) if integer else
+               jnp.issubdtype(sample.dtype, jnp.floating) or
+               jnp.issubdtype(sample.dtype, jnp.integer))
+    if sample.shape != () or not kind_ok:
+      raise TypeError(
+          f"{name} must be a {'n integer' if integer else ' real'} scalar; "
+          f"got a traced {sample.dtype} array of shape {sample.shape}.")
+    return Hyperparameter(name, value, integer)
   if isinstance(sample, bool) or not isinstance(
       sample, (numbers.Real, np.ndarray, jax.Array, np.generic)):
     raise TypeError(
@@ -120,6 +131,10 @@ def static_positive_integer(name: str, value: object) -> int:
   """A Python-side positive integer (NumPy integers accepted, bools not)."""
   if isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be a positive integer; got {value!r}.")
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+        f"{name} fixes the shape of the program and cannot be traced; with "
+        f"optax.inject_hyperparams, pass static_args=({name!r},).")
   try:
     integer = operator.index(value)
   except TypeError as e:
@@ -152,6 +167,11 @@ def floating_dtype(name: str, dtype: jnp.dtype | None) -> jnp.dtype | None:
   """Checks that ``dtype`` is a floating dtype (``None`` passes)."""
   if dtype is None:
     return None
+  if isinstance(dtype, (jax.Array, np.ndarray)):
+    raise TypeError(
+        f"{name} must be a dtype, got an array: with optax.inject_hyperparams "
+        f"pass it as a dtype instance (jnp.dtype(jnp.bfloat16): the scalar "
+        f"type is callable, taken for a schedule) or in static_args=({name!r},).")
   try:
     resolved = jnp.dtype(dtype)
   except TypeError as e:
@@ -160,6 +180,30 @@ def floating_dtype(name: str, dtype: jnp.dtype | None) -> jnp.dtype | None:
     raise ValueError(
         f"{name} must be a floating dtype such as jnp.float32 or "
         f"jnp.bfloat16; got {resolved}.")
+  return resolved
+
+
+def _narrower_than_float32(dtype: jnp.dtype) -> bool:
+  return jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp
+
+
+def factor_dtype(name: str, dtype: jnp.dtype | None) -> jnp.dtype | None:
+  """``floating_dtype`` with float32's exponent range (bfloat16 passes).
+
+  A factor holds second moments of activations and cotangents: an
+  activation of 256 already squares past float16's 65504, and the running
+  factor comes out infinite, is restarted at every decomposition step and
+  leaves the layer's curvature unknown.
+  """
+  resolved = floating_dtype(name, dtype)
+  if resolved is not None and _narrower_than_float32(resolved):
+    raise ValueError(
+        f"{name}={resolved} cannot hold the factors: their entries are "
+        "squares of activations and cotangents, past its largest value "
+        f"{jnp.finfo(resolved).max:g} for an activation of "
+        f"{float(np.sqrt(jnp.finfo(resolved).max)):.0f}. Use jnp.float32 "
+        "(the default) or jnp.bfloat16 (float32's range, half the memory; "
+        "see the README's Mixed precision).")
   return resolved
 
 
@@ -177,7 +221,7 @@ def preconditioner_dtype(name: str, dtype: jnp.dtype) -> jnp.dtype:
     raise TypeError(f"{name} must be a floating dtype such as jnp.float32; "
                     "got None.")
   info = jnp.finfo(resolved)
-  if info.maxexp < jnp.finfo(jnp.float32).maxexp:
+  if _narrower_than_float32(resolved):
     raise ValueError(
         f"{name}={resolved} cannot hold the preconditioners: entries of "
         f"(F + λI)⁻¹ reach 1/λ and factor eigenvalues can pass {info.max:g}, "

@@ -22,6 +22,7 @@ one, ``ρ = (L(θ + v) − L(θ)) / (M(v) − L(θ))`` (by default with the
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -97,6 +98,21 @@ class AdaptiveConfig(NamedTuple):
     if not isinstance(self, AdaptiveConfig):
       raise TypeError(f"adaptive must be a kfac_jax.AdaptiveConfig; got "
                       f"{type(self).__name__}.")
+    for name in ("min_damping", "max_damping", "damping_adaptation_decay"):
+      value = getattr(self, name)
+      if isinstance(value, (bool, np.bool_)) or not isinstance(
+          value, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"AdaptiveConfig.{name} must be a real number; got "
+                        f"{value!r} ({type(value).__name__}).")
+    # λ is float32 in the state: a floor that is 0 (or subnormal, which XLA
+    # may flush to 0) there would let λ reach 0, from which the rule's λ/ω
+    # can never grow back.
+    tiny = np.finfo(np.float32).tiny
+    if 0 < self.min_damping and not np.float32(self.min_damping) >= tiny:
+      raise ValueError(
+          f"AdaptiveConfig.min_damping={self.min_damping!r} is below "
+          f"float32's smallest normal number, {float(tiny):.3g} (λ is "
+          "float32): λ could reach 0 and stay there.")
     if not 0 < self.min_damping <= self.max_damping:
       raise ValueError(
           "AdaptiveConfig needs 0 < min_damping <= max_damping; got "

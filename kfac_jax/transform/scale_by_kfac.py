@@ -109,7 +109,7 @@ def scale_by_kfac(
     accumulation_steps: int = 1,
     skip_layers: Sequence[str] | str | None = None,
     factor_dtype: jnp.dtype | None = None,
-    inv_dtype: jnp.dtype = jnp.float32,
+    inv_dtype: jnp.dtype = jnp.dtype(jnp.float32),
     mesh_axes: str | Sequence[str] | None = None,
     grad_worker_fraction: DistributedStrategy | float = (
         DistributedStrategy.COMM_OPT),
@@ -165,7 +165,9 @@ def scale_by_kfac(
       float32): stored in it, and, when bfloat16, applied in it (operands
       rounded, products accumulated in float32;
       ``gradient_matrix.product_dtype``). It needs float32's range: float16
-      raises (``hyperparameters.preconditioner_dtype``).
+      raises (``hyperparameters.preconditioner_dtype``). The default is a
+      dtype instance, not the callable ``jnp.float32``, which
+      ``optax.inject_hyperparams`` would take for a schedule.
     mesh_axes: axis names of the mesh set by ``jax.set_mesh`` over which the
       decompositions and preconditioner memory are spread (KAISA); ``None``
       computes everything where the program runs.
@@ -297,7 +299,7 @@ def scale_by_kfac(
   find_layers = functools.partial(layers_lib.find_layers, skip=skip,
                                   table=table,
                                   include_embeddings=precondition_embeddings)
-  factor_dtype = hp.floating_dtype("factor_dtype", factor_dtype)
+  factor_dtype = hp.factor_dtype("factor_dtype", factor_dtype)
   inv_dtype = hp.preconditioner_dtype("inv_dtype", inv_dtype)
   if decomposition_batch_size is not None:
     decomposition_batch_size = hp.static_positive_integer(
@@ -507,7 +509,7 @@ def scale_by_kfac(
     if params_partition_specs is not None:
       sharded = _sharded_kernels(layers, placement_lib.check_params_specs(
           updates, params_partition_specs))
-    _check_state(layers, state)
+    _check_state(layers, state, accumulation_steps > 1, adaptive is not None)
     _check_preconditioners(state.preconditioners, jax.eval_shape(
         lambda: placement.init(layers_lib.blocks_of(layers))))
     active = _check_stats(kfac_stats, layers, skip, updates)
@@ -705,13 +707,25 @@ def _replace_layers(grads: Any, layers: Mapping[str, LayerInfo],
   return jax.tree_util.tree_map_with_path(replace, grads)
 
 
-def _check_state(layers: Mapping[str, LayerInfo],
-                 state: ScaleByKFACState) -> None:
-  """The state must have been made by ``init`` for these params."""
+def _check_state(layers: Mapping[str, LayerInfo], state: ScaleByKFACState,
+                 accumulating: bool, adaptive: bool) -> None:
+  """The state must have been made by ``init`` for these params and this
+  configuration."""
   if not isinstance(state, ScaleByKFACState):
     raise TypeError(
         "scale_by_kfac.update: expected the state made by its init, got "
         f"{type(state).__name__}.")
+  for field, needed, setting in (
+      ("accumulator", accumulating, "accumulation_steps > 1"),
+      ("quadratic_model", adaptive, "adaptive=AdaptiveConfig(...)")):
+    if (getattr(state, field) is not None) != needed:
+      raise ValueError(
+          f"scale_by_kfac.update: the state {'lacks' if needed else 'has'} "
+          f"the {field} that {setting} {'needs' if needed else 'makes'}, so "
+          f"it was made by a transformation {'without' if needed else 'with'} "
+          f"{setting}. Start from this transformation's tx.init(params) "
+          "(tx.init(params)._replace(factors=old_state.factors) keeps the "
+          "curvature gathered so far).")
   blocks = layers_lib.blocks_of(layers)
   missing = sorted(set(blocks) - set(state.factors))
   extra = sorted(set(state.factors) - set(blocks))
