@@ -137,6 +137,12 @@ def layer_name(path: Sequence[Any]) -> str:
   return "/".join(map(path_key_name, path))
 
 
+def skip_pattern(name: str) -> str:
+  """A ``skip_layers`` regex matching exactly the layer ``name`` (``"^$"``
+  for a root layer, whose name ``''`` would match every layer)."""
+  return f"^{re.escape(name)}$"
+
+
 def matches_any(patterns: Sequence[re.Pattern[str]], *texts: str) -> bool:
   """Whether any pattern ``re.search``-matches any of ``texts``."""
   return any(p.search(t) for p in patterns for t in texts)

@@ -25,7 +25,7 @@ import jax.extend
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kfac_jax.capture.layers import EMBEDDING, KERNEL, LayerInfo
+from kfac_jax.capture.layers import EMBEDDING, KERNEL, LayerInfo, skip_pattern
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
 
 # One call's (input probe, output perturbation).
@@ -149,7 +149,7 @@ def make_call(signature: LayerSignature, inputs: jax.Array,
 
 def skip_advice(name: str) -> str:
   """How to leave a layer the capture refuses to the chained optimizer."""
-  return (f"pass skip_layers=[{name!r}] to value_grad_and_stats, "
+  return (f"pass skip_layers=[{skip_pattern(name)!r}] to value_grad_and_stats, "
           "trace_layers and scale_by_kfac to leave it to the chained "
           "optimizer")
 

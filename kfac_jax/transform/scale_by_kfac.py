@@ -819,9 +819,12 @@ def _check_stats(stats: Mapping[str, LayerStatistics] | None,
       raise ValueError(
           f"kfac_stats has no entry for layer {name!r} (kernel "
           f"{layer.kernel_shape}), which the optimizer state holds. Either the "
-          "layer was not called in the loss (or is not a flax.linen Dense/Conv), "
-          f"or the stats come from another model. Add {name!r} to skip_layers "
-          "to leave it to the chained optimizer.")
+          "layer was not called in the loss (or is not a layer the capture "
+          "knows: Dense, DenseGeneral, Conv, Embed and NNX's Linear, "
+          "LinearGeneral, Conv, Embed), was skipped by the capture, or the "
+          "stats come from another model. Add "
+          f"{layers_lib.skip_pattern(name)!r} to skip_layers to leave it to "
+          "the chained optimizer.")
     signature = layer_stats.signature
     if layers_lib.matches_any(skip, signature.module_type):
       continue
@@ -857,7 +860,7 @@ def _check_shapes(name: str, layer: LayerInfo, stats: LayerStatistics) -> None:
         f"{expected[1]} and {expected[2]}. Scanned layers, grouped "
         "convolutions and DenseGeneral need the layer table: "
         "scale_by_kfac(..., layers=kfac_jax.trace_layers(loss_fn, params, "
-        f"*batch)). Or add {name!r} to skip_layers.")
+        f"*batch)). Or add {layers_lib.skip_pattern(name)!r} to skip_layers.")
   stack = layer.stack_ndim
   contracted = layer.contracted_shape
   problems = []
@@ -892,4 +895,4 @@ def _check_shapes(name: str, layer: LayerInfo, stats: LayerStatistics) -> None:
     raise ValueError(
         f"Layer {name!r}: kfac_stats disagree with the params: "
         f"{'; '.join(problems)}. Pass stats and grads from the same model, or "
-        f"add {name!r} to skip_layers.")
+        f"add {layers_lib.skip_pattern(name)!r} to skip_layers.")
