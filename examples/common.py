@@ -449,7 +449,7 @@ def base_parser(description: str, *, epochs: int, batch_size: int,
       description=description,
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--epochs", type=int, default=epochs,
-                      help="passes over the 60,000 training images")
+                      help="passes over the training set")
   parser.add_argument("--batch-size", type=int, default=batch_size,
                       help="examples per step (all optimizers)")
   parser.add_argument("--steps", type=int, default=None,
@@ -461,8 +461,8 @@ def base_parser(description: str, *, epochs: int, batch_size: int,
                       default=pathlib.Path("results"),
                       help="folder for the loss-curve PNG and the table")
   parser.add_argument("--eval-size", type=int, default=None,
-                      help="evaluate on the first N training and test images "
-                      "only, for quick runs (None: all)")
+                      help="evaluate on the first N examples of each "
+                      "evaluated split only, for quick runs (None: all)")
   parser.add_argument("--optimizers", default=optimizers,
                       help="comma-separated subset of kfac,kfac-adaptive,sgd,"
                       "adam,adamw (kfac-adaptive where the example splits "
@@ -510,12 +510,14 @@ def base_parser(description: str, *, epochs: int, batch_size: int,
 
 
 def build_optimizers(args: argparse.Namespace,
-                     layers: Mapping[str, kfac_jax.LayerInfo] | None = None
-                     ) -> list[Optimizer]:
+                     layers: Mapping[str, kfac_jax.LayerInfo] | None = None,
+                     adaptive: bool = False) -> list[Optimizer]:
   """K-FAC, SGD with momentum, Adam and AdamW from the shared flags.
 
   ``layers``: the layer table (``kfac_jax.trace_layers``) for models with
-  scanned layers, grouped convolutions or ``DenseGeneral``.
+  scanned layers, grouped convolutions or ``DenseGeneral``. ``adaptive``:
+  whether the example offers ``kfac-adaptive`` (it splits its loss and
+  samples its curvature).
   """
   kl_clip = args.kl_clip if args.kl_clip > 0 else None
   available = {
@@ -568,7 +570,14 @@ def build_optimizers(args: argparse.Namespace,
           description=(f"optax.adamw: lr {args.adam_lr:g}, betas (0.9, 0.999), "
                        f"weight_decay {args.weight_decay:g}")),
   }
+  if not adaptive:
+    del available["kfac-adaptive"]
   chosen = [s.strip().lower() for s in args.optimizers.split(",") if s.strip()]
+  if "kfac-adaptive" in chosen and not adaptive:
+    raise SystemExit(
+        "--optimizers kfac-adaptive: this example does not split its loss "
+        "into network and loss (kfac_jax.SplitLoss) nor sample Gauss-Newton "
+        "curvature; examples/mnist_autoencoder.py does.")
   unknown = sorted(set(chosen) - set(available))
   if unknown or not chosen:
     raise SystemExit(f"--optimizers: unknown {unknown}; use a comma-separated "

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     squared_error = jnp.sum((jax.nn.sigmoid(logits) - x)**2, axis=-1)
     return reconstruction_losses(logits, x), squared_error
 
-  optimizers = common.build_optimizers(args)
+  optimizers = common.build_optimizers(args, adaptive=True)
   steps = common.num_steps(len(mnist.x_train), args.batch_size, args.epochs,
                            args.steps)
   print(f"MNIST autoencoder 784-1000-500-250-30-250-500-1000-784: "

@@ -155,13 +155,18 @@ def main(argv: list[str] | None = None) -> int:
   example = (x_train[:args.batch_size], y_train[:args.batch_size])
   table = kfac_jax.trace_layers(loss_fn, params, *example)
   optimizers = common.build_optimizers(args, layers=table)
+  # The table lists the embedding too, which K-FAC leaves to SGD here
+  # (precondition_embeddings=False).
+  preconditioned = [layer for layer in table.values()
+                    if layer.kernel_key != "embedding"]
   steps = common.num_steps(len(x_train), args.batch_size, args.epochs,
                            args.steps)
   print(f"Tiny Shakespeare, {vocab_size} characters, transformer width "
         f"{args.width} x {args.depth} scanned blocks: {args.epochs} epoch(s) "
         f"capped at {steps} steps of {args.batch_size} x {args.context} "
-        f"characters; K-FAC preconditions {len(table)} layers "
-        f"({sum(l.num_blocks for l in table.values())} Kronecker blocks); "
+        f"characters; K-FAC preconditions {len(preconditioned)} layers "
+        f"({sum(l.num_blocks for l in preconditioned)} Kronecker blocks; "
+        "not the embedding); "
         f"{common.describe_setup()}", flush=True)
 
   results = common.compare(

@@ -44,7 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"),
                  help="the results table is written to <out>/sharded_mnist.md")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  for flag in ("steps", "batch_size", "eval_size", "devices"):
+    if getattr(args, flag) < 1:
+      raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1.")
+  return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,9 @@ def test_example_runs(script: str, stem: str, names: tuple[str, ...],
     assert name in rows, f"{name} missing from the table:\n{result.stdout}"
     steps = rows[name][rows["optimizer"].index("steps")]
     assert steps == "3"
+    # Losses and metrics came out as numbers.
+    assert not {c.lower() for c in rows[name]} & {"nan", "inf", "-inf"}, (
+        rows[name])
 
 
 def test_resnet_example_falls_back_to_digits_without_cifar10(
