@@ -597,9 +597,52 @@ def gradient_from_stats(axis_type: AxisType) -> None:
                     "batch over 8 devices")
 
 
+def edges(axis_type: AxisType) -> None:
+  """An update called outside jit with mesh_axes naming one of two axes
+  (jax ran such a shard_map only under jit); a model whose layers are all
+  skipped (a zero-size all_gather failed to compile); a params spec naming
+  an axis the mesh lacks (a bare KeyError)."""
+  params, loss_fn, (x, y) = conv_problem()
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x[0], y[0])
+  local = kfac_jax.scale_by_kfac(damping=0.01)
+  expected, _ = local.update(grads, local.init(params), params,
+                             kfac_stats=stats)
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+  with jax.set_mesh(mesh):
+    placed = jax.device_put((params, grads, stats),
+                            NamedSharding(mesh, PartitionSpec()))
+    for strategy in STRATEGIES:
+      for mesh_axes in ("data", "model"):
+        tx = kfac_jax.scale_by_kfac(damping=0.01, mesh_axes=mesh_axes,
+                                    grad_worker_fraction=strategy)
+        updates, _ = tx.update(placed[1], tx.init(placed[0]), placed[0],
+                               kfac_stats=placed[2])
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b,
+                                                             **TOLERANCE),
+                     updates, expected)
+
+      skipping = kfac_jax.scale_by_kfac(mesh_axes=("data", "model"),
+                                        grad_worker_fraction=strategy,
+                                        skip_layers=[""])
+      updates, state = jax.jit(lambda g, s, p, st, tx=skipping: tx.update(
+          g, s, p, kfac_stats=st))(placed[1], skipping.init(placed[0]),
+                                   placed[0], placed[2])
+      assert not state.factors and int(state.rejected_decompositions) == 0
+      jax.tree.map(np.testing.assert_array_equal, updates, grads)
+
+    specs = jax.tree.map(lambda _: PartitionSpec(), params)
+    specs["Dense_0"]["kernel"] = PartitionSpec(None, "fsdp")
+    try:
+      kfac_jax.scale_by_kfac(params_partition_specs=specs).init(placed[0])
+    except ValueError as error:
+      assert "['fsdp'], not axes of the mesh" in str(error), error
+    else:
+      raise AssertionError("no ValueError for an axis the mesh lacks")
+
+
 PROGRAMS = {f.__name__: f for f in (adaptive, equality, fsdp, local_fsdp,
                                     mixed, division, specs, checkpoint, blocks,
-                                    gradient_from_stats)}
+                                    gradient_from_stats, edges)}
 
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()

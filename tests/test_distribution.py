@@ -47,6 +47,12 @@ def test_every_strategy_on_every_mesh_equals_one_device(axis_type):
 
 
 @pytest.mark.multidevice
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_eager_update_on_a_subset_of_axes_and_other_mesh_edges(axis_type):
+  run_on_eight_devices("edges", axis_type)
+
+
+@pytest.mark.multidevice
 def test_fsdp_sharded_kernels_train_as_one_device_and_keep_their_specs():
   # Auto axes: on Explicit axes a Flax linen model with sharded kernels needs
   # sharding annotations of its own before it runs at all.

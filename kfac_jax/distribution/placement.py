@@ -188,12 +188,12 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
             device // g, groups, gathered)
       return row[None], rejected
 
-    # check_vma=False: rows are replicated within groups by construction,
-    # which the replication checker cannot see through lax.switch.
-    rows, rejected = jax.shard_map(
+    if size == 0:  # No layers: nothing to decompose (nor to gather).
+      return previous, jnp.zeros([], jnp.int32)
+    rows, rejected = _manual(
         body, in_specs=(PartitionSpec(), rows_spec, PartitionSpec()),
-        out_specs=(rows_spec, PartitionSpec()), axis_names=set(axes),
-        check_vma=False)(dict(factors), previous.rows, damping)
+        out_specs=(rows_spec, PartitionSpec()),
+        axes=axes)(dict(factors), previous.rows, damping)
     return ShardedPreconditioners(rows), rejected
 
   def precondition(dims, preconditioners, gradients, damping, sharded):
@@ -228,8 +228,8 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
       return {name: layout_lib.unpack(shared[name], plan.templates[name])
               for name in names}
 
-    return jax.shard_map(body, in_specs=rows_spec, out_specs=PartitionSpec(),
-                         axis_names=set(axes), check_vma=False)(rows)
+    return _manual(body, in_specs=rows_spec, out_specs=PartitionSpec(),
+                   axes=axes)(rows)
 
   def precondition_gathered(plan: ShardedLayout, rows: jax.Array,
                             gradients: Mapping[str, jax.Array],
@@ -249,10 +249,9 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
       return {name: shared[name].reshape(g.shape)
               for name, g in gradients.items()}
 
-    return jax.shard_map(
+    return _manual(
         body, in_specs=(rows_spec, PartitionSpec(), PartitionSpec()),
-        out_specs=PartitionSpec(), axis_names=set(axes),
-        check_vma=False)(rows, dict(gradients), damping)
+        out_specs=PartitionSpec(), axes=axes)(rows, dict(gradients), damping)
 
   def per_layer(dims, preconditioners):
     plan = layout(dims)
@@ -270,6 +269,20 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
   return Placement(init, decompose, precondition, per_layer, partition_specs)
 
 
+def _manual(body: Callable[..., Any], in_specs: Any, out_specs: Any,
+            axes: tuple[str, ...]) -> Callable[..., Any]:
+  """``body`` under ``jax.shard_map``, manual over ``axes`` only.
+
+  Jitted: jax 0.9 runs a ``shard_map`` manual over a subset of the mesh's
+  axes only inside ``jit`` (an update called eagerly failed); inside a
+  traced step the ``jit`` is inlined. ``check_vma=False``: rows are
+  replicated within groups by construction, which the replication checker
+  cannot see through ``lax.switch``.
+  """
+  return jax.jit(jax.shard_map(body, in_specs=in_specs, out_specs=out_specs,
+                               axis_names=set(axes), check_vma=False))
+
+
 def context_mesh(axes: tuple[str, ...]) -> jax.sharding.AbstractMesh:
   """The mesh of ``jax.set_mesh``; a clear error when there is none."""
   mesh = jax.sharding.get_abstract_mesh()
@@ -282,6 +295,13 @@ def context_mesh(axes: tuple[str, ...]) -> jax.sharding.AbstractMesh:
   return mesh
 
 
+def named_axes(spec: PartitionSpec) -> list[str]:
+  """The mesh axes a spec names (``None`` and ``UNCONSTRAINED`` name none)."""
+  return [name for entry in spec
+          for name in ((entry,) if isinstance(entry, str) else
+                       entry if isinstance(entry, tuple) else ())]
+
+
 def constrain(x: jax.Array, spec: PartitionSpec,
               axes: tuple[str, ...]) -> jax.Array:
   """Places ``x`` as ``spec`` on the context mesh, Explicit or Auto axes.
@@ -291,9 +311,7 @@ def constrain(x: jax.Array, spec: PartitionSpec,
   names decide (a mesh may mix both kinds); a spec naming both raises.
   """
   mesh = context_mesh(axes)
-  named = [name for entry in spec
-           for name in ((entry,) if isinstance(entry, str) else
-                        entry if isinstance(entry, tuple) else ())]
+  named = named_axes(spec)
   explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
               if kind == jax.sharding.AxisType.Explicit}
   if not named:  # Replicated: the mesh's own kind of placement.
@@ -329,6 +347,7 @@ def check_params_specs(params: Any, params_specs: Any) -> Any:
         f"params {params_structure}.")
   specs = jax.tree.map(lambda s: PartitionSpec() if s is None else s,
                        params_specs, is_leaf=is_spec)
+  mesh = jax.sharding.get_abstract_mesh()
   for (path, leaf), spec in zip(
       jax.tree_util.tree_flatten_with_path(params)[0],
       jax.tree.leaves(specs, is_leaf=is_spec)):
@@ -336,6 +355,12 @@ def check_params_specs(params: Any, params_specs: Any) -> Any:
       raise ValueError(
           f"params_partition_specs at {jax.tree_util.keystr(path)}: {spec} "
           f"has more entries than the array's {jnp.ndim(leaf)} dimensions.")
+    missing = [a for a in named_axes(spec) if a not in mesh.axis_names]
+    if not mesh.empty and missing:
+      raise ValueError(
+          f"params_partition_specs at {jax.tree_util.keystr(path)}: {spec} "
+          f"names {missing}, not axes of the mesh, whose axes are "
+          f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}.")
   return specs
 
 
