@@ -226,14 +226,14 @@ def find_layers(params: Any,
     kernel = node.get(key)
     if _is_masked(kernel):
       return  # the chain gives K-FAC no part of this layer
-    if _is_masked(node.get(BIAS)) and kernel is not None:
-      raise ValueError(
-          f"Layer {name!r}: its bias is masked out of K-FAC's part of the "
-          "chain (optax.masked, optax.multi_transform) but not its kernel. "
-          "K-FAC preconditions them together (A has the bias row): mask "
-          "both or neither.")
     if kernel is not None and not isinstance(kernel, Mapping) and len(
         kernel.shape) >= 2 and not is_skipped_path(path, skip):
+      if _is_masked(node.get(BIAS)):
+        raise ValueError(
+            f"Layer {name!r}: its bias is masked out of K-FAC's part of the "
+            "chain (optax.masked, optax.multi_transform) but not its kernel. "
+            "K-FAC preconditions them together (A has the bias row): mask "
+            "both or neither.")
       layer = LayerInfo(
           name=name,
           path=path,

@@ -73,32 +73,28 @@ def hyperparameter(name: str,
     sample = _call_schedule(name, value)
   else:
     sample = value
-  if isinstance(sample, jax.core.Tracer):
-    # optax.inject_hyperparams builds the transformation inside a jitted
-    # update from traced values: only their shape and kind can be checked.
-    kind_ok = (jnp.issubdtype(sample.dtype, jnp.integer) if integer else
-               jnp.issubdtype(sample.dtype, jnp.floating) or
-               jnp.issubdtype(sample.dtype, jnp.integer))
-    if sample.shape != () or not kind_ok:
-      raise TypeError(
-          f"{name} must be a {'n integer' if integer else ' real'} scalar; "
-          f"got a traced {sample.dtype} array of shape {sample.shape}.")
-    return Hyperparameter(name, value, integer)
   if isinstance(sample, bool) or not isinstance(
       sample, (numbers.Real, np.ndarray, jax.Array, np.generic)):
     raise TypeError(
         f"{name} must be a real number or a callable of the step count "
         f"returning one; got {sample!r}{source} of type {type(sample).__name__}.")
-  array = np.asarray(sample)
-  kind_ok = (np.issubdtype(array.dtype, np.integer) if integer else
-             np.issubdtype(array.dtype, np.number) and
-             not np.issubdtype(array.dtype, np.complexfloating))
-  if array.shape != () or not kind_ok:
+  # optax.inject_hyperparams builds the transformation inside a jitted update
+  # from traced values: only their shape and kind can be checked.
+  traced = isinstance(sample, jax.core.Tracer)
+  shape, dtype = ((sample.shape, sample.dtype) if traced else
+                  (np.shape(sample), np.asarray(sample).dtype))
+  kind_ok = (jnp.issubdtype(dtype, jnp.integer) if integer else
+             jnp.issubdtype(dtype, jnp.number) and
+             not jnp.issubdtype(dtype, jnp.complexfloating))
+  if shape != () or not kind_ok:
     expected = "an integer scalar" if integer else "a real scalar"
     raise TypeError(
         f"{name} must be {expected}; got {sample!r}{source} with shape "
-        f"{array.shape} and dtype {array.dtype}.")
-  scalar = array.item()
+        f"{shape} and dtype {dtype}.")
+  if traced:
+    return Hyperparameter(name, value, integer)
+  given = np.asarray(sample).item()
+  scalar = given
   # Checked as update will use it: int32 for intervals, float32 otherwise.
   if integer:
     representable = scalar <= np.iinfo(np.int32).max
@@ -109,7 +105,7 @@ def hyperparameter(name: str,
   if not representable or not is_valid(scalar):
     raise ValueError(
         f"{name} must be {requirement} (as {'int32' if integer else 'float32'}); "
-        f"got {array.item()!r}{source}.")
+        f"got {given!r}{source}.")
   return Hyperparameter(name, value, integer)
 
 
