@@ -249,16 +249,19 @@ def test_unregistered_gradients_pass_through_and_skip_layers():
       assert same == (name not in preconditioned), (skip, layers, name)
 
 
+@pytest.mark.parametrize("labels_as", ["leaves", "prefix"])
 @pytest.mark.parametrize("wrap", ["multi_transform", "masked"])
-def test_layers_masked_out_by_the_chain_are_left_alone(wrap):
+def test_layers_masked_out_by_the_chain_are_left_alone(wrap, labels_as):
   """K-FAC on the body, Adam on the head (multi_transform), or K-FAC masked
   to the body: equal to K-FAC skipping the head (init once crashed on
-  optax.MaskedNode)."""
+  optax.MaskedNode). Labels per leaf, or per module (a prefix of the params,
+  as optax allows: update once raised on the head's stats)."""
   params, batches, loss_fn, _ = make_problem("mlp", True)
   x, y = next(batches)
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
-  labels = {name: jax.tree.map(lambda _, name=name: (
-      "adam" if name == "Dense_1" else "kfac"), leaves)
+  label = lambda name: "adam" if name == "Dense_1" else "kfac"
+  labels = {name: (label(name) if labels_as == "prefix" else
+                   jax.tree.map(lambda _, name=name: label(name), leaves))
             for name, leaves in params.items()}
   body = kfac_jax.kfac(LEARNING_RATE, damping=DAMPING)
   if wrap == "multi_transform":

@@ -270,13 +270,20 @@ def _is_masked(leaf: Any) -> bool:
 
 def is_masked_layer(params: Any, path: tuple[str, ...]) -> bool:
   """Whether the layer at ``path`` is masked out of ``params`` (its kernel
-  or embedding table withheld by the chain)."""
+  or embedding table withheld by the chain).
+
+  optax takes mask and label trees that are prefixes of the params, and then
+  withholds a whole module (or more) as one placeholder: one on the path
+  masks the layer too.
+  """
   node = params
   for key in path:
+    if _is_masked(node):
+      return True
     if not isinstance(node, Mapping) or key not in node:
       return False
     node = node[key]
-  return isinstance(node, Mapping) and any(
+  return _is_masked(node) or isinstance(node, Mapping) and any(
       _is_masked(node.get(key)) for key in (KERNEL, EMBEDDING))
 
 
