@@ -110,7 +110,27 @@ class _ShapeRecorder:
   # Embed layers also called through attend (tied output weights).
   attended: set[str] = dataclasses.field(default_factory=set)
 
+  # Whether the model.apply running now is under a jax.vmap in the loss that
+  # broadcasts its params: then every captured layer inside, lifted
+  # (nn.scan/nn.remat/nn.vmap) or not, sums its rows over the mapped axis.
+  # Inside a lifted transform the layer's own inputs are that transform's
+  # tracers, not the vmap's, so the per-layer check below cannot see it.
+  vmapped_apply: bool = False
+
   def __call__(self, next_fun, args, kwargs, context):
+    if context.module.path:
+      return self._intercept(next_fun, args, kwargs, context)
+    previous = self.vmapped_apply  # the root module: a model.apply
+    params = context.module.variables.get("params", {})
+    self.vmapped_apply = any(
+        probes_lib.batch_traced(x) for x in jax.tree.leaves((args, kwargs))
+    ) and not any(probes_lib.batch_traced(x) for x in jax.tree.leaves(params))
+    try:
+      return self._intercept(next_fun, args, kwargs, context)
+    finally:
+      self.vmapped_apply = previous
+
+  def _intercept(self, next_fun, args, kwargs, context):
     if (isinstance(context.module, nn.Embed) and
         context.method_name == "attend"):
       self.attended.add(layers.layer_name(tuple(context.module.path)))
@@ -136,11 +156,21 @@ class _ShapeRecorder:
           "with the params it is given as the root of the 'params' "
           "collection (model.apply({'params': params}, ...)).")
     # Lifted transforms (nn.scan) slice leading kernel axes off inside.
-    signature = _signature(module, inputs,
-                           len(kernel.shape) - len(inner_kernel.shape))
-    if (signature is not None and signature.stack_ndim == 0 and
+    stack_ndim = len(kernel.shape) - len(inner_kernel.shape)
+    if stack_ndim < 0 or tuple(kernel.shape[stack_ndim:]) != tuple(
+        inner_kernel.shape):
+      raise ValueError(
+          f"value_grad_and_stats: layer {name!r} ({type(module).__name__}) "
+          f"has {key} {tuple(kernel.shape)} in the params but "
+          f"{tuple(inner_kernel.shape)} where it runs: a lifted transform "
+          "(nn.scan, nn.vmap) slices it on an axis other than the leading "
+          "ones. Lift it with variable_axes={'params': 0}, or "
+          f"{probes_lib.skip_advice(name)}.")
+    signature = _signature(module, inputs, stack_ndim)
+    if signature is not None and (self.vmapped_apply or (
+        signature.stack_ndim == 0 and
         probes_lib.trace_state() != self.top_trace and
-        (probes_lib.batch_traced(inputs) or probes_lib.batch_traced(outputs))):
+        (probes_lib.batch_traced(inputs) or probes_lib.batch_traced(outputs)))):
       raise ValueError(
           f"value_grad_and_stats: layer {name!r} runs under a jax.vmap (or "
           "nn.vmap) inside the loss with its params broadcast, so its "
