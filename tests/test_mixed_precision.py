@@ -113,6 +113,20 @@ def test_factors_of_a_bf16_model_default_to_float32():
       assert error < tolerance
 
 
+def test_float64_factors_are_averaged_in_float64():
+  # The average ran in float32 whatever the storage: float64 factors held
+  # float32's precision (5e-5 off after 20,000 steps at decay 0.999).
+  with jax.enable_x64(True):
+    running = LayerFactors(jnp.full((2, 2), 1 + 1e-12, jnp.float64),
+                           jnp.ones((1, 1), jnp.float64))
+    batch = LayerFactors(jnp.full((2, 2), 0.3), jnp.full((1, 1), 0.3))
+    updated = update_factors(running, batch, jnp.float64(0.999))
+    assert updated.activation_factor.dtype == jnp.float64
+    expected = 0.999 * (1 + 1e-12) + 0.001 * 0.3
+    np.testing.assert_allclose(np.asarray(updated.activation_factor),
+                               expected, rtol=1e-15)
+
+
 def test_bf16_model_trains_on_digits():
   x, y = digits()
   model = MLP()

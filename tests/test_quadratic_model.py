@@ -283,6 +283,45 @@ def test_non_finite_gradients_emit_zeros_and_raise_the_damping():
   assert all(np.isfinite(h[-1]) for h in history)
 
 
+@pytest.mark.parametrize("field", ["damping", "previous_update"])
+def test_a_restored_non_finite_lambda_or_delta_recovers(field):
+  # Clipping kept a NaN λ and a rejected step kept a NaN δ: every later
+  # update was zero. Now λ restarts at max_damping and δ at zeros.
+  params, batch, split, loss_fn = sigmoid_problem()
+  tx = adaptive_tx(damping=1.0)
+  params_1, state_1, _ = run_steps(tx, params, batch, split, loss_fn, 2)
+  model = state_1.quadratic_model
+  model = model._replace(**{field: jax.tree.map(
+      lambda x: jnp.full_like(x, jnp.nan), getattr(model, field))})
+  state_1 = state_1._replace(quadratic_model=model)
+  _, state, history = run_steps(tx, params_1, batch, split, loss_fn, 3,
+                                initial_state=state_1)
+  rejected, later = history[0][2], [h[2] for h in history[1:]]
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(rejected))
+  assert all(np.any(np.asarray(u) != 0) for u in later
+             for u in jax.tree.leaves(u))
+  assert all(np.all(np.isfinite(np.asarray(leaf)))
+             for leaf in jax.tree.leaves(state))
+  if field == "damping":
+    # max_damping after the rejected step, then λ·ω or λ or λ/ω: clipped.
+    assert float(history[1][1].quadratic_model.damping) == 1000.0
+  assert history[-1][-1] < history[0][-1]
+
+
+def test_an_injected_initial_damping_is_traced_in_a_jitted_update():
+  # Its range check ran on the tracer: TracerBoolConversionError.
+  params, batch, split, loss_fn = sigmoid_problem()
+  tx = optax.inject_hyperparams(kfac_jax.scale_by_kfac,
+                                static_args=("accumulation_steps",))(
+      damping=0.5, kl_clip=None, compute_eigenvalue_outer_product=False,
+      adaptive=kfac_jax.AdaptiveConfig())
+  _, state, _ = run_steps(tx, params, batch, split, loss_fn, 1)
+  _, expected, _ = run_steps(adaptive_tx(damping=0.5), params, batch, split,
+                             loss_fn, 1)
+  np.testing.assert_allclose(float(state.inner_state.quadratic_model.damping),
+                             float(expected.quadratic_model.damping))
+
+
 def test_adaptive_kfac_fits_a_learnable_problem():
   """Sanity: the loss falls steadily and λ moves down from its start."""
   params, batch, split, loss_fn = sigmoid_problem(batch=64)
@@ -315,6 +354,8 @@ def test_incompatible_settings_are_rejected(kwargs, error, match):
     (dict(damping_adaptation_interval=0), "interval"),
     # 0 in float32: λ then reached 0 and updates stayed 0.
     (dict(min_damping=1e-50), "min_damping=1e-50 is below float32"),
+    # inf in float32: λ reached it and every later update was zero.
+    (dict(max_damping=1e39), "max_damping=1e\\+39 is past float32"),
 ])
 def test_invalid_adaptive_config(config, match):
   with pytest.raises(ValueError, match=match):
@@ -377,6 +418,15 @@ def test_factored_damping_splits_lambda_by_the_trace_ratio():
       np.linalg.inv(activation + pi * np.sqrt(damping) * np.eye(5)) @ grad @
       np.linalg.inv(gradient + np.sqrt(damping) / pi * np.eye(3)))
   np.testing.assert_allclose(result, expected, rtol=1e-4)
+
+
+def test_factored_damping_of_far_apart_traces_does_not_overflow():
+  # tr A/dA ÷ tr G/dG = 1e40 overflowed float32 (π = 1e20 does not): π = ∞
+  # zeroed A's side and G's inverse, and the layer stopped moving.
+  scaled = inverse_lib.factored_damping_scaled(
+      LayerFactors(1e20 * jnp.eye(3), 1e-20 * jnp.eye(2)), jnp.float32(1.0))
+  np.testing.assert_allclose(scaled.activation_factor, np.eye(3), rtol=1e-5)
+  np.testing.assert_allclose(scaled.gradient_factor, np.eye(2), rtol=1e-5)
 
 
 def test_partition_specs_cover_the_quadratic_model_state():

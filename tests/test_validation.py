@@ -39,10 +39,19 @@ import kfac_jax
     (dict(inv_dtype=jnp.float16), ValueError, "inv_dtype=float16 cannot hold.*bfloat16"),
     (dict(inv_dtype=jnp.float8_e4m3fn), ValueError, "inv_dtype=float8_e4m3fn cannot hold"),
     (dict(inv_dtype=None), TypeError, "inv_dtype must be a floating dtype"),
+    # float32's range but no mantissa, sign or zero: eye(2) stored as NaNs.
+    (dict(inv_dtype=jnp.float8_e8m0fnu), ValueError, "inv_dtype=float8_e8m0fnu cannot store"),
+    (dict(factor_dtype=jnp.float8_e8m0fnu), ValueError, "factor_dtype=float8_e8m0fnu cannot store"),
 ])
 def test_bad_configuration(kwargs, error, match):
   with pytest.raises(error, match=match):
     kfac_jax.scale_by_kfac(**kwargs)
+
+
+def test_the_kfac_alias_refuses_the_adaptive_mode():
+  # Its SGD multiplied the adaptive update by -lr: the loss went up.
+  with pytest.raises(ValueError, match=r"kfac\(adaptive=...\).*scale_by_kfac"):
+    kfac_jax.kfac(0.1, kl_clip=None, adaptive=kfac_jax.AdaptiveConfig())
 
 
 def test_partition_specs_reject_a_float16_inv_dtype():

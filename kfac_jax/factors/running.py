@@ -47,13 +47,15 @@ def update_factors(factors: LayerFactors, batch: LayerFactors,
   ``s = d`` or 1: ``F`` is read once and never selected between, so the
   average fuses with whatever produced ``F`` (``restart``) into one pass
   over the factor, and a non-finite ``F_batch`` that is not applied cannot
-  leak in. The storage dtype is kept.
+  leak in. The storage dtype is kept, and the average runs in it or in
+  float32, whichever is wider (float64 factors keep float64's precision).
   """
   scale = jnp.where(apply, decay, 1.0)
 
   def average(running: jax.Array, new: jax.Array) -> jax.Array:
-    added = jnp.where(apply, (1 - decay) * new.astype(jnp.float32), 0.0)
-    return (scale * running.astype(jnp.float32) + added).astype(running.dtype)
+    dtype = jnp.promote_types(running.dtype, jnp.float32)
+    added = jnp.where(apply, (1 - decay) * new.astype(dtype), 0.0)
+    return (scale * running.astype(dtype) + added).astype(running.dtype)
 
   return LayerFactors(*map(average, factors, batch))
 

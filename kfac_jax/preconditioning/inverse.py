@@ -150,8 +150,11 @@ def factored_damping_scaled(factors: LayerFactors,
   activation_mean = jnp.mean(diagonal(activation))
   gradient_mean = jnp.mean(diagonal(gradient))
   # A zero factor (a dead layer) gets π = 1 rather than 0 or ∞.
+  # √a/√g, not √(a/g): the ratio overflows float32 for π past ~1.8e19
+  # (large activations, small cotangents), π = ∞ zeroed A's side and made
+  # G's inverse zero, a finite preconditioner that froze the layer.
   pi = jnp.where((activation_mean > 0) & (gradient_mean > 0),
-                 jnp.sqrt(activation_mean / jnp.where(
+                 jnp.sqrt(activation_mean) / jnp.sqrt(jnp.where(
                      gradient_mean > 0, gradient_mean, 1.0)), 1.0)
   root = jnp.sqrt(damping)
   return LayerFactors(activation / (pi * root), gradient * (pi / root))

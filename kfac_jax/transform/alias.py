@@ -37,6 +37,13 @@ def kfac(learning_rate: ScalarOrSchedule,
   # optax.inject_hyperparams binds **kfac_kwargs as one argument of that
   # name; its entries then stay static, as they must (accumulation_steps).
   kfac_kwargs = {**kfac_kwargs.pop("kfac_kwargs", {}), **kfac_kwargs}
+  if kfac_kwargs.get("adaptive") is not None:
+    # Its output is the final update; SGD's -lr would flip and shrink it.
+    raise ValueError(
+        "kfac(adaptive=...): the adaptive mode's output is the final "
+        "parameter update, which this alias's SGD would rescale by "
+        "-learning_rate. Use kfac_jax.scale_by_kfac(adaptive=..., "
+        "kl_clip=None) alone and apply its updates.")
   for name, value in (("weight_decay", weight_decay), ("momentum", momentum)):
     if callable(value):
       raise TypeError(f"{name} must be a number, not a schedule.")

@@ -183,6 +183,19 @@ def _narrower_than_float32(dtype: jnp.dtype) -> bool:
   return jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp
 
 
+# float32's exponent range is not enough: float8_e8m0fnu has it, with no
+# mantissa, sign or zero (the identity stored in it is NaN off the diagonal).
+STORAGE_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float32, jnp.float64)))
+
+
+def _check_storage(name: str, dtype: jnp.dtype) -> jnp.dtype:
+  if dtype not in STORAGE_DTYPES:
+    raise ValueError(
+        f"{name}={dtype} cannot store K-FAC's factors or preconditioners; use "
+        "jnp.float32 (the default), jnp.bfloat16 or jnp.float64.")
+  return dtype
+
+
 def factor_dtype(name: str, dtype: jnp.dtype | None) -> jnp.dtype | None:
   """``floating_dtype`` with float32's exponent range (bfloat16 passes).
 
@@ -200,7 +213,7 @@ def factor_dtype(name: str, dtype: jnp.dtype | None) -> jnp.dtype | None:
         f"{float(np.sqrt(jnp.finfo(resolved).max)):.0f}. Use jnp.float32 "
         "(the default) or jnp.bfloat16 (float32's range, half the memory; "
         "see the README's Mixed precision).")
-  return resolved
+  return resolved if resolved is None else _check_storage(name, resolved)
 
 
 def preconditioner_dtype(name: str, dtype: jnp.dtype) -> jnp.dtype:
@@ -224,4 +237,4 @@ def preconditioner_dtype(name: str, dtype: jnp.dtype) -> jnp.dtype:
         "its largest value, so decompositions would be rejected and layers "
         "left unpreconditioned. Use jnp.bfloat16 (float32's range, half the "
         "memory; KAISA's float16 inv_dtype maps to it) or jnp.float32.")
-  return resolved
+  return _check_storage(name, resolved)

@@ -113,6 +113,12 @@ class AdaptiveConfig(NamedTuple):
           f"AdaptiveConfig.min_damping={self.min_damping!r} is below "
           f"float32's smallest normal number, {float(tiny):.3g} (λ is "
           "float32): λ could reach 0 and stay there.")
+    if not np.isfinite(np.float32(self.max_damping)):
+      raise ValueError(
+          f"AdaptiveConfig.max_damping={self.max_damping!r} is past float32's "
+          f"largest value, {float(np.finfo(np.float32).max):.3g} (λ is "
+          "float32): λ could reach inf, where every update is zero and λ/ω "
+          "never comes back.")
     if not 0 < self.min_damping <= self.max_damping:
       raise ValueError(
           "AdaptiveConfig needs 0 < min_damping <= max_damping; got "
@@ -241,12 +247,15 @@ def adapt_damping(damping: jax.Array, reduction_ratio: jax.Array,
                   config: AdaptiveConfig) -> jax.Array:
   """Levenberg-Marquardt: ``λ·ω`` if ``ρ > ¾``, ``λ/ω`` if ``ρ < ¼`` or ρ is NaN.
 
-  ``ω = decay^interval``; the result is clipped to ``[min, max]``.
+  ``ω = decay^interval``; the result is clipped to ``[min, max]``. A NaN λ
+  (a corrupted restore: clipping keeps NaN, and every step would be
+  rejected) restarts at ``max_damping``, the cautious end.
   """
   omega = config.damping_adaptation_decay**config.damping_adaptation_interval
   new = jnp.where(reduction_ratio > 0.75, damping * omega,
                   jnp.where(reduction_ratio >= 0.25, damping, damping / omega))
-  return jnp.clip(new, config.min_damping, config.max_damping)
+  return jnp.where(jnp.isnan(new), config.max_damping,
+                   jnp.clip(new, config.min_damping, config.max_damping))
 
 
 def step(state: QuadraticModelState, direction: Any, gradients: Any,
@@ -305,9 +314,14 @@ def step(state: QuadraticModelState, direction: Any, gradients: Any,
                     state.damping),
       adapt_damping(state.damping, jnp.asarray(jnp.nan, jnp.float32), config))
   update = finite.select(ok, update, optax.tree.zeros_like(previous))
+  # A rejected step keeps δ, unless δ itself is what is non-finite (a
+  # corrupted restore), which would reject every later step: then zeros.
+  kept = jax.lax.cond(ok, lambda: previous, lambda: finite.select(
+      finite.all_finite(previous), previous,
+      optax.tree.zeros_like(previous)))
   new_state = QuadraticModelState(
       damping=damping,
-      previous_update=finite.select(ok, update, previous),
+      previous_update=finite.select(ok, update, kept),
       step_sizes=jnp.where(ok, coefficients, jnp.zeros_like(coefficients)),
       reduction_ratio=ratio)
   return update, new_state

@@ -282,7 +282,10 @@ def scale_by_kfac(
           "scale_by_kfac(adaptive=...): damping is the initial λ, which the "
           "Levenberg-Marquardt rule then adapts; pass a number, not a "
           "schedule.")
-    if not adaptive.min_damping <= damping <= adaptive.max_damping:
+    # Under optax.inject_hyperparams the value is traced in update (it is
+    # only read at init, where it is concrete and checked).
+    if not isinstance(damping, jax.core.Tracer) and not (
+        adaptive.min_damping <= damping <= adaptive.max_damping):
       raise ValueError(
           f"scale_by_kfac(adaptive=...): the initial damping={damping!r} "
           "lies outside the range the rule keeps λ in, AdaptiveConfig's "
