@@ -51,15 +51,29 @@ def _is_kfac_state(node: Any) -> bool:
 
 
 def _map_kfac_states(fn: Callable[[_KeyPath, ScaleByKFACState], Any],
-                     tree: Any) -> Any:
-  """Replaces every ``ScaleByKFACState`` in ``tree`` by ``fn(path, state)``."""
+                     tree: Any, caller: str | None = None) -> Any:
+  """Replaces every ``ScaleByKFACState`` in ``tree`` by ``fn(path, state)``.
+
+  With ``caller`` named, a tree without one raises: ``fn`` would silently do
+  nothing (Flax NNX's ``nnx.state(optimizer)`` flattens the state into dicts
+  of variables).
+  """
+  found = []
 
   def visit(path: Sequence[Any], node: Any) -> Any:
     if not _is_kfac_state(node):
       return node
+    found.append(path)
     return fn(_key_path(path), node)
 
-  return jax.tree_util.tree_map_with_path(visit, tree, is_leaf=_is_kfac_state)
+  result = jax.tree_util.tree_map_with_path(visit, tree,
+                                            is_leaf=_is_kfac_state)
+  if caller is not None and not found:
+    raise ValueError(
+        f"checkpoint.{caller}: the tree holds no kfac_jax.ScaleByKFACState. "
+        "Pass the optimizer state as optax returns it; with Flax NNX, "
+        "nnx.pure(optimizer.opt_state) (nnx.state(optimizer) flattens it).")
+  return result
 
 
 def save(directory: str | os.PathLike[str],
@@ -76,7 +90,7 @@ def save(directory: str | os.PathLike[str],
   """
   if not include_preconditioners:
     tree = _map_kfac_states(lambda _, s: s._replace(preconditioners=None),
-                            tree)
+                            tree, "save(include_preconditioners=False)")
   # Leaving the context waits for the (asynchronous) save to be committed.
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(os.path.abspath(directory), tree)
@@ -190,7 +204,8 @@ def recompute_preconditioners(
         preconditioners=preconditioners,
         rejected_decompositions=state.rejected_decompositions + rejected)
 
-  return _map_kfac_states(lambda _, state: decompose_all(state), tree)
+  return _map_kfac_states(lambda _, state: decompose_all(state), tree,
+                          "recompute_preconditioners")
 
 
 def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:

@@ -176,6 +176,21 @@ def test_recompute_validates_its_configuration():
     checkpoint.recompute_preconditioners({}, 1e-3, inv_dtype=jnp.int8)
 
 
+def test_a_tree_without_a_kfac_state_is_refused_where_it_would_do_nothing(
+    tmp_path):
+  # nnx.state(optimizer) flattens the state into dicts: preconditioners
+  # were saved anyway and recompute returned the tree unchanged.
+  flattened = {"opt": {"factors": {"d": jnp.eye(2)}, "preconditioners": {
+      "d": jnp.eye(2)}, "count": jnp.zeros([], jnp.int32)}}
+  with pytest.raises(ValueError, match="no kfac_jax.ScaleByKFACState.*"
+                     r"nnx.pure\(optimizer.opt_state\)"):
+    checkpoint.save(tmp_path / "ckpt", flattened,
+                    include_preconditioners=False)
+  with pytest.raises(ValueError, match="recompute_preconditioners: the tree "
+                     "holds no"):
+    checkpoint.recompute_preconditioners(flattened, 1e-3)
+
+
 def test_restoring_other_layers_lists_missing_and_extra(tmp_path):
   params, tx, _ = make_training()
   saved = {"params": params, "opt_state": tx.init(params)}

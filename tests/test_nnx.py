@@ -148,6 +148,32 @@ def test_nnx_optimizer_matches_the_linen_path():
       "blocks/0", "blocks/1", "conv[0]", "conv[1]", "heads", "hidden"]
 
 
+def test_a_list_layer_withheld_by_multi_transform_goes_to_adam():
+  # With the table, init raised that the table's 'blocks/1' was missing from
+  # the params; and 'blocks/1' (an nnx.List index, an int key) was not
+  # found masked in the gradients.
+  x, target = _data()
+  model = NnxModel(nnx.Rngs(0))
+  table = kfac_jax.trace_layers(_nnx_loss, model, x, target)
+  withheld = lambda path: [getattr(k, "key", None) for k in path[:2]] == [
+      "blocks", 1]
+  labels = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: "adam" if withheld(path) else "kfac", params)
+  optimizer = nnx.Optimizer(model, optax.multi_transform(
+      {"kfac": kfac_jax.kfac(0.1, damping=0.01, layers=table),
+       "adam": optax.adam(1e-3)}, labels), wrt=nnx.Param)
+  before = jax.tree.map(jnp.copy, nnx.state(model.blocks[1], nnx.Param))
+  _, grads, stats = kfac_jax.value_grad_and_stats(_nnx_loss)(model, x, target)
+  optimizer.update(model, grads, kfac_stats=stats)
+  assert "blocks/1" not in optimizer.opt_state.inner_states["kfac"][0][
+      0].factors
+  adam_step, _ = optax.adam(1e-3).update(grads["blocks"][1],
+                                         optax.adam(1e-3).init(before))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               nnx.state(model.blocks[1], nnx.Param),
+               optax.apply_updates(before, adam_step))
+
+
 def test_gradient_from_stats_through_nnx_matches_the_dense_linen_path():
   """NNX stats give the factored gradients (``hidden``, 25 × 8 at 6 rows,
   is cheaper so); the Linen twin preconditions every layer densely."""

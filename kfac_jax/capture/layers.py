@@ -212,8 +212,12 @@ def find_layers(params: Any,
     ``{name: LayerInfo}`` in params-tree order.
   """
   layers: dict[str, LayerInfo] = {}
+  masked: set[str] = set()  # withheld by optax.masked/multi_transform
 
   def visit(node: Any, path: tuple[str, ...]) -> None:
+    if _is_masked(node):
+      masked.add(layer_name(path))
+      return
     if not isinstance(node, Mapping):
       return
     name = layer_name(path)
@@ -225,6 +229,7 @@ def find_layers(params: Any,
         _warn_untraced_embedding(name, path, node, skip)
     kernel = node.get(key)
     if _is_masked(kernel):
+      masked.add(name)
       return  # the chain gives K-FAC no part of this layer
     if kernel is not None and not isinstance(kernel, Mapping) and len(
         kernel.shape) >= 2 and not is_skipped_path(path, skip):
@@ -253,7 +258,8 @@ def find_layers(params: Any,
     missing = sorted(set(table) - set(layers) - {
         n for n, l in table.items()
         if is_skipped_layer(l.path, l.module_type or "", skip) or (
-            l.kernel_key != KERNEL and not include_embeddings)})
+            l.kernel_key != KERNEL and not include_embeddings) or any(
+                n == m or n.startswith(m + "/") or not m for m in masked)})
     if missing:
       raise ValueError(
           f"The layer table has layers {missing} that the params lack. Trace "
@@ -280,9 +286,13 @@ def is_masked_layer(params: Any, path: tuple[str, ...]) -> bool:
   for key in path:
     if _is_masked(node):
       return True
-    if not isinstance(node, Mapping) or key not in node:
+    if not isinstance(node, Mapping):
       return False
-    node = node[key]
+    # Layer names join the path's keys as strings; NNX lists key by int.
+    keys = {str(k): k for k in node}
+    if key not in keys:
+      return False
+    node = node[keys[key]]
   return _is_masked(node) or isinstance(node, Mapping) and any(
       _is_masked(node.get(key)) for key in (KERNEL, EMBEDDING))
 
