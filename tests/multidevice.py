@@ -640,9 +640,51 @@ def edges(axis_type: AxisType) -> None:
       raise AssertionError("no ValueError for an axis the mesh lacks")
 
 
+def stable_state(axis_type: AxisType) -> None:
+  """A step jitted with the specs as its state's in_shardings runs again on
+  its own output, every leaf as the specs say: the accumulator's G sums
+  followed the sharded kernels (the second call raised), and the
+  preconditioner rows came back as P(axes) where the specs said
+  P(axes, None) (a donated step compiled twice)."""
+  params, loss_fn, (x, y) = conv_problem()
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
+  params_specs = jax.tree.map(
+      lambda p: PartitionSpec(None, "fsdp") if p.ndim == 2 and
+      p.shape[1] % 4 == 0 else PartitionSpec(), params)
+  named = lambda tree: jax.tree.map(
+      lambda s: NamedSharding(mesh, s), tree,
+      is_leaf=lambda s: isinstance(s, PartitionSpec))
+  params = jax.device_put(params, named(params_specs))
+  with jax.set_mesh(mesh):
+    for strategy in (STRATEGIES[0], STRATEGIES[2]):
+      for accumulation_steps in (1, 2):
+        kwargs = dict(mesh_axes=("data", "fsdp"),
+                      grad_worker_fraction=strategy,
+                      params_partition_specs=params_specs,
+                      accumulation_steps=accumulation_steps)
+        tx = kfac_jax.scale_by_kfac(**kwargs)
+        specs = kfac_jax.get_opt_state_partition_specs(params, **kwargs)
+        state = jax.jit(tx.init, out_shardings=named(specs))(params)
+
+        def step(state, x, y, tx=tx):
+          _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x,
+                                                                    y)
+          return tx.update(grads, state, params, kfac_stats=stats)[1]
+
+        jitted = jax.jit(step, in_shardings=(named(specs), None, None))
+        for i in range(3):
+          state = jitted(state, x[i], y[i])
+        for leaf, spec in zip(jax.tree.leaves(state), jax.tree.leaves(
+            specs, is_leaf=lambda s: isinstance(s, PartitionSpec))):
+          assert leaf.sharding.spec == spec, (
+              strategy, accumulation_steps, leaf.shape, leaf.sharding.spec,
+              spec)
+
+
 PROGRAMS = {f.__name__: f for f in (adaptive, equality, fsdp, local_fsdp,
                                     mixed, division, specs, checkpoint, blocks,
-                                    gradient_from_stats, edges)}
+                                    gradient_from_stats, edges,
+                                    stable_state)}
 
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()

@@ -68,6 +68,12 @@ def test_fsdp_kernels_without_mesh_axes_keep_the_state_specs():
 
 
 @pytest.mark.multidevice
+def test_a_step_jitted_with_the_specs_reruns_on_its_own_state():
+  # Auto axes: on Explicit ones jax returns every leaf with full-rank specs.
+  run_on_eight_devices("stable_state", "Auto")
+
+
+@pytest.mark.multidevice
 def test_a_mesh_of_explicit_and_auto_axes_equals_one_device():
   run_on_eight_devices("mixed", "Auto")
 
@@ -253,7 +259,7 @@ def test_a_one_device_mesh_trains_as_the_local_placement(strategy):
     specs = kfac_jax.get_opt_state_partition_specs(
         params, mesh_axes="devices", grad_worker_fraction=strategy)
   assert isinstance(state.preconditioners, kfac_jax.ShardedPreconditioners)
-  assert specs.preconditioners.rows == PartitionSpec(("devices",), None)
+  assert specs.preconditioners.rows == PartitionSpec(("devices",))
   for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   # One device: the row is every layer's packed preconditioner, in layout order.

@@ -125,7 +125,9 @@ def local_placement(method: Method) -> Placement:
 def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
   """KAISA's strategies over ``config.mesh_axes`` of the mesh in context."""
   axes = config.mesh_axes
-  rows_spec = PartitionSpec(axes, None)
+  # Not (axes, None): the same layout, but update's outputs carry this form
+  # and jit's cache tells the two apart (a donated step compiled twice).
+  rows_spec = PartitionSpec(axes)
 
   def layout(dims: Dims) -> ShardedLayout:
     n, g = group_size(config, context_mesh(axes))

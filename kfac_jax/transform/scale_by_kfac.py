@@ -335,6 +335,14 @@ def scale_by_kfac(
       return tree
     return placement_lib.constrain_like_params(tree, params_partition_specs)
 
+  def replicate(tree: Any) -> Any:
+    """``tree`` pinned replicated, as factors are (with sharded kernels the
+    factor products would otherwise follow them)."""
+    if params_partition_specs is None:
+      return tree
+    return jax.tree.map(
+        lambda x: placement_lib.constrain(x, PartitionSpec(), ()), tree)
+
   def pin_to_specs(factors: Any, preconditioners: Any, dims: Any) -> tuple[
       Any, Any]:
     """Factors replicated, preconditioners as ``placement.partition_specs``.
@@ -349,7 +357,7 @@ def scale_by_kfac(
       return factors, preconditioners
     place = lambda spec, x: placement_lib.constrain(x, spec, ())
     is_spec = lambda x: isinstance(x, PartitionSpec)
-    factors = jax.tree.map(functools.partial(place, PartitionSpec()), factors)
+    factors = replicate(factors)
     preconditioners = jax.tree.map(place, placement.partition_specs(dims),
                                    preconditioners, is_leaf=is_spec)
     return factors, preconditioners
@@ -551,11 +559,12 @@ def scale_by_kfac(
         factor_step, stats_factors,
         lambda: {b: jax.tree.map(jnp.zeros_like, accumulator.factors[b])
                  for b in batch_blocks})
-    factor_sums = {
+    # Pinned: G's sums followed a sharded kernel's sharding, off the specs.
+    factor_sums = replicate({
         block: (LayerFactors(*(s + b for s, b in zip(sums, batch[block])))
                 if block in batch else sums)
         for block, sums in accumulator.factors.items()
-    }
+    })
     gradient_sums = constrain_to_params(
         jax.tree.map(lambda s, g: s + g.astype(s.dtype), accumulator.gradients,
                      updates))
@@ -573,7 +582,7 @@ def scale_by_kfac(
       reset = AccumulatorState(
           micro_step=jnp.zeros([], jnp.int32),
           gradients=optax.tree.zeros_like(gradient_sums),
-          factors=jax.tree.map(jnp.zeros_like, factor_sums))
+          factors=replicate(jax.tree.map(jnp.zeros_like, factor_sums)))
       return new_updates, new_state._replace(accumulator=reset)
 
     def hold():
