@@ -312,3 +312,60 @@ def test_a_subclass_overriding_call_is_captured_at_the_base_call():
   np.testing.assert_allclose(layer.output_cotangents[0], cotangent,
                              rtol=1e-5, atol=1e-7)
   assert type(model.scaled) is ScaledLinear  # the user's model is untouched
+
+
+class DropoutModel(nnx.Module):
+  """Dropout drawing from an ``nnx.Rngs`` given to the call, and from one the
+  model keeps (the same object, in the shared case)."""
+
+  def __init__(self, rngs: nnx.Rngs, kept: nnx.Rngs):
+    self.hidden = nnx.Linear(4, 8, rngs=rngs)
+    self.head = nnx.Linear(8, 2, rngs=rngs)
+    self.drop = nnx.Dropout(0.5)
+    self.kept = kept
+
+  def __call__(self, x, rngs):
+    h = self.drop(jnp.tanh(self.hidden(x)), rngs=rngs)
+    return self.head(self.drop(h, rngs=self.kept))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_nnx_objects_among_the_arguments_are_copied_and_updated(shared):
+  # An nnx.Rngs argument (dropout) raised TraceContextError: its counter was
+  # advanced inside the capture's trace. A second model (a frozen teacher)
+  # among the arguments is neither differentiated nor captured.
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(6, 4)), jnp.float32)
+
+  def make():
+    call_rngs = nnx.Rngs(dropout=1)
+    kept = call_rngs if shared else nnx.Rngs(dropout=2)
+    teacher = nnx.Linear(4, 2, rngs=nnx.Rngs(3))
+    return DropoutModel(nnx.Rngs(0), kept), call_rngs, teacher
+
+  def loss_fn(model, rngs, batch):
+    return jnp.mean((model(batch["x"], rngs) - batch["teacher"](batch["x"]))
+                    ** 2)
+
+  model, rngs, teacher = make()
+  twin, twin_rngs, twin_teacher = make()
+  for _ in range(2):  # The second call draws new dropout masks.
+    loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(
+        model, rngs, {"x": x, "teacher": teacher})
+    # nnx.value_and_grad refuses an object shared by the model and another
+    # argument; the reference reaches it through the model instead.
+    twin_batch = {"x": x, "teacher": twin_teacher}
+    expected_loss, expected_grads = (
+        nnx.value_and_grad(lambda m, batch: loss_fn(m, m.kept, batch))(
+            twin, twin_batch) if shared else
+        nnx.value_and_grad(loss_fn)(twin, twin_rngs, twin_batch))
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                         atol=1e-7),
+                 nnx.to_pure_dict(grads), nnx.to_pure_dict(expected_grads))
+    for ours, theirs in [(rngs, twin_rngs), (model.kept, twin.kept)]:
+      assert int(ours.dropout.count[...]) == int(theirs.dropout.count[...])
+  assert int(rngs.dropout.count[...]) == (4 if shared else 2)
+  assert sorted(stats) == ["head", "hidden"]
+  assert kfac_jax.trace_layers(loss_fn, model, rngs,
+                               {"x": x, "teacher": teacher}).keys() == {
+                                   "head", "hidden"}

@@ -28,7 +28,9 @@ def value_grad_and_stats(
   its ``'params'`` collection (any number of ``model.apply`` calls; layers
   inside ``nn.scan``/``nn.remat`` included). NNX: ``fun(model, *args,
   **kwargs)`` with an ``nnx.Module``, as given to ``nnx.value_and_grad``; the
-  gradients are then an ``nnx.State`` of its ``nnx.Param``s.
+  gradients are then an ``nnx.State`` of its ``nnx.Param``s. NNX objects
+  among the arguments (an ``nnx.Rngs`` for dropout) have their state updates
+  written back; only the model is differentiated and captured.
 
   Captured layers: Linen ``Dense``, ``DenseGeneral`` (without
   ``batch_dims``), ``Conv`` and ``Embed``; NNX ``Linear``, ``LinearGeneral``,

@@ -7,7 +7,7 @@ that applies the call's probes (``capture.probes``) to the output of that
 Flax class's call (under a user subclass's own ``__call__``). The user's
 model object is never modified; state the loss updates on the copy (batch
 statistics, RNG counters) is written back to it, as ``nnx.value_and_grad``
-does.
+does; so is that of the NNX objects among the loss's other arguments.
 
 Layers under a lifted NNX transform (``nnx.scan``, ``nnx.vmap``,
 ``nnx.remat``) run in another trace than the loss and are refused with an
@@ -100,21 +100,46 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
     object.__setattr__(module, "__class__", switched)
 
 
-def _run(fun: Callable[..., Any], model: nnx.Module, hook: Hook, skip: Skip,
-         args, kwargs, attended: set[str] | None = None
-         ) -> Callable[[Any], tuple[Any, Any]]:
-  """``params -> (fun output, updated non-param state)`` on a private copy."""
-  graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+def _model_param(path: tuple[Any, ...], value: Any) -> bool:
+  """Filter of a joint ``nnx.split((model, *argument_objects))``: the
+  model's ``nnx.Param``s, the ones differentiated (``nnx.value_and_grad``'s
+  ``argnums=0``)."""
+  return path[0] == 0 and isinstance(value, nnx.Param)
 
-  def run(params):
+
+def _run(fun: Callable[..., Any], model: nnx.Module, skip: Skip, args, kwargs,
+         attended: set[str] | None = None
+         ) -> tuple[Callable[[Any, Hook], tuple[Any, Any]], tuple[Any, ...]]:
+  """``(params, hook) -> (fun output, updated state)`` on private copies, the
+  objects whose state that is: ``model`` and the NNX objects among the
+  arguments (an ``nnx.Rngs`` for dropout, a second model).
+
+  The objects are split together, so that one shared by the model and an
+  argument (a model keeping the ``nnx.Rngs`` it is also given) stays one
+  object in the copy.
+  """
+  leaves, treedef = jax.tree.flatten((args, kwargs),
+                                     is_leaf=nnx.graph.is_graph_node)
+  node_indices = [i for i, leaf in enumerate(leaves)
+                  if nnx.graph.is_graph_node(leaf)]
+  objects = (model, *(leaves[i] for i in node_indices))
+  graphdef, _, rest = nnx.split(objects, _model_param, ...)
+
+  def run(params, hook):
     # Variables may only be updated in the trace that made them: rebuild the
-    # non-param ones (batch statistics, RNG counters) in this one.
-    copy = nnx.merge(graphdef, params, jax.tree.map(lambda v: v, rest))
-    _instrument(copy, hook, skip, set() if attended is None else attended)
-    out = fun(copy, *args, **kwargs)
-    return out, nnx.state(copy, nnx.Not(nnx.Param))
+    # other ones (batch statistics, RNG counters) in this one.
+    copies = nnx.merge(graphdef, nnx.State({0: params}),
+                       jax.tree.map(lambda v: v, rest))
+    filled = list(leaves)
+    for index, copy in zip(node_indices, copies[1:]):
+      filled[index] = copy
+    copy_args, copy_kwargs = jax.tree.unflatten(treedef, filled)
+    _instrument(copies[0], hook, skip,
+                set() if attended is None else attended)
+    out = fun(copies[0], *copy_args, **copy_kwargs)
+    return out, nnx.state(copies, nnx.Not(_model_param))
 
-  return run
+  return run, objects
 
 
 def _shape_pass(fun, model, skip, args, kwargs):
@@ -129,8 +154,8 @@ def _shape_pass(fun, model, skip, args, kwargs):
   attended: set[str] = set()
   params = nnx.state(model, nnx.Param)
   out_shape, _ = probes_lib.shape_pass(
-      lambda params, args, kwargs: _run(fun, model, record, skip, args,
-                                        kwargs, attended)(params),
+      lambda params, args, kwargs: _run(fun, model, skip, args, kwargs,
+                                        attended)[0](params, record),
       params, args, kwargs)
   probes_lib.drop_attended(calls, attended)
   return calls, out_shape
@@ -176,14 +201,15 @@ def value_grad_and_stats(
       return probes_lib.apply_probes(outputs, inputs,
                                      probes[name][counter.next(name)])
 
-    out, new_state = _run(fun, model, apply, skip, args, kwargs)(params)
+    out, new_state = run(params, apply)
     loss, aux = probes_lib.split_output(out, has_aux, caller)
     return loss, (aux, new_state)
 
+  run, objects = _run(fun, model, skip, args, kwargs)
   params = nnx.state(model, nnx.Param)
   loss, vjp_fn, (aux, new_state) = jax.vjp(primal, params, probes,
                                             has_aux=True)
   grads, probe_grads = vjp_fn(jnp.ones_like(loss))
-  nnx.update(model, new_state)
+  nnx.update(objects, new_state)
   value = (loss, aux) if has_aux else loss
   return value, grads, probes_lib.statistics(calls, probe_grads)
