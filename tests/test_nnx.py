@@ -233,21 +233,23 @@ def test_trace_layers_takes_abstract_arguments():
                                squared=False) == table
 
 
-def test_layer_under_lifted_transform_is_refused_unless_skipped():
+@pytest.mark.parametrize("transform", [nnx.remat, nnx.jit])
+def test_layer_under_lifted_transform_is_refused_unless_skipped(transform):
 
-  class Remat(nnx.Module):
+  class Lifted(nnx.Module):
 
     def __init__(self, rngs):
       self.dense = nnx.Linear(3, 3, rngs=rngs)
       self.head = nnx.Linear(3, 2, rngs=rngs)
 
     def __call__(self, x):
-      return self.head(nnx.remat(lambda layer, x: layer(x))(self.dense, x))
+      return self.head(transform(lambda layer, x: layer(x))(self.dense, x))
 
-  model = Remat(nnx.Rngs(0))
+  model = Lifted(nnx.Rngs(0))
   x = jnp.asarray(np.random.default_rng(8).normal(size=(4, 3)), jnp.float32)
   loss_fn = lambda m: jnp.sum(m(x)**2)
-  with pytest.raises(ValueError, match="'dense'.*skip_layers"):
+  with pytest.raises(ValueError, match=f"'dense'.*{transform.__name__}.*"
+                     "skip_layers"):
     kfac_jax.value_grad_and_stats(loss_fn)(model)
 
   skip = ["^dense$"]

@@ -10,8 +10,8 @@ statistics, RNG counters) is written back to it, as ``nnx.value_and_grad``
 does; so is that of the NNX objects among the loss's other arguments.
 
 Layers under a lifted NNX transform (``nnx.scan``, ``nnx.vmap``,
-``nnx.remat``) run in another trace than the loss and are refused with an
-error naming them (pass them in ``skip_layers``).
+``nnx.remat``) or a jit inside the loss run in another trace than the loss
+and are refused with an error naming them (pass them in ``skip_layers``).
 """
 
 from __future__ import annotations
@@ -77,9 +77,11 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
         return outputs
       if probes_lib.trace_state() != top_trace:
         raise ValueError(
-            f"value_grad_and_stats: NNX layer {_name!r} runs under a lifted "
-            "transform (nnx.scan, nnx.vmap, nnx.remat), which the NNX capture "
-            f"does not support; {probes_lib.skip_advice(_name)}.")
+            f"value_grad_and_stats: NNX layer {_name!r} runs in another "
+            "trace than the loss: under a lifted transform (nnx.scan, "
+            "nnx.vmap, nnx.remat) or a jit inside the loss (nnx.jit, "
+            "jax.jit), which the NNX capture does not support. Jit the whole "
+            f"training step instead, or {probes_lib.skip_advice(_name)}.")
       return hook(_name, inputs, outputs, signature)
 
     methods = {"__call__": call}
