@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -202,3 +204,38 @@ def test_untraced_kernel_is_skipped_with_one_warning():
   np.testing.assert_array_equal(updates["Einsum_0"]["kernel"],
                                 grads["Einsum_0"]["kernel"])
   assert list(state.factors) == ["Dense_0"]
+
+
+def test_class_name_skip_without_a_table_says_to_skip_by_path():
+  """A class-name pattern given to the capture too leaves a named layer
+  without stats, which scale_by_kfac (paths only, no table) cannot explain by
+  itself; the error says so, and both suggested fixes work."""
+
+  class Named(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Conv(4, (3,), name="features")(x).reshape(x.shape[0], -1)
+      return nn.Dense(2, name="head")(x)
+
+  model = Named()
+  x = jnp.ones((2, 5, 3))
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x)**2)
+  skip = ["^Conv$"]
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn,
+                                                  skip_layers=skip)(params)
+  assert list(stats) == ["head"]
+  tx = kfac_jax.scale_by_kfac(skip_layers=skip)
+  with pytest.raises(ValueError, match="'features'.*class.*skip it by path"):
+    tx.update(grads, tx.init(params), params, kfac_stats=stats)
+  for tx in [kfac_jax.scale_by_kfac(skip_layers=skip + ["^features$"]),
+             kfac_jax.scale_by_kfac(skip_layers=skip,
+                                    layers=kfac_jax.trace_layers(
+                                        loss_fn, params, skip_layers=skip))]:
+    with warnings.catch_warnings(record=True):
+      state = tx.init(params)
+    updates, _ = tx.update(grads, state, params, kfac_stats=stats)
+    # The skipped layer's gradient passes through as it is.
+    jax.tree.map(np.testing.assert_array_equal, updates["features"],
+                 grads["features"])

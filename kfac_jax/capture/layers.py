@@ -321,9 +321,10 @@ def _from_table(table: LayerTable, layer: LayerInfo,
       warnings.warn(
           f"Layer {layer.name!r} has a kernel {layer.kernel_shape} but its "
           "module was not captured by kfac_jax.trace_layers (captured: Dense, "
-          "DenseGeneral without batch_dims, Conv, and their subclasses). K-FAC "
-          "leaves it to the chained optimizer; add it to skip_layers to "
-          "silence this warning.", stacklevel=4)
+          "DenseGeneral without batch_dims, Conv, and their subclasses), or "
+          "trace_layers skipped it by its class name. K-FAC leaves it to the "
+          f"chained optimizer; add its path ({skip_pattern(layer.name)!r}) "
+          "to skip_layers to silence this warning.", stacklevel=4)
     return None
   if (traced.kernel_shape, traced.has_bias) != (layer.kernel_shape,
                                                  layer.has_bias):

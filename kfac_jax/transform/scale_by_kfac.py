@@ -154,8 +154,10 @@ def scale_by_kfac(
     skip_layers: regexes (``re.search``) matched against each layer's module
       path (joined with ``/``) and its Flax class name; matched layers and all
       modules under them are left to the chained optimizer. Class-name matches
-      are known only once stats arrive, so such layers still get (unused)
-      state; skip by path to save that memory.
+      are known from the layer table or once stats arrive, so without a
+      table such layers still get (unused) state, and the capture given the
+      same pattern leaves them without stats, which ``update`` refuses: skip
+      by path there.
     factor_dtype: storage dtype of A and G; default float32 (the kernel's
       dtype if wider). A bfloat16 running average stalls: once ``(1 − d)·|F_batch
       − F|`` is below half a bfloat16 step of ``F`` it stops moving (32 %
@@ -836,7 +838,12 @@ def _check_stats(stats: Mapping[str, LayerStatistics] | None,
           "LinearGeneral, Conv, Embed), was skipped by the capture, or the "
           "stats come from another model. Add "
           f"{layers_lib.skip_pattern(name)!r} to skip_layers to leave it to "
-          "the chained optimizer.")
+          "the chained optimizer."
+          + ("" if layer.module_type is not None else
+             " A skip_layers pattern naming its Flax class skips it in the "
+             "capture, but scale_by_kfac cannot see the class without the "
+             "layer table: skip it by path, or pass "
+             "layers=kfac_jax.trace_layers(...)."))
     signature = layer_stats.signature
     if layers_lib.matches_any(skip, signature.module_type):
       continue
