@@ -69,6 +69,49 @@ def test_each_call_is_captured_with_its_cotangent():
                              rtol=1e-5, atol=1e-6)
 
 
+class TargetWithSameLayers(nn.Module):
+  """A Dense and an Embed each called twice, the second call's output under
+  ``stop_gradient`` (a target computed with the same layers)."""
+
+  @nn.compact
+  def __call__(self, ids, x, target_ids, target_x):
+    dense, embed = nn.Dense(3, name="dense"), nn.Embed(6, 3, name="embed")
+    online = dense(x) + embed(ids)
+    target = jax.lax.stop_gradient(dense(target_x) + embed(target_ids))
+    return online, target
+
+
+def test_a_call_whose_output_does_not_reach_the_loss_adds_nothing():
+  # Its inputs came out zeros (reveal_input's backward pass never runs), so
+  # its bias column entered A (A[bias, bias] = 2) and the Embed's A counted
+  # token 0 for each of its rows.
+  model = TargetWithSameLayers()
+  rng = np.random.default_rng(4)
+  x, target_x = (jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
+                 for _ in range(2))
+  ids, target_ids = jnp.array([1, 2, 2, 3, 5]), jnp.array([0, 0, 4, 4, 1])
+  params = model.init(jax.random.PRNGKey(0), ids, x, target_ids,
+                      target_x)["params"]
+
+  def loss_fn(params):
+    online, target = model.apply({"params": params}, ids, x, target_ids,
+                                 target_x)
+    return jnp.sum((online - target)**2)
+
+  _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  (a,), (g,) = batch_factors(stats["dense"])
+  online_rows = np.concatenate([np.asarray(x, np.float64), np.ones((5, 1))],
+                               1)
+  np.testing.assert_allclose(a, reference.cov(online_rows), rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(
+      g, reference.cov(np.asarray(stats["dense"].output_cotangents[0],
+                                  np.float64)), rtol=1e-5, atol=1e-7)
+  (a,), _ = batch_factors(stats["embed"])
+  np.testing.assert_allclose(np.diag(a), np.bincount(ids, minlength=6) / 5,
+                             rtol=1e-6)
+
+
 def test_extra_arguments_and_jit():
   model = nn.Dense(2)
   x = jnp.ones((3, 4))

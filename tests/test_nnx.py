@@ -371,3 +371,105 @@ def test_nnx_objects_among_the_arguments_are_copied_and_updated(shared):
   assert kfac_jax.trace_layers(loss_fn, model, rngs,
                                {"x": x, "teacher": teacher}).keys() == {
                                    "head", "hidden"}
+
+
+class ScanBlock(nnx.Module):
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.lin(x))
+
+
+class ScannedBlocks(nnx.Module):
+  """Three blocks stacked by ``nnx.vmap`` on ``axis`` and run by
+  ``nnx.scan``, Flax's scan-over-layers pattern; or, ``unrolled``, the same
+  blocks as an ``nnx.List`` called in a loop."""
+
+  def __init__(self, rngs: nnx.Rngs, axis: int = 0, unrolled: bool = False):
+    self.axis, self.unrolled = axis, unrolled
+
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=axis)
+    def create(rngs):
+      return ScanBlock(rngs)
+
+    self.blocks = (nnx.List([ScanBlock(rngs) for _ in range(3)])
+                   if unrolled else create(rngs))
+    self.head = nnx.Linear(4, 2, rngs=rngs)
+
+  def __call__(self, x):
+    if self.unrolled:
+      for block in self.blocks:
+        x = block(x)
+      return self.head(x)
+
+    @nnx.scan(in_axes=(nnx.Carry, self.axis), out_axes=nnx.Carry)
+    def body(x, block):
+      return block(x)
+
+    return self.head(body(x, self.blocks))
+
+
+def _unroll(model: ScannedBlocks) -> ScannedBlocks:
+  """The same weights as three separate layers."""
+  unrolled = ScannedBlocks(nnx.Rngs(1), unrolled=True)
+  stacked = nnx.state(model.blocks, nnx.Param)
+  for i, block in enumerate(unrolled.blocks):
+    nnx.update(block, jax.tree.map(lambda p: p[i], stacked))
+  nnx.update(unrolled.head, nnx.state(model.head))
+  return unrolled
+
+
+def test_nnx_scan_over_stacked_layers_matches_the_unrolled_layers():
+  # Layers under nnx.scan were refused. Their probes are now Params of the
+  # copy, which the scan slices like the kernel: each block's inputs and
+  # cotangents come out stacked, and K-FAC's update of each slice is that
+  # of the same layer unrolled.
+  model = ScannedBlocks(nnx.Rngs(0))
+  unrolled = _unroll(model)
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(5, 4)), jnp.float32)
+  loss_fn = lambda m, x: jnp.sum(m(x)**2)
+  table = kfac_jax.trace_layers(loss_fn, model, x)
+  assert table["blocks/lin"].kernel_shape == (3, 4, 4)
+  assert table["blocks/lin"].stack_ndim == 1
+  loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(model, x)
+  expected_loss, expected_grads = nnx.value_and_grad(loss_fn)(model, x)
+  np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                       atol=1e-7),
+               nnx.to_pure_dict(grads), nnx.to_pure_dict(expected_grads))
+  unrolled_loss, unrolled_grads, unrolled_stats = (
+      kfac_jax.value_grad_and_stats(loss_fn)(unrolled, x))
+  np.testing.assert_allclose(unrolled_loss, loss, rtol=1e-6)
+  for i in range(3):
+    for field in ("inputs", "output_cotangents"):
+      np.testing.assert_allclose(
+          getattr(stats["blocks/lin"], field)[0][i],
+          getattr(unrolled_stats[f"blocks/{i}/lin"], field)[0], rtol=1e-5,
+          atol=1e-7)
+
+  tx = lambda table: kfac_jax.scale_by_kfac(damping=0.01, layers=table)
+  updates, _ = tx(table).update(grads, tx(table).init(grads), kfac_stats=stats)
+  unrolled_table = kfac_jax.trace_layers(loss_fn, unrolled, x)
+  unrolled_updates, _ = tx(unrolled_table).update(
+      unrolled_grads, tx(unrolled_table).init(unrolled_grads),
+      kfac_stats=unrolled_stats)
+  updates, unrolled_updates = (nnx.to_pure_dict(updates),
+                               nnx.to_pure_dict(unrolled_updates))
+  for i in range(3):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a[i], b, rtol=1e-4,
+                                                         atol=1e-7),
+                 updates["blocks"]["lin"],
+                 unrolled_updates["blocks"][i]["lin"])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4),
+               updates["head"], unrolled_updates["head"])
+
+
+def test_nnx_scan_over_layers_stacked_on_another_axis_is_refused():
+  model = ScannedBlocks(nnx.Rngs(0), axis=1)
+  x = jnp.ones((5, 4))
+  with pytest.raises(ValueError, match=r"'blocks/lin'.*\(4, 3, 4\).*\(4, 4\)"
+                     ".*axis 0.*skip_layers"):
+    kfac_jax.value_grad_and_stats(lambda m: jnp.sum(m(x)**2))(model)

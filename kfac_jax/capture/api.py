@@ -30,7 +30,8 @@ def value_grad_and_stats(
   **kwargs)`` with an ``nnx.Module``, as given to ``nnx.value_and_grad``; the
   gradients are then an ``nnx.State`` of its ``nnx.Param``s. NNX objects
   among the arguments (an ``nnx.Rngs`` for dropout) have their state updates
-  written back; only the model is differentiated and captured.
+  written back; only the model is differentiated and captured. Layers
+  stacked by ``nnx.vmap`` and run by ``nnx.scan`` are included.
 
   Captured layers: Linen ``Dense``, ``DenseGeneral`` (without
   ``batch_dims``), ``Conv`` and ``Embed``; NNX ``Linear``, ``LinearGeneral``,
@@ -43,8 +44,8 @@ def value_grad_and_stats(
     skip_layers: regexes, as ``scale_by_kfac``'s (module path, or a module
       above it, or the Flax class name): matching layers are not captured.
       For a layer the capture refuses (an RNN cell whose params ``nn.scan``
-      broadcasts, a layer under an NNX lifted transform), with the same
-      patterns given to ``trace_layers`` and ``scale_by_kfac``, which then
+      broadcasts, a layer an NNX lifted transform runs unsliced), with the
+      same patterns given to ``trace_layers`` and ``scale_by_kfac``, which then
       leave it to the chained optimizer.
 
   Returns:

@@ -9,15 +9,19 @@ model object is never modified; state the loss updates on the copy (batch
 statistics, RNG counters) is written back to it, as ``nnx.value_and_grad``
 does; so is that of the NNX objects among the loss's other arguments.
 
-Layers under a lifted NNX transform (``nnx.scan``, ``nnx.vmap``,
-``nnx.remat``) or a jit inside the loss run in another trace than the loss
-and are refused with an error naming them (pass them in ``skip_layers``).
+Each captured layer's probes are set on the copy as ``Probes``, a
+``Param``, so a lifted transform that slices the params (``nnx.scan`` over
+layers stacked by ``nnx.vmap``) slices them too, and the layer is captured
+with its stack axes. A layer in another trace with its params unsliced
+(``nnx.remat``, a jit inside the loss, an RNN cell broadcast over
+``nnx.scan`` steps) is refused with an error naming it (pass it in
+``skip_layers``).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from flax import nnx
@@ -28,38 +32,83 @@ from kfac_jax.capture import layers
 from kfac_jax.capture import probes as probes_lib
 from kfac_jax.capture import signatures
 from kfac_jax.capture.layers import LayerInfo
+from kfac_jax.capture.probes import ProbePair
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
 
 # Module classes whose calls are captured. Subclasses count too.
 CAPTURED_MODULES: tuple[type[nnx.Module], ...] = (
     nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.Embed)
 
-# hook(name, inputs, outputs, signature) -> outputs as the loss sees them.
-Hook = Callable[[str, jax.Array, jax.Array, LayerSignature], jax.Array]
+# hook(name, inputs, outputs, signature, module) -> outputs as the loss sees
+# them; ``module`` is the called instance (sliced inside a lifted transform).
+Hook = Callable[[str, jax.Array, jax.Array, LayerSignature, nnx.Module],
+                jax.Array]
 # Compiled skip_layers patterns.
 Skip = tuple[re.Pattern[str], ...]
 
 
-def _signature(module: nnx.Module, module_type: str,
-               inputs: jax.Array) -> LayerSignature | None:
+class Probes(nnx.Param):
+  """A captured layer's probes, set on the capture's private copy: a tuple of
+  ``(input probe, output perturbation)`` per call, stack axes in front.
+
+  A ``Param``, so that a lifted transform mapping the params (``nnx.scan``
+  over stacked layers, ``nnx.vmap`` over an ensemble) slices the probes as it
+  slices the kernel, and a scanned layer's inputs and cotangents come out
+  stacked on the layer axis (as Linen's ``nn.scan`` does with ``PROBES``).
+  """
+
+
+# The attribute holding a captured layer's ``Probes`` on the private copy.
+PROBES = "kfac_probes"
+
+
+def _signature(module: nnx.Module, module_type: str, inputs: jax.Array,
+               stack_ndim: int) -> LayerSignature | None:
   """What the capture records about a call; ``None`` for an unsupported one."""
   if isinstance(module, nnx.Conv):
-    return signatures.conv_signature(module_type, module)
+    return signatures.conv_signature(module_type, module, stack_ndim)
   if isinstance(module, nnx.Embed):
-    return signatures.embed_signature(module_type, module.num_embeddings)
+    return signatures.embed_signature(module_type, module.num_embeddings,
+                                      stack_ndim)
   if isinstance(module, nnx.LinearGeneral):
     if module.batch_axis:
       return None  # its kernel carries batch axes: not a Kronecker layer.
     return signatures.dense_signature(module_type, module.use_bias, inputs,
-                                      module.axis, module.out_features)
-  return signatures.dense_signature(module_type, module.use_bias, inputs)
+                                      module.axis, module.out_features,
+                                      stack_ndim)
+  return signatures.dense_signature(module_type, module.use_bias, inputs,
+                                    stack_ndim=stack_ndim)
+
+
+def _stack_ndim(name: str, module: nnx.Module, kernel_shape: tuple[int, ...],
+                inner_shape: tuple[int, ...]) -> int:
+  """How many leading axes a lifted transform sliced off the layer's kernel
+  (``kernel_shape`` outside, ``inner_shape`` where it runs)."""
+  stack_ndim = len(kernel_shape) - len(inner_shape)
+  if stack_ndim < 0 or kernel_shape[stack_ndim:] != inner_shape:
+    raise ValueError(
+        f"value_grad_and_stats: NNX layer {name!r} ({type(module).__name__}) "
+        f"has kernel {kernel_shape} in the model but {inner_shape} where it "
+        "runs: a lifted transform (nnx.scan, nnx.vmap) slices it on an axis "
+        "other than the leading ones. Stack the layers on axis 0 (in_axes=0, "
+        f"nnx.vmap's default), or {probes_lib.skip_advice(name)}.")
+  return stack_ndim
 
 
 def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
-                attended: set[str]) -> None:
+                attended: set[str],
+                probes: Mapping[str, tuple[ProbePair, ...]]) -> None:
   """Routes every captured module call of ``model`` (a private copy) through
-  ``hook``, and adds to ``attended`` each ``Embed`` called through ``attend``.
-  Layers that ``skip`` matches are left as they are."""
+  ``hook``, sets each layer's ``probes`` on it (``PROBES``), and adds to
+  ``attended`` each ``Embed`` called through ``attend``. Layers that ``skip``
+  matches are left as they are.
+
+  A layer whose kernel a lifted transform slices (``nnx.scan`` over stacked
+  layers) is captured with its stack axes; one that runs in another trace
+  unsliced (``nnx.remat``, ``nnx.jit`` inside the loss, a scan broadcasting
+  an RNN cell) is refused: its probes would be closed over, and a loop
+  would sum its calls' rows into one.
+  """
   top_trace = probes_lib.trace_state()
   for path, module in nnx.iter_modules(model):
     if not isinstance(module, CAPTURED_MODULES) or layers.is_skipped_layer(
@@ -69,20 +118,27 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
     name = layers.layer_name(path)
     # The Flax class whose call is the linear layer; a subclass may wrap it.
     base = next(c for c in cls.__mro__ if c in CAPTURED_MODULES)
+    key = layers.EMBEDDING if issubclass(base, nnx.Embed) else layers.KERNEL
+    kernel_shape = tuple(getattr(module, key).shape)
 
-    def call(self, inputs, *args, _base=base, _name=name, **kwargs):
+    def call(self, inputs, *args, _base=base, _name=name, _key=key,
+             _kernel_shape=kernel_shape, **kwargs):
       outputs = _base.__call__(self, inputs, *args, **kwargs)
-      signature = _signature(self, type(self).__name__, inputs)
+      stack_ndim = _stack_ndim(_name, self, _kernel_shape,
+                               tuple(getattr(self, _key).shape))
+      signature = _signature(self, type(self).__name__, inputs, stack_ndim)
       if signature is None:
         return outputs
-      if probes_lib.trace_state() != top_trace:
+      if stack_ndim == 0 and probes_lib.trace_state() != top_trace:
         raise ValueError(
             f"value_grad_and_stats: NNX layer {_name!r} runs in another "
-            "trace than the loss: under a lifted transform (nnx.scan, "
-            "nnx.vmap, nnx.remat) or a jit inside the loss (nnx.jit, "
-            "jax.jit), which the NNX capture does not support. Jit the whole "
-            f"training step instead, or {probes_lib.skip_advice(_name)}.")
-      return hook(_name, inputs, outputs, signature)
+            "trace than the loss with its params unsliced: under nnx.remat, "
+            "a jit inside the loss (nnx.jit, jax.jit), an nnx.vmap or "
+            "nnx.scan broadcasting them (an RNN cell), which the NNX capture "
+            "does not support (lifted transforms that slice stacked params, "
+            "nnx.scan over layers, are). Jit the whole training step "
+            f"instead, or {probes_lib.skip_advice(_name)}.")
+      return hook(_name, inputs, outputs, signature, self)
 
     methods = {"__call__": call}
     if issubclass(base, nnx.Embed):
@@ -100,19 +156,23 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
                 type(cls.__name__, (cls, probed), {}))
     # nnx.Module guards __setattr__; the copy may change class freely.
     object.__setattr__(module, "__class__", switched)
+    if name in probes:
+      setattr(module, PROBES, Probes(probes[name]))
 
 
 def _model_param(path: tuple[Any, ...], value: Any) -> bool:
   """Filter of a joint ``nnx.split((model, *argument_objects))``: the
   model's ``nnx.Param``s, the ones differentiated (``nnx.value_and_grad``'s
-  ``argnums=0``)."""
+  ``argnums=0``); on the private copy, its ``Probes`` too (not written
+  back)."""
   return path[0] == 0 and isinstance(value, nnx.Param)
 
 
 def _run(fun: Callable[..., Any], model: nnx.Module, skip: Skip, args, kwargs,
          attended: set[str] | None = None
-         ) -> tuple[Callable[[Any, Hook], tuple[Any, Any]], tuple[Any, ...]]:
-  """``(params, hook) -> (fun output, updated state)`` on private copies, the
+         ) -> tuple[Callable[..., tuple[Any, Any]], tuple[Any, ...]]:
+  """``(params, hook, probes) -> (fun output, updated state)`` on private
+  copies (``_instrument``), the
   objects whose state that is: ``model`` and the NNX objects among the
   arguments (an ``nnx.Rngs`` for dropout, a second model).
 
@@ -127,7 +187,7 @@ def _run(fun: Callable[..., Any], model: nnx.Module, skip: Skip, args, kwargs,
   objects = (model, *(leaves[i] for i in node_indices))
   graphdef, _, rest = nnx.split(objects, _model_param, ...)
 
-  def run(params, hook):
+  def run(params, hook, probes):
     # Variables may only be updated in the trace that made them: rebuild the
     # other ones (batch statistics, RNG counters) in this one.
     copies = nnx.merge(graphdef, nnx.State({0: params}),
@@ -137,7 +197,7 @@ def _run(fun: Callable[..., Any], model: nnx.Module, skip: Skip, args, kwargs,
       filled[index] = copy
     copy_args, copy_kwargs = jax.tree.unflatten(treedef, filled)
     _instrument(copies[0], hook, skip,
-                set() if attended is None else attended)
+                set() if attended is None else attended, probes)
     out = fun(copies[0], *copy_args, **copy_kwargs)
     return out, nnx.state(copies, nnx.Not(_model_param))
 
@@ -148,7 +208,8 @@ def _shape_pass(fun, model, skip, args, kwargs):
   counter = probes_lib.CallCounter()
   calls: dict[str, list[probes_lib.Call]] = {}
 
-  def record(name, inputs, outputs, signature):
+  def record(name, inputs, outputs, signature, module):
+    del module
     probes_lib.record_call(calls, counter, name,
                            probes_lib.make_call(signature, inputs, outputs))
     return outputs
@@ -157,10 +218,23 @@ def _shape_pass(fun, model, skip, args, kwargs):
   params = nnx.state(model, nnx.Param)
   out_shape, _ = probes_lib.shape_pass(
       lambda params, args, kwargs: _run(fun, model, skip, args, kwargs,
-                                        attended)[0](params, record),
+                                        attended)[0](params, record, {}),
       params, args, kwargs)
   probes_lib.drop_attended(calls, attended)
   return calls, out_shape
+
+
+def _kernels(model: nnx.Module, calls: Mapping[str, Sequence[probes_lib.Call]]
+             ) -> dict[str, tuple[tuple[Any, ...], jax.Array]]:
+  """``{layer: (module path, kernel)}`` of the captured layers."""
+  modules = {layers.layer_name(path): (path, module)
+             for path, module in nnx.iter_modules(model)}
+  kernels = {}
+  for name, layer_calls in calls.items():
+    path, module = modules[name]
+    kernels[name] = (path, getattr(
+        module, probes_lib.kernel_key(layer_calls[0].signature)))
+  return kernels
 
 
 def trace_layers(fun: Callable[..., Any], skip: Skip, model: nnx.Module,
@@ -168,15 +242,9 @@ def trace_layers(fun: Callable[..., Any], skip: Skip, model: nnx.Module,
                  **kwargs: Any) -> dict[str, LayerInfo]:
   """NNX front end of ``kfac_jax.trace_layers``."""
   calls, _ = _shape_pass(fun, model, skip, args, kwargs)
-  modules = {layers.layer_name(path): (path, module)
-             for path, module in nnx.iter_modules(model)}
-  table = {}
-  for name, layer_calls in calls.items():
-    path, module = modules[name]
-    signature = layer_calls[0].signature
-    kernel = getattr(module, probes_lib.kernel_key(signature))
-    table[name] = probes_lib.layer_info(name, path, kernel.shape, signature)
-  return table
+  return {name: probes_lib.layer_info(name, path, kernel.shape,
+                                      calls[name][0].signature)
+          for name, (path, kernel) in _kernels(model, calls).items()}
 
 
 def value_grad_and_stats(
@@ -191,19 +259,25 @@ def value_grad_and_stats(
   calls, out_shape = _shape_pass(fun, model, skip, args, kwargs)
   probes_lib.check_scalar(
       probes_lib.split_output(out_shape, has_aux, caller)[0], caller)
-  probes = {name: probes_lib.zero_probes(c) for name, c in calls.items()}
+  probes = {
+      name: probes_lib.zero_probes(
+          calls[name], tuple(kernel.shape[:calls[name][0].signature.stack_ndim]))
+      for name, (_, kernel) in _kernels(model, calls).items()
+  }
 
   def primal(params, probes):
     counter = probes_lib.CallCounter()
 
-    def apply(name, inputs, outputs, signature):
+    def apply(name, inputs, outputs, signature, module):
       del signature
       if name not in probes:  # not captured (probes_lib.drop_attended)
         return outputs
+      # The module's own, sliced where a lifted transform sliced the kernel.
+      layer_probes = getattr(module, PROBES).get_value()
       return probes_lib.apply_probes(outputs, inputs,
-                                     probes[name][counter.next(name)])
+                                     layer_probes[counter.next(name)])
 
-    out, new_state = run(params, apply)
+    out, new_state = run(params, apply, probes)
     loss, aux = probes_lib.split_output(out, has_aux, caller)
     return loss, (aux, new_state)
 

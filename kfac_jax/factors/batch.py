@@ -15,7 +15,9 @@ With ``cov(x) = xᵀx / N`` and ``N`` the rows of ``x``, per Kronecker block
   and ``G`` as for a dense layer.
 * Scanned layers: the same for each slice of the leading stack axes.
 
-A layer called several times contributes the sum of its calls' factors.
+A layer called several times contributes the sum of its calls' factors;
+a call whose output does not reach the loss (all its cotangents zero)
+contributes none.
 """
 
 from __future__ import annotations
@@ -249,17 +251,25 @@ def batch_factors(stats: LayerStatistics, fisher_scaled: bool = False,
   cotangents = [
       example_subset(g, _example_axis(g, signature, False), examples)
       for g in stats.output_cotangents]
+  rows = [_per_block(gradient_rows, g, signature) for g in cotangents]
+  gradient_factor = sum(covariance(g) * scale
+                        for g, (_, scale) in zip(rows, scales))
   if signature.num_embeddings is not None:
-    activation_factor = sum(_per_block(token_frequencies, ids, signature)
-                            for ids in inputs)
+    activations = [_per_block(token_frequencies, ids, signature)
+                   for ids in inputs]
   else:
-    activation_factor = sum(
+    activations = [
         covariance(_per_block(activation_rows, x, signature)) * scale
-        for x, (scale, _) in zip(inputs, scales))
-  gradient_factor = sum(
-      covariance(_per_block(gradient_rows, g, signature)) * scale
-      for g, (_, scale) in zip(cotangents, scales))
-  return activation_factor, gradient_factor
+        for x, (scale, _) in zip(inputs, scales)]
+  if len(rows) > 1:
+    # A call whose output does not reach the loss (stop_gradient, a target
+    # computed with the layer) gets zero cotangents, and its inputs come out
+    # zeros (``probes.reveal_input``'s backward pass never runs): its bias
+    # column, or token 0, would still enter A. Such a call adds nothing.
+    activations = [
+        factor * jnp.any(g != 0, axis=(1, 2))[:, None, None].astype(
+            factor.dtype) for factor, g in zip(activations, rows)]
+  return sum(activations), gradient_factor
 
 
 def gradient_rows_of_dense(
