@@ -473,3 +473,35 @@ def test_nnx_scan_over_layers_stacked_on_another_axis_is_refused():
   with pytest.raises(ValueError, match=r"'blocks/lin'.*\(4, 3, 4\).*\(4, 4\)"
                      ".*axis 0.*skip_layers"):
     kfac_jax.value_grad_and_stats(lambda m: jnp.sum(m(x)**2))(model)
+
+
+def test_an_nnx_vmap_ensemble_is_captured_per_member():
+  """Members stacked by nnx.vmap and applied by nnx.vmap to one batch: each
+  member's inputs and cotangents, stacked, as the dense computation gives."""
+
+  class Ensemble(nnx.Module):
+
+    def __init__(self, rngs):
+
+      @nnx.split_rngs(splits=2)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def create(rngs):
+        return nnx.Linear(4, 3, rngs=rngs)
+
+      self.members = create(rngs)
+
+    def __call__(self, x):
+      return nnx.vmap(lambda member, x: member(x),
+                      in_axes=(0, None))(self.members, x)
+
+  model = Ensemble(nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(5).normal(size=(5, 4)), jnp.float32)
+  loss_fn = lambda m: jnp.sum(jnp.sin(m(x)))
+  _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(model)
+  kernel, bias = model.members.kernel[...], model.members.bias[...]
+  outputs = jnp.einsum("bi,eio->ebo", x, kernel) + bias[:, None]
+  layer = stats["members"]
+  assert layer.signature.stack_ndim == 1
+  np.testing.assert_array_equal(layer.inputs[0], jnp.stack([x, x]))
+  np.testing.assert_allclose(layer.output_cotangents[0], jnp.cos(outputs),
+                             rtol=1e-5, atol=1e-6)
