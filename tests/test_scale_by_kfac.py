@@ -173,6 +173,104 @@ def test_schedules_are_called_with_the_step():
       state.preconditioners["Dense_0"].activation_inverse, expected, rtol=1e-4)
 
 
+def _run_steps(tx, steps: int = 4, jit: bool = True):
+  """``steps`` updates of the MLP problem; (per-step updates, final state)."""
+  params, batches, loss_fn, _ = make_problem("mlp", True)
+  update = lambda g, s, st: tx.update(g, s, params, kfac_stats=st)
+  update = jax.jit(update) if jit else update
+  state = tx.init(params)
+  all_updates = []
+  for _ in range(steps):
+    x, y = next(batches)
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+    updates, state = update(grads, state, stats)
+    all_updates.append(updates)
+  return all_updates, state
+
+
+def test_schedules_that_go_out_of_range_later_leave_the_state_as_it_was():
+  # Checked at step 0 only, such a schedule silently corrupted training: λ
+  # going negative gave finite, wrongly signed preconditioners; a decay
+  # going NaN made the factors NaN; an interval reaching 0 stopped the
+  # updates (count % 0 == count).
+  bad_from_2 = lambda good, bad: lambda step: jnp.where(step < 2, good, bad)
+  base = dict(kl_clip=None, inv_update_steps=1)
+  updates, state = _run_steps(kfac_jax.scale_by_kfac(
+      damping=bad_from_2(DAMPING, -1.0), **base))
+  reference_updates, reference_state = _run_steps(
+      kfac_jax.scale_by_kfac(damping=DAMPING, **base))
+  for step in range(2):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                         atol=1e-8),
+                 updates[step], reference_updates[step])
+  for step in (2, 3):  # no K-FAC step, each decomposition counted
+    assert all(not np.any(u) for u in jax.tree.leaves(updates[step]))
+  assert int(state.rejected_decompositions) == 2 * 2
+  jax.tree.map(np.testing.assert_array_equal, state.factors,
+               reference_state.factors)  # λ does not enter the factors
+
+  for bad in (float("nan"), 1.5):
+    _, state = _run_steps(kfac_jax.scale_by_kfac(
+        damping=DAMPING, factor_decay=bad_from_2(0.5, bad), **base))
+    _, two_steps = _run_steps(kfac_jax.scale_by_kfac(
+        damping=DAMPING, factor_decay=0.5, **base), steps=2)
+    assert int(state.skipped_factor_updates) == 2
+    jax.tree.map(np.testing.assert_array_equal, state.factors,
+                 two_steps.factors)
+
+  # An interval that reaches 0 counts as 1: the same run as interval 1.
+  updates, state = _run_steps(kfac_jax.scale_by_kfac(
+      damping=DAMPING, kl_clip=None,
+      inv_update_steps=bad_from_2(jnp.int32(1), jnp.int32(0)),
+      factor_update_steps=bad_from_2(jnp.int32(1), jnp.int32(-3))))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                       atol=1e-8),
+               updates, reference_updates)
+
+  # A NaN learning rate (KL clipping reads it): no K-FAC step either.
+  updates, _ = _run_steps(kfac_jax.scale_by_kfac(
+      damping=DAMPING, learning_rate=bad_from_2(0.1, float("nan"))))
+  assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
+  assert all(not np.any(u) for u in jax.tree.leaves(updates[3]))
+  assert any(np.any(u) for u in jax.tree.leaves(updates[1]))
+
+
+def test_injected_values_out_of_range_under_a_jitted_init_are_guarded():
+  # Traced, they could not be range-checked; a negative λ gave finite,
+  # wrongly signed preconditioners.
+  tx = optax.inject_hyperparams(
+      kfac_jax.scale_by_kfac,
+      static_args=("accumulation_steps",))(damping=-1.0, kl_clip=None)
+  params, batches, loss_fn, _ = make_problem("mlp", True)
+  state = jax.jit(tx.init)(params)
+  x, y = next(batches)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+  updates, state = jax.jit(
+      lambda g, s, st: tx.update(g, s, params, kfac_stats=st))(grads, state,
+                                                                stats)
+  assert all(not np.any(u) for u in jax.tree.leaves(updates))
+  assert int(state.inner_state.rejected_decompositions) == 2
+
+
+def test_an_accumulator_past_its_last_micro_step_emits_or_is_refused():
+  # A state saved mid-accumulation with accumulation_steps=3 (micro-step 2)
+  # and resumed with 2: the update held forever (micro_step == 1 never
+  # again) and emitted zeros.
+  _, state = _run_steps(kfac_jax.scale_by_kfac(
+      damping=DAMPING, accumulation_steps=3), steps=5)
+  assert int(state.accumulator.micro_step) == 2
+  params, batches, loss_fn, _ = make_problem("mlp", True)
+  tx = kfac_jax.scale_by_kfac(damping=DAMPING, accumulation_steps=2)
+  x, y = next(batches)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+  with pytest.raises(ValueError, match="micro-step 2.*accumulation_steps=2"):
+    tx.update(grads, state, params, kfac_stats=stats)
+  updates, state = jax.jit(lambda g, s, st: tx.update(
+      g, s, params, kfac_stats=st))(grads, state, stats)
+  assert int(state.count) == 2 and int(state.accumulator.micro_step) == 0
+  assert any(np.any(u) for u in jax.tree.leaves(updates))
+
+
 def test_zero_learning_rate_clips_nothing():
   """At lr 0 (a warmup's first step) ν = 1: the update is the unclipped one."""
   params, batches, loss_fn, _ = make_problem("mlp", True)

@@ -3,8 +3,11 @@
 Every scalar hyper-parameter of ``scale_by_kfac`` may be a constant or a
 callable ``step -> value`` (an optax schedule works). Constants are checked at
 construction; schedules are called once at step 0 at construction to check the
-type and range of what they return, since inside ``jit`` their values are
-traced and cannot be checked.
+type and range of what they return. Inside ``jit`` their later values (and
+values ``optax.inject_hyperparams`` traces) cannot raise, so they are guarded
+where they are used: an interval below 1 counts as 1, and ``valid`` tells the
+update whether a real value is in range (``scale_by_kfac`` then leaves its
+state as it was for that step).
 """
 
 from __future__ import annotations
@@ -39,15 +42,38 @@ class ComputeMethod(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Hyperparameter:
-  """A checked constant or schedule; call it with the step count."""
+  """A checked constant or schedule; call it with the step count.
+
+  ``is_valid``: the range check as a traced predicate, applied at each step
+  to a value not checked at construction (a schedule's, or a traced one);
+  ``None`` for an interval, which is raised to 1 instead.
+  """
 
   name: str
   value: ScalarOrSchedule
   integer: bool = False
+  is_valid: Callable[[jax.Array], jax.Array] | None = None
+
+  @property
+  def checked(self) -> bool:
+    """Whether construction checked every value it can take."""
+    return not (callable(self.value) or
+                isinstance(self.value, jax.core.Tracer))
 
   def __call__(self, count: jax.Array) -> jax.Array:
     value = self.value(count) if callable(self.value) else self.value
-    return jnp.asarray(value, jnp.int32 if self.integer else jnp.float32)
+    value = jnp.asarray(value, jnp.int32 if self.integer else jnp.float32)
+    if self.integer and not self.checked:
+      # `count % 0` is `count`: a schedule reaching 0 stopped updates.
+      value = jnp.maximum(value, 1)
+    return value
+
+  def valid(self, count: jax.Array) -> jax.Array | bool:
+    """Whether the value at ``count`` is in range (``True``, no operation,
+    for one checked at construction)."""
+    if self.checked or self.is_valid is None:
+      return True
+    return self.is_valid(self(count))
 
 
 def hyperparameter(name: str,
@@ -91,8 +117,12 @@ def hyperparameter(name: str,
     raise TypeError(
         f"{name} must be {expected}; got {sample!r}{source} with shape "
         f"{shape} and dtype {dtype}.")
+  # The predicates are jnp expressions: they check Python floats here and
+  # traced values at each step (`Hyperparameter.valid`).
+  runtime_check = None if integer else (
+      lambda v: jnp.isfinite(v) & is_valid(v))
   if traced:
-    return Hyperparameter(name, value, integer)
+    return Hyperparameter(name, value, integer, runtime_check)
   given = np.asarray(sample).item()
   scalar = given
   # Checked as update will use it: int32 for intervals, float32 otherwise.
@@ -102,11 +132,24 @@ def hyperparameter(name: str,
     with np.errstate(over="ignore", under="ignore"):
       scalar = np.float32(scalar).item()
     representable = np.isfinite(scalar)
-  if not representable or not is_valid(scalar):
+  if not representable or not bool(is_valid(scalar)):
     raise ValueError(
         f"{name} must be {requirement} (as {'int32' if integer else 'float32'}); "
         f"got {given!r}{source}.")
-  return Hyperparameter(name, value, integer)
+  return Hyperparameter(name, value, integer, runtime_check)
+
+
+def all_valid(count: jax.Array,
+              *hyperparameters: Hyperparameter | None) -> jax.Array | None:
+  """Whether every given hyper-parameter's value at ``count`` is in range
+  (``Hyperparameter.valid``); ``None`` when construction checked them all
+  (nothing to guard)."""
+  valid = None
+  for hyperparameter in hyperparameters:
+    if hyperparameter is not None and not hyperparameter.checked:
+      one = hyperparameter.valid(count)
+      valid = one if valid is None else valid & one
+  return valid
 
 
 def _call_schedule(name: str, schedule: Schedule) -> jax.typing.ArrayLike:
@@ -156,7 +199,8 @@ def positive_integer(name: str, value: ScalarOrSchedule) -> Hyperparameter:
 
 
 def decay(name: str, value: ScalarOrSchedule) -> Hyperparameter:
-  return hyperparameter(name, value, lambda v: 0 < v <= 1, "in (0, 1]")
+  return hyperparameter(name, value, lambda v: (0 < v) & (v <= 1),
+                        "in (0, 1]")
 
 
 def floating_dtype(name: str, dtype: jnp.dtype | None) -> jnp.dtype | None:

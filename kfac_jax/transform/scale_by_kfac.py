@@ -419,6 +419,15 @@ def scale_by_kfac(
 
     factor_step = count % factor_update_steps_fn(count) == 0
     decomposition_step = count % inv_update_steps_fn(count) == 0
+    # Scheduled (or traced) values out of range at this step cannot raise
+    # under jit: the parts of the step they feed leave the state as it was
+    # and count it (README, *scale_by_kfac arguments*).
+    decay_ok = hp.all_valid(count, factor_decay_fn)
+    damping_ok = hp.all_valid(count,
+                              damping_fn if adaptive is None else None)
+    updates_ok = hp.all_valid(
+        count, damping_fn if adaptive is None else None, kl_clip_fn,
+        None if kl_clip_fn is None else learning_rate_fn)
     # Factor updates only average finite batches into finite factors, so a
     # non-finite running factor comes from outside (a corrupted restore,
     # float16 storage overflowing). The exact O(d²) check runs on
@@ -439,6 +448,8 @@ def scale_by_kfac(
       new = batch_factors()
       ok = batch_lib.psd_all_finite(
           f for factors in new.values() for f in factors)
+      if decay_ok is not None:
+        ok = ok & decay_ok
       decay_value = factor_decay_fn(count)
       factors = {}
       for name, old in state.factors.items():
@@ -464,9 +475,16 @@ def scale_by_kfac(
           dims, to_decompose, state.preconditioners, decomposition_damping)
       return preconditioners, state.rejected_decompositions + rejected
 
-    preconditioners, rejected = lax.cond(
-        decomposition_step, decomposed,
-        lambda: (state.preconditioners, state.rejected_decompositions))
+    if damping_ok is None:
+      preconditioners, rejected = lax.cond(
+          decomposition_step, decomposed,
+          lambda: (state.preconditioners, state.rejected_decompositions))
+    else:  # each block's decomposition is rejected at a bad λ
+      preconditioners, rejected = lax.cond(
+          decomposition_step & damping_ok, decomposed,
+          lambda: (state.preconditioners, state.rejected_decompositions +
+                   (decomposition_step & ~damping_ok).astype(jnp.int32) *
+                   len(active_blocks)))
 
     gradient_matrices = {}
     for name in active:
@@ -483,6 +501,9 @@ def scale_by_kfac(
       # off from the decomposition's by the adaptations since, a factor ω
       # each, which the step size absorbs).
       preconditioned = {b: p / damping_value
+                        for b, p in preconditioned.items()}
+    if updates_ok is not None:
+      preconditioned = {b: jnp.where(updates_ok, p, 0.0)
                         for b, p in preconditioned.items()}
     if kl_clip_fn is not None and active:
       nu = kl_clip_scale([preconditioned[b] for b in active_blocks],
@@ -522,7 +543,7 @@ def scale_by_kfac(
     if params_partition_specs is not None:
       sharded = _sharded_kernels(layers, placement_lib.check_params_specs(
           updates, params_partition_specs))
-    _check_state(layers, state, accumulation_steps > 1, adaptive is not None)
+    _check_state(layers, state, accumulation_steps, adaptive is not None)
     _check_preconditioners(state.preconditioners, jax.eval_shape(
         lambda: placement.init(layers_lib.blocks_of(layers))))
     active = _check_stats(kfac_stats, layers, skip, updates)
@@ -592,7 +613,10 @@ def scale_by_kfac(
                               factor_sums)
       return optax.tree.zeros_like(updates), state._replace(accumulator=held)
 
-    return lax.cond(accumulator.micro_step == accumulation_steps - 1, emit,
+    # ">=": a micro_step past the last (a state from a larger
+    # accumulation_steps that a traced update could not refuse) emits at once
+    # rather than holding forever.
+    return lax.cond(accumulator.micro_step >= accumulation_steps - 1, emit,
                     hold)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -722,13 +746,14 @@ def _replace_layers(grads: Any, layers: Mapping[str, LayerInfo],
 
 
 def _check_state(layers: Mapping[str, LayerInfo], state: ScaleByKFACState,
-                 accumulating: bool, adaptive: bool) -> None:
+                 accumulation_steps: int, adaptive: bool) -> None:
   """The state must have been made by ``init`` for these params and this
   configuration."""
   if not isinstance(state, ScaleByKFACState):
     raise TypeError(
         "scale_by_kfac.update: expected the state made by its init, got "
         f"{type(state).__name__}.")
+  accumulating = accumulation_steps > 1
   for field, needed, setting in (
       ("accumulator", accumulating, "accumulation_steps > 1"),
       ("quadratic_model", adaptive, "adaptive=AdaptiveConfig(...)")):
@@ -740,6 +765,16 @@ def _check_state(layers: Mapping[str, LayerInfo], state: ScaleByKFACState,
           f"{setting}. Start from this transformation's tx.init(params) "
           "(tx.init(params)._replace(factors=old_state.factors) keeps the "
           "curvature gathered so far).")
+  micro_step = None if state.accumulator is None else state.accumulator.micro_step
+  if (micro_step is not None and not isinstance(micro_step, jax.core.Tracer)
+      and not 0 <= int(micro_step) < accumulation_steps):
+    raise ValueError(
+        f"scale_by_kfac.update: the state's accumulator is at micro-step "
+        f"{int(micro_step)}, outside [0, accumulation_steps={accumulation_steps}"
+        "): it was saved by a transformation with a larger accumulation_steps. "
+        "Resume with that accumulation_steps, or start from this "
+        "transformation's tx.init(params)._replace(factors=old_state.factors, "
+        "preconditioners=old_state.preconditioners, count=old_state.count).")
   blocks = layers_lib.blocks_of(layers)
   missing = sorted(set(blocks) - set(state.factors))
   extra = sorted(set(state.factors) - set(blocks))
