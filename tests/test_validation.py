@@ -56,6 +56,14 @@ def test_the_kfac_alias_refuses_the_adaptive_mode():
     kfac_jax.kfac(0.1, kl_clip=None, adaptive=kfac_jax.AdaptiveConfig())
 
 
+@pytest.mark.parametrize("momentum", [1.0, 1.5])
+def test_the_kfac_alias_refuses_momentum_of_one_or_more(momentum):
+  # Accepted before: the momentum buffer grows without bound.
+  with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\)"):
+    kfac_jax.kfac(0.1, momentum=momentum)
+  kfac_jax.kfac(0.1, momentum=0.99)
+
+
 def test_partition_specs_reject_a_float16_inv_dtype():
   with pytest.raises(ValueError, match="inv_dtype=float16 cannot hold"):
     kfac_jax.get_opt_state_partition_specs({}, inv_dtype=jnp.float16)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import jax
 import optax
 
 from kfac_jax.transform.hyperparameters import (ScalarOrSchedule,
@@ -49,6 +50,10 @@ def kfac(learning_rate: ScalarOrSchedule,
       raise TypeError(f"{name} must be a number, not a schedule.")
     if value is not None:
       non_negative(name, value)
+  if (momentum is not None and not isinstance(momentum, jax.core.Tracer) and
+      float(momentum) >= 1):
+    # Past 1 the momentum buffer grows geometrically: the run diverges.
+    raise ValueError(f"momentum must be in [0, 1); got {momentum!r}.")
   # Built first: it validates kfac_kwargs (accumulation_steps included).
   preconditioner = scale_by_kfac(learning_rate=learning_rate, **kfac_kwargs)
   # Only a Python zero drops a stage: under optax.inject_hyperparams the
