@@ -200,6 +200,14 @@ def recompute_preconditioners(
         damping_fn(state.count), adaptive and method is ComputeMethod.INVERSE)
     preconditioners, rejected = placement.decompose(
         dims, factors, placement.init(dims), damping_value)
+    damping_ok = None if adaptive else hp.all_valid(state.count, damping_fn)
+    if damping_ok is not None:
+      # A schedule out of range at this count: update would reject every
+      # decomposition (scale_by_kfac's guard), so the identity's stay.
+      preconditioners = jax.tree.map(
+          lambda new, initial: jnp.where(damping_ok, new, initial),
+          preconditioners, placement.init(dims))
+      rejected = jnp.where(damping_ok, rejected, len(dims))
     return state._replace(
         preconditioners=preconditioners,
         rejected_decompositions=state.rejected_decompositions + rejected)

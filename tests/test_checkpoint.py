@@ -148,6 +148,22 @@ def test_left_out_preconditioners_are_recomputed_from_the_factors(
       train(step, params, opt_state, iter(later), 2))
 
 
+def test_recomputed_at_a_count_where_the_damping_schedule_is_bad():
+  # update rejects the decompositions at such a count; recompute used the
+  # bad λ (a negative one: mixed-sign preconditioners, uphill steps).
+  params, _, _ = make_training()
+  tx = kfac_jax.scale_by_kfac()
+  state = tx.init(params)._replace(count=jnp.int32(2), preconditioners=None)
+  schedule = lambda step: jnp.where(step == 2, -0.05, DAMPING)
+  recomputed = checkpoint.recompute_preconditioners(state, schedule)
+  assert int(recomputed.rejected_decompositions) == 2
+  assert_bit_exact(recomputed.preconditioners,
+                   tx.init(params).preconditioners)
+  later = checkpoint.recompute_preconditioners(
+      state._replace(count=jnp.int32(3)), schedule)
+  assert int(later.rejected_decompositions) == 0
+
+
 @pytest.mark.parametrize("compute_method", ["eigen", "inverse"])
 def test_non_finite_recomputed_decomposition_falls_back_to_init(
     compute_method):

@@ -322,6 +322,26 @@ def test_an_injected_initial_damping_is_traced_in_a_jitted_update():
                              float(expected.quadratic_model.damping))
 
 
+@pytest.mark.parametrize("damping, expected", [(-0.05, 1e-4),
+                                               (float("nan"), 1000.0)])
+def test_an_injected_initial_damping_out_of_range_is_clipped(damping,
+                                                             expected):
+  # Traced by a jitted init it could not be range-checked, and a negative λ
+  # gave the first decomposition a mixed-sign 1/(outer + λ), kept for
+  # inv_update_steps steps. Now kept in range as the rule keeps every λ.
+  params, batch, split, loss_fn = sigmoid_problem()
+  tx = optax.inject_hyperparams(kfac_jax.scale_by_kfac,
+                                static_args=("accumulation_steps",))(
+      damping=damping, kl_clip=None, adaptive=kfac_jax.AdaptiveConfig())
+  state = jax.jit(tx.init)(params)
+  assert float(state.inner_state.quadratic_model.damping) == np.float32(
+      expected)
+  _, state, _ = run_steps(tx, params, batch, split, loss_fn, 1,
+                          initial_state=state)
+  eigen = state.inner_state.preconditioners
+  assert all(np.all(np.asarray(p.damped_inverse) > 0) for p in eigen.values())
+
+
 def test_adaptive_kfac_fits_a_learnable_problem():
   """Sanity: the loss falls steadily and λ moves down from its start."""
   params, batch, split, loss_fn = sigmoid_problem(batch=64)

@@ -265,10 +265,19 @@ def test_an_accumulator_past_its_last_micro_step_emits_or_is_refused():
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
   with pytest.raises(ValueError, match="micro-step 2.*accumulation_steps=2"):
     tx.update(grads, state, params, kfac_stats=stats)
-  updates, state = jax.jit(lambda g, s, st: tx.update(
-      g, s, params, kfac_stats=st))(grads, state, stats)
-  assert int(state.count) == 2 and int(state.accumulator.micro_step) == 0
+  # Under jit it emits at once, the mean of the three micro-batches held: as
+  # the k=3 transformation would (it divided their sum by 2).
+  resumed = {}
+  for k in (2, 3):
+    tx = kfac_jax.scale_by_kfac(damping=DAMPING, accumulation_steps=k)
+    resumed[k] = jax.jit(lambda g, s, st, tx=tx: tx.update(
+        g, s, params, kfac_stats=st))(grads, state, stats)
+  updates, new_state = resumed[2]
+  assert int(new_state.count) == 2
+  assert int(new_state.accumulator.micro_step) == 0
   assert any(np.any(u) for u in jax.tree.leaves(updates))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               resumed[2], resumed[3])
 
 
 def test_zero_learning_rate_clips_nothing():

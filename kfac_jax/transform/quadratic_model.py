@@ -155,9 +155,17 @@ class QuadraticModelState(NamedTuple):
   reduction_ratio: jax.Array
 
 
-def init(params: Any, damping: float) -> QuadraticModelState:
+def init(params: Any, damping: float | jax.Array,
+         config: AdaptiveConfig) -> QuadraticModelState:
+  """The state before the first step, λ = ``damping``.
+
+  A constant λ was checked against ``config``'s range when the
+  transformation was built; one traced by ``optax.inject_hyperparams`` in a
+  jitted ``init`` could not be, so it is kept in range as the rule keeps
+  every later λ (``clip_damping``).
+  """
   return QuadraticModelState(
-      damping=jnp.asarray(damping, jnp.float32),
+      damping=clip_damping(jnp.asarray(damping, jnp.float32), config),
       previous_update=optax.tree.zeros_like(params),
       step_sizes=jnp.zeros([2], jnp.float32),
       reduction_ratio=jnp.ones([], jnp.float32))
@@ -254,8 +262,13 @@ def adapt_damping(damping: jax.Array, reduction_ratio: jax.Array,
   omega = config.damping_adaptation_decay**config.damping_adaptation_interval
   new = jnp.where(reduction_ratio > 0.75, damping * omega,
                   jnp.where(reduction_ratio >= 0.25, damping, damping / omega))
-  return jnp.where(jnp.isnan(new), config.max_damping,
-                   jnp.clip(new, config.min_damping, config.max_damping))
+  return clip_damping(new, config)
+
+
+def clip_damping(damping: jax.Array, config: AdaptiveConfig) -> jax.Array:
+  """λ clipped to ``[min_damping, max_damping]``; NaN to ``max_damping``."""
+  return jnp.where(jnp.isnan(damping), config.max_damping,
+                   jnp.clip(damping, config.min_damping, config.max_damping))
 
 
 def step(state: QuadraticModelState, direction: Any, gradients: Any,

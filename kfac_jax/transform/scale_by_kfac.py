@@ -393,7 +393,7 @@ def scale_by_kfac(
         skipped_factor_updates=jnp.zeros([], jnp.int32),
         rejected_decompositions=jnp.zeros([], jnp.int32),
         quadratic_model=(None if adaptive is None else quadratic_model.init(
-            constrain_to_params(params), damping)))
+            constrain_to_params(params), damping, adaptive)))
 
   def optimizer_step(
       state: ScaleByKFACState, grads: Any, layers: Mapping[str, LayerInfo],
@@ -593,9 +593,12 @@ def scale_by_kfac(
                      updates))
 
     def emit():
-      k = accumulation_steps
-      mean_grads = jax.tree.map(lambda s, g: (s / k).astype(g.dtype),
-                                gradient_sums, updates)
+      # The micro-batches summed: accumulation_steps, unless the state came
+      # from a larger accumulation_steps (emitted at once, see below).
+      k = (accumulator.micro_step + 1).astype(jnp.float32)
+      mean_grads = jax.tree.map(
+          lambda s, g: (s / k.astype(s.dtype)).astype(g.dtype), gradient_sums,
+          updates)
       mean_factors = {
           b: LayerFactors(*(f / k for f in factor_sums[b])) for b in batch_blocks
       }
