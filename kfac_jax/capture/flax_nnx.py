@@ -48,8 +48,9 @@ Skip = tuple[re.Pattern[str], ...]
 
 
 class Probes(nnx.Param):
-  """A captured layer's probes, set on the capture's private copy: a tuple of
-  ``(input probe, output perturbation)`` per call, stack axes in front.
+  """One probe array of a captured layer, set on the capture's private copy
+  (an ``nnx.List`` of them: each call's input probe, then its output
+  perturbation), stack axes in front.
 
   A ``Param``, so that a lifted transform mapping the params (``nnx.scan``
   over stacked layers, ``nnx.vmap`` over an ensemble) slices the probes as it
@@ -129,15 +130,26 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
       signature = _signature(self, type(self).__name__, inputs, stack_ndim)
       if signature is None:
         return outputs
-      if stack_ndim == 0 and probes_lib.trace_state() != top_trace:
-        raise ValueError(
-            f"value_grad_and_stats: NNX layer {_name!r} runs in another "
-            "trace than the loss with its params unsliced: under nnx.remat, "
-            "a jit inside the loss (nnx.jit, jax.jit), an nnx.vmap or "
-            "nnx.scan broadcasting them (an RNN cell), which the NNX capture "
-            "does not support (lifted transforms that slice stacked params, "
-            "nnx.scan over layers, are). Jit the whole training step "
-            f"instead, or {probes_lib.skip_advice(_name)}.")
+      if probes_lib.trace_state() != top_trace:
+        if stack_ndim == 0:
+          raise ValueError(
+              f"value_grad_and_stats: NNX layer {_name!r} runs in another "
+              "trace than the loss with its params unsliced: under "
+              "nnx.remat, a jit inside the loss (nnx.jit, jax.jit), a "
+              "branch of nnx.cond/lax.cond, an nnx.vmap or nnx.scan "
+              "broadcasting them (an RNN cell), which the NNX capture does "
+              "not support (lifted transforms that slice stacked params, "
+              "nnx.scan over layers, are). Jit the whole training step "
+              f"instead, or {probes_lib.skip_advice(_name)}.")
+        if (probes_lib.batch_traced(inputs) or probes_lib.batch_traced(
+            outputs)) and not probes_lib.batch_traced(
+                getattr(self, _key).get_value()):
+          raise ValueError(
+              f"value_grad_and_stats: NNX layer {_name!r} runs under a "
+              "jax.vmap (or nnx.vmap) that maps its inputs but broadcasts "
+              "its (sliced) params, so its captured inputs and cotangents "
+              "would be summed over the mapped axis. Apply it to the whole "
+              f"batch, or {probes_lib.skip_advice(_name)}.")
       return hook(_name, inputs, outputs, signature, self)
 
     methods = {"__call__": call}
@@ -157,7 +169,10 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
     # nnx.Module guards __setattr__; the copy may change class freely.
     object.__setattr__(module, "__class__", switched)
     if name in probes:
-      setattr(module, PROBES, Probes(probes[name]))
+      # One Variable per array, so a loss reading every Param's value
+      # (an L2 term over nnx.iter_graph) reads arrays.
+      setattr(module, PROBES, nnx.List(
+          [Probes(array) for pair in probes[name] for array in pair]))
 
 
 def _model_param(path: tuple[Any, ...], value: Any) -> bool:
@@ -205,7 +220,7 @@ def _run(fun: Callable[..., Any], model: nnx.Module, skip: Skip, args, kwargs,
 
 
 def _shape_pass(fun, model, skip, args, kwargs):
-  counter = probes_lib.CallCounter()
+  counter = probes_lib.CallCounter(per_trace=False)
   calls: dict[str, list[probes_lib.Call]] = {}
 
   def record(name, inputs, outputs, signature, module):
@@ -219,7 +234,7 @@ def _shape_pass(fun, model, skip, args, kwargs):
   out_shape, _ = probes_lib.shape_pass(
       lambda params, args, kwargs: _run(fun, model, skip, args, kwargs,
                                         attended)[0](params, record, {}),
-      params, args, kwargs)
+      params, args, kwargs, is_leaf=nnx.graph.is_graph_node)
   probes_lib.drop_attended(calls, attended)
   return calls, out_shape
 
@@ -266,16 +281,30 @@ def value_grad_and_stats(
   }
 
   def primal(params, probes):
-    counter = probes_lib.CallCounter()
+    counter = probes_lib.CallCounter(per_trace=False)
 
     def apply(name, inputs, outputs, signature, module):
       del signature
       if name not in probes:  # not captured (probes_lib.drop_attended)
         return outputs
+      index = counter.next(name)
       # The module's own, sliced where a lifted transform sliced the kernel.
-      layer_probes = getattr(module, PROBES).get_value()
-      return probes_lib.apply_probes(outputs, inputs,
-                                     layer_probes[counter.next(name)])
+      variables = getattr(module, PROBES)
+      pair = (variables[2 * index].get_value(),
+              variables[2 * index + 1].get_value())
+      call = calls[name][index]
+      if (pair[0].shape, pair[1].shape) != (call.inputs.shape,
+                                            call.outputs.shape):
+        raise ValueError(
+            f"value_grad_and_stats: NNX layer {name!r}'s probes reach its "
+            f"call with shapes {pair[0].shape}, {pair[1].shape}, not its "
+            f"input's and output's {call.inputs.shape}, "
+            f"{call.outputs.shape}: a lifted transform slices its kernel "
+            "but not its probes (kfac_jax.capture.flax_nnx.Probes, an "
+            "nnx.Param), e.g. a StateAxes that picks the kernel by path. "
+            "Give the Probes type the kernel's axis, or "
+            f"{probes_lib.skip_advice(name)}.")
+      return probes_lib.apply_probes(outputs, inputs, pair)
 
     out, new_state = run(params, apply, probes)
     loss, aux = probes_lib.split_output(out, has_aux, caller)

@@ -113,14 +113,18 @@ class CallCounter:
 
   ``nn.scan`` traces its body twice (once to find broadcast outputs), with
   fresh module instances, so calls are numbered per (layer, trace): the same
-  call gets the same number in both traces.
+  call gets the same number in both traces. NNX's lifted transforms trace
+  their body once, so the NNX capture numbers calls in program order
+  (``per_trace=False``): two ``nnx.scan``s of one stacked layer are two
+  calls.
   """
 
-  def __init__(self):
+  def __init__(self, per_trace: bool = True):
+    self.per_trace = per_trace
     self.traces: dict[str, list[tuple[Any, int]]] = {}
 
   def next(self, name: str) -> int:
-    trace = trace_state()
+    trace = trace_state() if self.per_trace else None
     entries = self.traces.setdefault(name, [])
     for i, (seen, count) in enumerate(entries):
       if seen == trace:
@@ -248,14 +252,16 @@ def layer_info(name: str, path: tuple[Any, ...], kernel_shape: Sequence[int],
 
 
 def shape_pass(fun: Callable[..., Any], params: Any, args: Sequence[Any],
-               kwargs: Mapping[str, Any]) -> Any:
+               kwargs: Mapping[str, Any],
+               is_leaf: Callable[[Any], bool] | None = None) -> Any:
   """``jax.eval_shape`` of ``fun(params, args, kwargs)``.
 
   The ``jax.ShapeDtypeStruct`` leaves of ``args``/``kwargs`` (``trace_layers``
   takes them) are traced abstractly; every other leaf is passed as given,
-  so Python flags (``train=False``) stay static.
+  so Python flags (``train=False``) stay static. ``is_leaf``: subtrees kept
+  whole (NNX objects: rebuilt, they would no longer be the model's own).
   """
-  leaves, treedef = jax.tree.flatten((args, kwargs))
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_leaf)
   abstract = [i for i, leaf in enumerate(leaves)
               if isinstance(leaf, jax.ShapeDtypeStruct)]
 
