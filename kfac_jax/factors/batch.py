@@ -16,8 +16,8 @@ With ``cov(x) = xᵀx / N`` and ``N`` the rows of ``x``, per Kronecker block
 * Scanned layers: the same for each slice of the leading stack axes.
 
 A layer called several times contributes the sum of its calls' factors;
-a call whose output does not reach the loss (all its cotangents zero)
-contributes none.
+of those calls, one whose output does not reach the loss (all its
+cotangents zero) contributes none.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ construction; schedules are called once at step 0 at construction to check the
 type and range of what they return. Inside ``jit`` their later values (and
 values ``optax.inject_hyperparams`` traces) cannot raise, so they are guarded
 where they are used: an interval below 1 counts as 1, and ``valid`` tells the
-update whether a real value is in range (``scale_by_kfac`` then leaves its
-state as it was for that step).
+update whether a real value is in range (``scale_by_kfac`` then skips the
+parts of the step it feeds: factor update, decompositions, the update).
 """
 
 from __future__ import annotations
