@@ -544,6 +544,52 @@ def test_nnx_stacked_layer_under_a_jax_vmap_over_its_inputs_is_refused():
         lambda m: jnp.sum(m(x, per_example=True)**2))(model)
 
 
+def test_a_per_example_vmap_inside_the_loss_is_refused_in_an_ensemble_too():
+  # In an nnx.vmap ensemble the kernel is itself a vmap tracer, and an inner
+  # per-example jax.vmap (the member's params broadcast) went unnoticed:
+  # each member's stats came out summed over the examples.
+
+  class Ensemble(nnx.Module):
+
+    def __init__(self, rngs, per_example):
+      self.per_example = per_example
+
+      @nnx.split_rngs(splits=2)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def create(rngs):
+        return nnx.Linear(4, 3, rngs=rngs)
+
+      self.members = create(rngs)
+
+    def __call__(self, x):
+      apply = ((lambda m, x: jax.vmap(m)(x)) if self.per_example else
+               (lambda m, x: m(x)))
+      return nnx.vmap(apply, in_axes=(0, None))(self.members, x)
+
+  x = jnp.ones((5, 4))
+  loss_fn = lambda m: jnp.sum(jnp.sin(m(x)))
+  with pytest.raises(ValueError, match="'members'.*jax.vmap.*skip_layers"):
+    kfac_jax.value_grad_and_stats(loss_fn)(Ensemble(nnx.Rngs(0), True))
+  # A plain layer: the per-example message, not the lifted-transform one.
+  with pytest.raises(ValueError, match="'hidden'.*maps its inputs"):
+    kfac_jax.value_grad_and_stats(
+        lambda m: jnp.sum(jax.vmap(m.hidden)(jnp.ones((6, 24)))))(
+            NnxModel(nnx.Rngs(0)))
+  # A vmap around value_grad_and_stats, the params broadcast: each
+  # micro-batch's stats, as without the vmap.
+  model = ScannedBlocks(nnx.Rngs(0))
+  batches = jnp.asarray(np.random.default_rng(9).normal(size=(2, 5, 4)),
+                        jnp.float32)
+  scan_loss = lambda m, x: jnp.sum(m(x)**2)
+  _, _, stats = nnx.vmap(kfac_jax.value_grad_and_stats(scan_loss),
+                         in_axes=(None, 0))(model, batches)
+  for i in range(2):
+    _, _, alone = kfac_jax.value_grad_and_stats(scan_loss)(model, batches[i])
+    np.testing.assert_allclose(stats["blocks/lin"].output_cotangents[0][i],
+                               alone["blocks/lin"].output_cotangents[0],
+                               rtol=1e-5, atol=1e-7)
+
+
 def test_nnx_scan_over_layers_stacked_on_another_axis_is_refused():
   model = ScannedBlocks(nnx.Rngs(0), axis=1)
   x = jnp.ones((5, 4))

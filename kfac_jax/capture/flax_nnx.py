@@ -98,7 +98,8 @@ def _stack_ndim(name: str, module: nnx.Module, kernel_shape: tuple[int, ...],
 
 def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
                 attended: set[str],
-                probes: Mapping[str, tuple[ProbePair, ...]]) -> None:
+                probes: Mapping[str, tuple[ProbePair, ...]],
+                outer_vmaps: frozenset[int]) -> None:
   """Routes every captured module call of ``model`` (a private copy) through
   ``hook``, sets each layer's ``probes`` on it (``PROBES``), and adds to
   ``attended`` each ``Embed`` called through ``attend``. Layers that ``skip``
@@ -108,7 +109,9 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
   layers) is captured with its stack axes; one that runs in another trace
   unsliced (``nnx.remat``, ``nnx.jit`` inside the loss, a scan broadcasting
   an RNN cell) is refused: its probes would be closed over, and a loop
-  would sum its calls' rows into one.
+  would sum its calls' rows into one. So is one under a ``vmap`` inside the
+  loss that maps its inputs but not its kernel (``outer_vmaps``: those
+  around the loss, which map each call's probes too).
   """
   top_trace = probes_lib.trace_state()
   for path, module in nnx.iter_modules(model):
@@ -130,6 +133,16 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
       signature = _signature(self, type(self).__name__, inputs, stack_ndim)
       if signature is None:
         return outputs
+      kernel = getattr(self, _key).get_value()
+      if (probes_lib.batch_traces(inputs) | probes_lib.batch_traces(outputs)
+         ) - probes_lib.batch_traces(kernel) - outer_vmaps:
+        raise ValueError(
+            f"value_grad_and_stats: NNX layer {_name!r} runs under a "
+            "jax.vmap (or nnx.vmap) inside the loss that maps its inputs but "
+            "broadcasts its params, so its captured inputs and cotangents "
+            "would be summed over the mapped axis. Apply it to the whole "
+            "batch (Flax layers take leading batch axes), vmap outside "
+            f"value_grad_and_stats, or {probes_lib.skip_advice(_name)}.")
       if probes_lib.trace_state() != top_trace:
         if stack_ndim == 0:
           raise ValueError(
@@ -141,15 +154,6 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
               "not support (lifted transforms that slice stacked params, "
               "nnx.scan over layers, are). Jit the whole training step "
               f"instead, or {probes_lib.skip_advice(_name)}.")
-        if (probes_lib.batch_traced(inputs) or probes_lib.batch_traced(
-            outputs)) and not probes_lib.batch_traced(
-                getattr(self, _key).get_value()):
-          raise ValueError(
-              f"value_grad_and_stats: NNX layer {_name!r} runs under a "
-              "jax.vmap (or nnx.vmap) that maps its inputs but broadcasts "
-              "its (sliced) params, so its captured inputs and cotangents "
-              "would be summed over the mapped axis. Apply it to the whole "
-              f"batch, or {probes_lib.skip_advice(_name)}.")
       return hook(_name, inputs, outputs, signature, self)
 
     methods = {"__call__": call}
@@ -211,8 +215,11 @@ def _run(fun: Callable[..., Any], model: nnx.Module, skip: Skip, args, kwargs,
     for index, copy in zip(node_indices, copies[1:]):
       filled[index] = copy
     copy_args, copy_kwargs = jax.tree.unflatten(treedef, filled)
+    # vmaps around the loss: they map its arguments or params.
+    outer_vmaps = frozenset().union(*map(probes_lib.batch_traces,
+                                         jax.tree.leaves((params, leaves))))
     _instrument(copies[0], hook, skip,
-                set() if attended is None else attended, probes)
+                set() if attended is None else attended, probes, outer_vmaps)
     out = fun(copies[0], *copy_args, **copy_kwargs)
     return out, nnx.state(copies, nnx.Not(_model_param))
 

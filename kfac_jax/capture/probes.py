@@ -108,6 +108,16 @@ def batch_traced(array: Any) -> bool:
   return type(array).__name__ == "BatchTracer"
 
 
+def batch_traces(array: Any) -> frozenset[int]:
+  """The ``vmap``s mapping ``array``, as ids of their traces (nested vmaps
+  wrap one ``BatchTracer`` in another; see ``batch_traced``)."""
+  traces = set()
+  while batch_traced(array):
+    traces.add(id(array._trace))  # pylint: disable=protected-access
+    array = array.val
+  return frozenset(traces)
+
+
 class CallCounter:
   """Numbers a layer's calls within each trace.
 
