@@ -173,7 +173,10 @@ def recompute_preconditioners(
   Args:
     tree: a pytree holding ``ScaleByKFACState``s, e.g. from ``restore``; their
       ``preconditioners`` may be ``None``.
-    damping: λ, constant or schedule of the step count, > 0.
+    damping: λ, constant or schedule of the step count, > 0. At a count
+      where a schedule is out of range every block keeps the identity's
+      preconditioner and is counted in ``rejected_decompositions``, as
+      ``update`` would reject its decomposition.
     compute_method: ``"eigen"`` or ``"inverse"``.
     compute_eigenvalue_outer_product: eigen only, as in ``scale_by_kfac``.
     inv_dtype: dtype of the preconditioners, as in ``scale_by_kfac``.

@@ -594,7 +594,7 @@ def test_nnx_scan_over_layers_stacked_on_another_axis_is_refused():
   model = ScannedBlocks(nnx.Rngs(0), axis=1)
   x = jnp.ones((5, 4))
   with pytest.raises(ValueError, match=r"'blocks/lin'.*\(4, 3, 4\).*\(4, 4\)"
-                     ".*axis 0.*skip_layers"):
+                     ".*out_axes=0.*skip_layers"):
     kfac_jax.value_grad_and_stats(lambda m: jnp.sum(m(x)**2))(model)
 
 

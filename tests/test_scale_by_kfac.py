@@ -173,11 +173,11 @@ def test_schedules_are_called_with_the_step():
       state.preconditioners["Dense_0"].activation_inverse, expected, rtol=1e-4)
 
 
-def _run_steps(tx, steps: int = 4, jit: bool = True):
-  """``steps`` updates of the MLP problem; (per-step updates, final state)."""
+def _run_steps(tx, steps: int = 4):
+  """``steps`` jitted updates of the MLP problem; (per-step updates, final
+  state)."""
   params, batches, loss_fn, _ = make_problem("mlp", True)
-  update = lambda g, s, st: tx.update(g, s, params, kfac_stats=st)
-  update = jax.jit(update) if jit else update
+  update = jax.jit(lambda g, s, st: tx.update(g, s, params, kfac_stats=st))
   state = tx.init(params)
   all_updates = []
   for _ in range(steps):
@@ -208,6 +208,10 @@ def test_schedules_that_go_out_of_range_later_leave_the_state_as_it_was():
   assert int(state.rejected_decompositions) == 2 * 2
   jax.tree.map(np.testing.assert_array_equal, state.factors,
                reference_state.factors)  # λ does not enter the factors
+  _, two_steps = _run_steps(kfac_jax.scale_by_kfac(damping=DAMPING, **base),
+                            steps=2)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               state.preconditioners, two_steps.preconditioners)
 
   for bad in (float("nan"), 1.5):
     _, state = _run_steps(kfac_jax.scale_by_kfac(

@@ -62,6 +62,11 @@ class Probes(nnx.Param):
 # The attribute holding a captured layer's ``Probes`` on the private copy.
 PROBES = "kfac_probes"
 
+# NNX objects (modules, nnx.Rngs, nnx.List): flax 0.12 exports the test only
+# from its graph module. NNX modules are also jax pytrees, so flattening an
+# argument tree must stop at them (tests/test_nnx.py, the argument tests).
+_is_graph_node = nnx.graph.is_graph_node
+
 
 def _signature(module: nnx.Module, module_type: str, inputs: jax.Array,
                stack_ndim: int) -> LayerSignature | None:
@@ -91,8 +96,9 @@ def _stack_ndim(name: str, module: nnx.Module, kernel_shape: tuple[int, ...],
         f"value_grad_and_stats: NNX layer {name!r} ({type(module).__name__}) "
         f"has kernel {kernel_shape} in the model but {inner_shape} where it "
         "runs: a lifted transform (nnx.scan, nnx.vmap) slices it on an axis "
-        "other than the leading ones. Stack the layers on axis 0 (in_axes=0, "
-        f"nnx.vmap's default), or {probes_lib.skip_advice(name)}.")
+        "other than the leading ones. Create the stacked layers with "
+        "out_axes=0 and run them with in_axes=0 (nnx.vmap's and nnx.scan's "
+        f"defaults), or {probes_lib.skip_advice(name)}.")
   return stack_ndim
 
 
@@ -107,8 +113,8 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
 
   A layer whose kernel a lifted transform slices (``nnx.scan`` over stacked
   layers) is captured with its stack axes; one that runs in another trace
-  unsliced (``nnx.remat``, ``nnx.jit`` inside the loss, a scan broadcasting
-  an RNN cell) is refused: its probes would be closed over, and a loop
+  unsliced (``nnx.remat``, ``nnx.jit`` inside the loss, ``nnx.cond``, a scan
+  broadcasting an RNN cell) is refused: its probes would be closed over, and a loop
   would sum its calls' rows into one. So is one under a ``vmap`` inside the
   loss that maps its inputs but not its kernel (``outer_vmaps``: those
   around the loss, which map each call's probes too).
@@ -149,8 +155,8 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
               f"value_grad_and_stats: NNX layer {_name!r} runs in another "
               "trace than the loss with its params unsliced: under "
               "nnx.remat, a jit inside the loss (nnx.jit, jax.jit), a "
-              "branch of nnx.cond/lax.cond, an nnx.vmap or nnx.scan "
-              "broadcasting them (an RNN cell), which the NNX capture does "
+              "branch of nnx.cond/lax.cond, or an nnx.scan broadcasting "
+              "them (an RNN cell), which the NNX capture does "
               "not support (lifted transforms that slice stacked params, "
               "nnx.scan over layers, are). Jit the whole training step "
               f"instead, or {probes_lib.skip_advice(_name)}.")
@@ -190,19 +196,17 @@ def _model_param(path: tuple[Any, ...], value: Any) -> bool:
 def _run(fun: Callable[..., Any], model: nnx.Module, skip: Skip, args, kwargs,
          attended: set[str] | None = None
          ) -> tuple[Callable[..., tuple[Any, Any]], tuple[Any, ...]]:
-  """``(params, hook, probes) -> (fun output, updated state)`` on private
-  copies (``_instrument``), the
-  objects whose state that is: ``model`` and the NNX objects among the
-  arguments (an ``nnx.Rngs`` for dropout, a second model).
+  """``(run, objects)``: ``run(params, hook, probes) -> (fun output, updated
+  state)`` on private copies (``_instrument``) of ``objects``, the model and
+  the NNX objects among the arguments (an ``nnx.Rngs`` for dropout, a
+  second model).
 
   The objects are split together, so that one shared by the model and an
   argument (a model keeping the ``nnx.Rngs`` it is also given) stays one
   object in the copy.
   """
-  leaves, treedef = jax.tree.flatten((args, kwargs),
-                                     is_leaf=nnx.graph.is_graph_node)
-  node_indices = [i for i, leaf in enumerate(leaves)
-                  if nnx.graph.is_graph_node(leaf)]
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_graph_node)
+  node_indices = [i for i, leaf in enumerate(leaves) if _is_graph_node(leaf)]
   objects = (model, *(leaves[i] for i in node_indices))
   graphdef, _, rest = nnx.split(objects, _model_param, ...)
 
@@ -241,13 +245,13 @@ def _shape_pass(fun, model, skip, args, kwargs):
   out_shape, _ = probes_lib.shape_pass(
       lambda params, args, kwargs: _run(fun, model, skip, args, kwargs,
                                         attended)[0](params, record, {}),
-      params, args, kwargs, is_leaf=nnx.graph.is_graph_node)
+      params, args, kwargs, is_leaf=_is_graph_node)
   probes_lib.drop_attended(calls, attended)
   return calls, out_shape
 
 
 def _kernels(model: nnx.Module, calls: Mapping[str, Sequence[probes_lib.Call]]
-             ) -> dict[str, tuple[tuple[Any, ...], jax.Array]]:
+             ) -> dict[str, tuple[tuple[Any, ...], nnx.Variable]]:
   """``{layer: (module path, kernel)}`` of the captured layers."""
   modules = {layers.layer_name(path): (path, module)
              for path, module in nnx.iter_modules(model)}
@@ -287,6 +291,8 @@ def value_grad_and_stats(
       for name, (_, kernel) in _kernels(model, calls).items()
   }
 
+  run, objects = _run(fun, model, skip, args, kwargs)
+
   def primal(params, probes):
     counter = probes_lib.CallCounter(per_trace=False)
 
@@ -317,7 +323,6 @@ def value_grad_and_stats(
     loss, aux = probes_lib.split_output(out, has_aux, caller)
     return loss, (aux, new_state)
 
-  run, objects = _run(fun, model, skip, args, kwargs)
   params = nnx.state(model, nnx.Param)
   loss, vjp_fn, (aux, new_state) = jax.vjp(primal, params, probes,
                                             has_aux=True)

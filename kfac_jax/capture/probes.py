@@ -110,7 +110,12 @@ def batch_traced(array: Any) -> bool:
 
 def batch_traces(array: Any) -> frozenset[int]:
   """The ``vmap``s mapping ``array``, as ids of their traces (nested vmaps
-  wrap one ``BatchTracer`` in another; see ``batch_traced``)."""
+  wrap one ``BatchTracer`` in another; see ``batch_traced``).
+
+  ``_trace`` and ``val`` are private to jax's batching interpreter;
+  ``tests/test_nnx.py::test_a_per_example_vmap_inside_the_loss_is_refused_in_an_ensemble_too``
+  guards the refusal that relies on them.
+  """
   traces = set()
   while batch_traced(array):
     traces.add(id(array._trace))  # pylint: disable=protected-access
@@ -119,7 +124,7 @@ def batch_traces(array: Any) -> frozenset[int]:
 
 
 class CallCounter:
-  """Numbers a layer's calls within each trace.
+  """Numbers a layer's calls, within each trace or in program order.
 
   ``nn.scan`` traces its body twice (once to find broadcast outputs), with
   fresh module instances, so calls are numbered per (layer, trace): the same

@@ -5,11 +5,10 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-import jax
 import optax
 
 from kfac_jax.transform.hyperparameters import (ScalarOrSchedule,
-                                                non_negative,
+                                                hyperparameter, non_negative,
                                                 static_positive_integer)
 from kfac_jax.transform.scale_by_kfac import scale_by_kfac
 
@@ -30,7 +29,7 @@ def kfac(learning_rate: ScalarOrSchedule,
 
   Args:
     learning_rate: constant or schedule, shared by KL clipping and SGD.
-    momentum: SGD momentum (``None`` or 0 for none).
+    momentum: SGD momentum in [0, 1) (``None`` or 0 for none).
     weight_decay: decoupled-from-preconditioning L2 coefficient, ≥ 0.
     nesterov: Nesterov momentum.
     **kfac_kwargs: any other ``scale_by_kfac`` argument.
@@ -48,12 +47,12 @@ def kfac(learning_rate: ScalarOrSchedule,
   for name, value in (("weight_decay", weight_decay), ("momentum", momentum)):
     if callable(value):
       raise TypeError(f"{name} must be a number, not a schedule.")
-    if value is not None:
-      non_negative(name, value)
-  if (momentum is not None and not isinstance(momentum, jax.core.Tracer) and
-      float(momentum) >= 1):
-    # Past 1 the momentum buffer grows geometrically: the run diverges.
-    raise ValueError(f"momentum must be in [0, 1); got {momentum!r}.")
+  if weight_decay is not None:
+    non_negative("weight_decay", weight_decay)
+  if momentum is not None:
+    # From 1 on the momentum buffer grows geometrically: the run diverges.
+    hyperparameter("momentum", momentum, lambda v: (0 <= v) & (v < 1),
+                   "in [0, 1)")
   # Built first: it validates kfac_kwargs (accumulation_steps included).
   preconditioner = scale_by_kfac(learning_rate=learning_rate, **kfac_kwargs)
   # Only a Python zero drops a stage: under optax.inject_hyperparams the

@@ -78,7 +78,8 @@ class Hyperparameter:
 
 def hyperparameter(name: str,
                    value: ScalarOrSchedule,
-                   is_valid: Callable[[float], bool],
+                   is_valid: Callable[[jax.typing.ArrayLike],
+                                      jax.typing.ArrayLike],
                    requirement: str,
                    integer: bool = False) -> Hyperparameter:
   """Validates ``value`` (or a schedule's value at step 0) and wraps it.
@@ -86,7 +87,9 @@ def hyperparameter(name: str,
   Args:
     name: the argument name, for messages.
     value: a number or a callable of the step count.
-    is_valid: predicate on the (step-0) value.
+    is_valid: predicate on the (step-0) value, also applied to traced
+      values at each step (``Hyperparameter.valid``): write it with jnp
+      operators (``&``, not ``and`` or a chained ``<``).
     requirement: what a valid value is, e.g. ``"> 0"``, for messages.
     integer: whether the value must be an integer (update intervals).
 

@@ -422,11 +422,11 @@ def scale_by_kfac(
     # Scheduled (or traced) values out of range at this step cannot raise
     # under jit: the parts of the step they feed leave the state as it was
     # and count it (README, *scale_by_kfac arguments*).
+    scheduled_damping = damping_fn if adaptive is None else None
     decay_ok = hp.all_valid(count, factor_decay_fn)
-    damping_ok = hp.all_valid(count,
-                              damping_fn if adaptive is None else None)
+    damping_ok = hp.all_valid(count, scheduled_damping)
     updates_ok = hp.all_valid(
-        count, damping_fn if adaptive is None else None, kl_clip_fn,
+        count, scheduled_damping, kl_clip_fn,
         None if kl_clip_fn is None else learning_rate_fn)
     # Factor updates only average finite batches into finite factors, so a
     # non-finite running factor comes from outside (a corrupted restore,
@@ -769,8 +769,14 @@ def _check_state(layers: Mapping[str, LayerInfo], state: ScaleByKFACState,
           "(tx.init(params)._replace(factors=old_state.factors) keeps the "
           "curvature gathered so far).")
   micro_step = None if state.accumulator is None else state.accumulator.micro_step
+  if micro_step is not None and not isinstance(micro_step, jax.core.Tracer):
+    if int(micro_step) < 0:
+      raise ValueError(
+          f"scale_by_kfac.update: the state's accumulator is at micro-step "
+          f"{int(micro_step)}; a state from tx.init counts from 0. The state "
+          "is corrupted: start from tx.init(params).")
   if (micro_step is not None and not isinstance(micro_step, jax.core.Tracer)
-      and not 0 <= int(micro_step) < accumulation_steps):
+      and int(micro_step) >= accumulation_steps):
     raise ValueError(
         f"scale_by_kfac.update: the state's accumulator is at micro-step "
         f"{int(micro_step)}, outside [0, accumulation_steps={accumulation_steps}"
