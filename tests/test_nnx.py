@@ -373,6 +373,26 @@ def test_nnx_objects_among_the_arguments_are_copied_and_updated(shared):
                                    "head", "hidden"}
 
 
+class Ensemble(nnx.Module):
+  """Two Linear members stacked by nnx.vmap, applied by nnx.vmap to one
+  batch; ``per_example``: each member by a jax.vmap over the examples."""
+
+  def __init__(self, rngs: nnx.Rngs, per_example: bool = False):
+    self.per_example = per_example
+
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return nnx.Linear(4, 3, rngs=rngs)
+
+    self.members = create(rngs)
+
+  def __call__(self, x):
+    apply = ((lambda m, x: jax.vmap(m)(x)) if self.per_example else
+             (lambda m, x: m(x)))
+    return nnx.vmap(apply, in_axes=(0, None))(self.members, x)
+
+
 class ScanBlock(nnx.Module):
 
   def __init__(self, rngs: nnx.Rngs):
@@ -548,24 +568,6 @@ def test_a_per_example_vmap_inside_the_loss_is_refused_in_an_ensemble_too():
   # In an nnx.vmap ensemble the kernel is itself a vmap tracer, and an inner
   # per-example jax.vmap (the member's params broadcast) went unnoticed:
   # each member's stats came out summed over the examples.
-
-  class Ensemble(nnx.Module):
-
-    def __init__(self, rngs, per_example):
-      self.per_example = per_example
-
-      @nnx.split_rngs(splits=2)
-      @nnx.vmap(in_axes=(0,), out_axes=0)
-      def create(rngs):
-        return nnx.Linear(4, 3, rngs=rngs)
-
-      self.members = create(rngs)
-
-    def __call__(self, x):
-      apply = ((lambda m, x: jax.vmap(m)(x)) if self.per_example else
-               (lambda m, x: m(x)))
-      return nnx.vmap(apply, in_axes=(0, None))(self.members, x)
-
   x = jnp.ones((5, 4))
   loss_fn = lambda m: jnp.sum(jnp.sin(m(x)))
   with pytest.raises(ValueError, match="'members'.*jax.vmap.*skip_layers"):
@@ -601,22 +603,6 @@ def test_nnx_scan_over_layers_stacked_on_another_axis_is_refused():
 def test_an_nnx_vmap_ensemble_is_captured_per_member():
   """Members stacked by nnx.vmap and applied by nnx.vmap to one batch: each
   member's inputs and cotangents, stacked, as the dense computation gives."""
-
-  class Ensemble(nnx.Module):
-
-    def __init__(self, rngs):
-
-      @nnx.split_rngs(splits=2)
-      @nnx.vmap(in_axes=(0,), out_axes=0)
-      def create(rngs):
-        return nnx.Linear(4, 3, rngs=rngs)
-
-      self.members = create(rngs)
-
-    def __call__(self, x):
-      return nnx.vmap(lambda member, x: member(x),
-                      in_axes=(0, None))(self.members, x)
-
   model = Ensemble(nnx.Rngs(0))
   x = jnp.asarray(np.random.default_rng(5).normal(size=(5, 4)), jnp.float32)
   loss_fn = lambda m: jnp.sum(jnp.sin(m(x)))
