@@ -5,8 +5,8 @@ callable ``step -> value`` (an optax schedule works). Constants are checked at
 construction; schedules are called once at step 0 at construction to check the
 type and range of what they return. Inside ``jit`` their later values (and
 values ``optax.inject_hyperparams`` traces) cannot raise, so they are guarded
-where they are used: an interval below 1 counts as 1, and ``valid`` tells the
-update whether a real value is in range (``scale_by_kfac`` then skips the
+where they are used: an interval below 1 counts as 1, and ``all_valid``
+tells the update whether real values are in range (``scale_by_kfac`` then skips the
 parts of the step it feeds: factor update, decompositions, the update).
 """
 
@@ -68,13 +68,6 @@ class Hyperparameter:
       value = jnp.maximum(value, 1)
     return value
 
-  def valid(self, count: jax.Array) -> jax.Array | bool:
-    """Whether the value at ``count`` is in range (``True``, no operation,
-    for one checked at construction)."""
-    if self.checked or self.is_valid is None:
-      return True
-    return self.is_valid(self(count))
-
 
 def hyperparameter(name: str,
                    value: ScalarOrSchedule,
@@ -88,7 +81,7 @@ def hyperparameter(name: str,
     name: the argument name, for messages.
     value: a number or a callable of the step count.
     is_valid: predicate on the (step-0) value, also applied to traced
-      values at each step (``Hyperparameter.valid``): write it with jnp
+      values at each step (``all_valid``): write it with jnp
       operators (``&``, not ``and`` or a chained ``<``).
     requirement: what a valid value is, e.g. ``"> 0"``, for messages.
     integer: whether the value must be an integer (update intervals).
@@ -121,7 +114,7 @@ def hyperparameter(name: str,
         f"{name} must be {expected}; got {sample!r}{source} with shape "
         f"{shape} and dtype {dtype}.")
   # The predicates are jnp expressions: they check Python floats here and
-  # traced values at each step (`Hyperparameter.valid`).
+  # traced values at each step (`all_valid`).
   runtime_check = None if integer else (
       lambda v: jnp.isfinite(v) & is_valid(v))
   if traced:
@@ -145,12 +138,13 @@ def hyperparameter(name: str,
 def all_valid(count: jax.Array,
               *hyperparameters: Hyperparameter | None) -> jax.Array | None:
   """Whether every given hyper-parameter's value at ``count`` is in range
-  (``Hyperparameter.valid``); ``None`` when construction checked them all
-  (nothing to guard)."""
+  (its ``is_valid``); ``None`` when construction checked them all (nothing
+  to guard). Intervals (no ``is_valid``) are raised to 1 instead."""
   valid = None
   for hyperparameter in hyperparameters:
-    if hyperparameter is not None and not hyperparameter.checked:
-      one = hyperparameter.valid(count)
+    if (hyperparameter is not None and not hyperparameter.checked and
+        hyperparameter.is_valid is not None):
+      one = hyperparameter.is_valid(hyperparameter(count))
       valid = one if valid is None else valid & one
   return valid
 
