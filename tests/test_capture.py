@@ -266,6 +266,159 @@ def test_a_vmap_around_value_grad_and_stats_matches_each_model_alone():
                                    atol=1e-7)
 
 
+def _looped_loss(loop, model, x, y):
+  """The loss of ``model`` over two micro-batches of ``x`` and ``y``, summed
+  by ``loop`` with the params closed over."""
+  xs, ys = x.reshape(2, -1, x.shape[-1]), y.reshape(2, -1, y.shape[-1])
+
+  def micro_loss(params, xb, yb):
+    return 0.5 * jnp.sum((model.apply({"params": params}, xb) - yb)**2)
+
+  def loss_fn(params):
+    if loop == "scan":
+      return jax.lax.scan(lambda total, b: (total + micro_loss(params, *b),
+                                            None), 0.0, (xs, ys))[0]
+    if loop == "map":
+      return jnp.sum(jax.lax.map(lambda b: micro_loss(params, *b), (xs, ys)))
+    if loop == "fori_loop":  # static bounds: a scan
+      return jax.lax.fori_loop(
+          0, 2, lambda i, total: total + micro_loss(params, xs[i], ys[i]), 0.0)
+    return jax.lax.while_loop(  # "while_loop"
+        lambda c: c[0] < 2,
+        lambda c: (c[0] + 1, c[1] + micro_loss(params, xs[c[0]], ys[c[0]])),
+        (0, 0.0))[1]
+
+  return loss_fn
+
+
+@pytest.mark.parametrize("loop", ["scan", "map", "fori_loop", "while_loop"])
+def test_a_layer_in_a_loop_that_does_not_slice_its_params_is_refused(loop):
+  # Every step got the same probes: each layer's inputs and cotangents came
+  # out summed over the micro-batches, A = (x₁ + x₂)(x₁ + x₂)ᵀ, unnoticed.
+  model, x, y, params = _two_dense_setup()
+  loss_fn = _looped_loss(loop, model, x, y)
+  for capture in (lambda: kfac_jax.trace_layers(loss_fn, params),
+                  lambda: kfac_jax.value_grad_and_stats(loss_fn)(params)):
+    with pytest.raises(ValueError, match="'hidden' runs inside a loop"):
+      capture()
+  if loop == "while_loop":
+    return  # jax cannot differentiate it: no gradients to compare.
+  # Skipped, the layers go to the chained optimizer; the gradients stay.
+  skip = ["^hidden$", "^out$"]
+  loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn,
+                                                     skip_layers=skip)(params)
+  assert not stats
+  expected_loss, expected_grads = jax.value_and_grad(loss_fn)(params)
+  np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               grads, expected_grads)
+
+
+def test_a_loop_of_one_step_is_no_loop():
+  model, x, y, params = _two_dense_setup()
+  looped = lambda params: jax.lax.scan(
+      lambda total, b: (total + 0.5 * jnp.sum(
+          (model.apply({"params": params}, b[0]) - b[1])**2), None),
+      0.0, (x[None], y[None]))[0]
+  plain = lambda params: 0.5 * jnp.sum(
+      (model.apply({"params": params}, x) - y)**2)
+  _, _, stats = kfac_jax.value_grad_and_stats(looped)(params)
+  _, _, expected = kfac_jax.value_grad_and_stats(plain)(params)
+  for name in ("hidden", "out"):
+    for field in ("inputs", "output_cotangents"):
+      looped_value = getattr(stats[name], field)[0]
+      expected_value = getattr(expected[name], field)[0]
+      assert looped_value.shape == expected_value.shape
+      np.testing.assert_allclose(looped_value, expected_value, rtol=1e-5,
+                                 atol=1e-7)
+
+
+class _Block(nn.Module):
+
+  @nn.compact
+  def __call__(self, h):
+    return jnp.tanh(nn.Dense(4, name="dense")(h))
+
+
+def test_a_lax_scan_over_a_stacked_params_tree_captures_each_layer():
+  # The loop slices the params, and with them the probes injected beside
+  # the kernel: each step's rows stay apart, stacked on the layer axis.
+  block = _Block()
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
+  stacked = jax.vmap(lambda key: block.init(key, x)["params"])(
+      jax.random.split(jax.random.PRNGKey(0), 3))
+
+  def loss_fn(stacked):
+    h, _ = jax.lax.scan(
+        lambda h, params: (block.apply({"params": params}, h), None), x,
+        stacked)
+    return jnp.sum(h**2)
+
+  assert kfac_jax.trace_layers(loss_fn, stacked)["dense"].stack_ndim == 1
+  _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(stacked)
+
+  kernel, bias = stacked["dense"]["kernel"], stacked["dense"]["bias"]
+
+  def unrolled(perturbations):  # the same three layers, by hand
+    h, inputs = x, []
+    for i in range(3):
+      inputs.append(h)
+      h = jnp.tanh(h @ kernel[i] + bias[i] + perturbations[i])
+    return jnp.sum(h**2), jnp.stack(inputs)
+
+  _, vjp, inputs = jax.vjp(unrolled, jnp.zeros((3, 6, 4)), has_aux=True)
+  (cotangents,) = vjp(1.0)
+  np.testing.assert_allclose(stats["dense"].inputs[0], inputs, rtol=1e-6)
+  np.testing.assert_allclose(stats["dense"].output_cotangents[0], cotangents,
+                             rtol=1e-5, atol=1e-7)
+
+
+def test_a_scanned_layer_in_a_further_loop_is_refused():
+  model = _Lifted("scan")
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 4)), jnp.float32)
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  loss_fn = lambda params: jnp.sum(jax.lax.map(
+      lambda xb: jnp.sum(model.apply({"params": params}, xb)**2),
+      x.reshape(2, 3, 4)))
+  with pytest.raises(ValueError,
+                     match="'layers/dense' runs inside 2 nested loops"):
+    kfac_jax.value_grad_and_stats(loss_fn)(params)
+
+
+def test_a_trace_jax_reuses_is_refused():
+  # Called twice, a jitted apply ran its cached trace the second time, out
+  # of the capture's sight: both calls shared one set of probes, and each
+  # layer's input came out as x₁ + x₂. Traced again by a later capture, the
+  # cached trace hid its layers from it.
+  model, x, y, params = _two_dense_setup()
+  jitted_apply = jax.jit(model.apply)
+  twice = lambda params: jnp.sum((jitted_apply({"params": params}, x) -
+                                  jitted_apply({"params": params}, -x))**2)
+  with pytest.raises(ValueError, match="layers 'hidden', 'out' run in a "
+                     "function whose trace jax reused.*inside the loss.*"
+                     r"skip_layers=\['\^hidden\$', '\^out\$'\]"):
+    kfac_jax.value_grad_and_stats(twice)(params)
+  jitted_apply = jax.jit(model.apply)  # a new trace cache
+  once = lambda params: jnp.sum((jitted_apply({"params": params}, x) - y)**2)
+  kfac_jax.trace_layers(once, params)
+  with pytest.raises(ValueError, match="'hidden', 'out' run in a function "
+                     "whose trace jax reused"):
+    kfac_jax.value_grad_and_stats(once)(params)
+  # A function made in the loss is traced afresh by every capture.
+  fresh = lambda params: jnp.sum((jax.checkpoint(
+      lambda x: model.apply({"params": params}, x))(x) - y)**2)
+  plain = lambda params: jnp.sum((model.apply({"params": params}, x) - y)**2)
+  _, _, expected = kfac_jax.value_grad_and_stats(plain)(params)
+  for _ in range(2):
+    _, _, stats = kfac_jax.value_grad_and_stats(fresh)(params)
+    for name in ("hidden", "out"):
+      for got, want in zip(
+          (*stats[name].inputs, *stats[name].output_cotangents),
+          (*expected[name].inputs, *expected[name].output_cotangents)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 class ScaledDense(nn.Dense):
   """A Dense subclass that overrides ``__call__`` around the base call."""
 

@@ -233,25 +233,58 @@ def test_trace_layers_takes_abstract_arguments():
                                squared=False) == table
 
 
-@pytest.mark.parametrize("transform", [nnx.remat, nnx.jit])
-def test_layer_under_lifted_transform_is_refused_unless_skipped(transform):
+class Lifted(nnx.Module):
+  """A hidden layer under ``nnx.remat``, ``nnx.jit`` or ``nnx.cond`` (None:
+  called plainly), then a head."""
 
-  class Lifted(nnx.Module):
+  def __init__(self, rngs, transform=None):
+    self.transform = transform
+    self.dense = nnx.Linear(3, 3, rngs=rngs)
+    self.head = nnx.Linear(3, 2, rngs=rngs)
 
-    def __init__(self, rngs):
-      self.dense = nnx.Linear(3, 3, rngs=rngs)
-      self.head = nnx.Linear(3, 2, rngs=rngs)
+  def __call__(self, x):
+    if self.transform is None:
+      hidden = self.dense(x)
+    elif self.transform == "cond":  # the other branch is traced, not run
+      hidden = nnx.cond(jnp.sum(x) > -1e9, lambda layer, x: layer(x),
+                        lambda layer, x: -2 * layer(x), self.dense, x)
+    else:
+      hidden = getattr(nnx, self.transform)(lambda layer, x: layer(x))(
+          self.dense, x)
+    return self.head(jnp.tanh(hidden))
 
-    def __call__(self, x):
-      return self.head(transform(lambda layer, x: layer(x))(self.dense, x))
 
-  model = Lifted(nnx.Rngs(0))
+@pytest.mark.parametrize("transform", ["remat", "jit", "cond"])
+def test_a_layer_under_remat_jit_or_cond_is_captured_as_called_plainly(
+    transform):
+  # These were refused (any layer in another trace than the loss), though
+  # they pass the probes through like the params; only loops are refused now.
+  model = Lifted(nnx.Rngs(0), transform)
   x = jnp.asarray(np.random.default_rng(8).normal(size=(4, 3)), jnp.float32)
   loss_fn = lambda m: jnp.sum(m(x)**2)
-  with pytest.raises(ValueError, match=f"'dense'.*{transform.__name__}.*"
-                     "skip_layers"):
-    kfac_jax.value_grad_and_stats(loss_fn)(model)
+  table = kfac_jax.trace_layers(loss_fn, model)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(model)
+  _, plain_grads, plain_stats = kfac_jax.value_grad_and_stats(loss_fn)(
+      Lifted(nnx.Rngs(0)))
+  assert table == kfac_jax.trace_layers(loss_fn, Lifted(nnx.Rngs(0)))
+  for name in ("dense", "head"):
+    for got, expected in zip(batch_factors(stats[name]),
+                             batch_factors(plain_stats[name])):
+      np.testing.assert_allclose(got[0], expected[0], rtol=1e-6, atol=1e-7)
+  tx = kfac_jax.scale_by_kfac(damping=0.01, layers=table)
+  updates, _ = tx.update(grads, tx.init(grads), kfac_stats=stats)
+  plain_updates, _ = tx.update(plain_grads, tx.init(plain_grads),
+                               kfac_stats=plain_stats)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                       atol=1e-7),
+               nnx.to_pure_dict(updates), nnx.to_pure_dict(plain_updates))
 
+
+
+def test_skipped_layers_are_left_to_the_chained_optimizer():
+  model = Lifted(nnx.Rngs(0), "remat")
+  x = jnp.asarray(np.random.default_rng(8).normal(size=(4, 3)), jnp.float32)
+  loss_fn = lambda m: jnp.sum(m(x)**2)
   skip = ["^dense$"]
   table = kfac_jax.trace_layers(loss_fn, model, skip_layers=skip)
   loss, grads, stats = kfac_jax.value_grad_and_stats(
@@ -552,6 +585,66 @@ def test_nnx_scan_that_slices_the_kernel_but_not_the_probes_is_refused():
                      "skip_layers"):
     kfac_jax.value_grad_and_stats(
         lambda m: jnp.sum(m(x, block_axes=by_path)**2))(model)
+
+
+def test_nnx_scan_over_layers_inside_a_further_loop_is_refused():
+  # The outer loop carries the model, so each of its steps reused the
+  # scanned layer's probes: its stats came out summed over those steps.
+  model = ScannedBlocks(nnx.Rngs(0))
+  x = jnp.ones((5, 4))
+
+  def blocks(m, h):
+    return nnx.scan(lambda h, block: block(h), in_axes=(nnx.Carry, 0),
+                    out_axes=nnx.Carry)(h, m.blocks)
+
+  def loss_fn(m):
+    _, h = nnx.fori_loop(0, 2, lambda i, c: (c[0], blocks(*c)), (m, x))
+    return jnp.sum(h**2)
+
+  with pytest.raises(ValueError,
+                     match="'blocks/lin' runs inside 2 nested loops.*"
+                     "stacked for 1 of them.*skip_layers"):
+    kfac_jax.value_grad_and_stats(loss_fn)(model)
+
+
+class RecurrentCells(nnx.Module):
+  """A cell ``nnx.scan`` broadcasts over time steps; ``ensemble``: two
+  cells stacked by ``nnx.vmap`` and sliced by one inside each step."""
+
+  def __init__(self, rngs: nnx.Rngs, ensemble: bool = False):
+    self.ensemble = ensemble
+
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return nnx.Linear(4, 4, rngs=rngs)
+
+    self.cell = create(rngs) if ensemble else nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, xs):
+
+    @nnx.scan(in_axes=(nnx.Carry, None, 0), out_axes=(nnx.Carry, 0))
+    def step(h, cell, x):
+      if self.ensemble:
+        h = nnx.vmap(lambda cell, h: jnp.tanh(cell(h) + x))(cell, h)
+      else:
+        h = jnp.tanh(cell(h) + x)
+      return h, h
+
+    shape = (2, *xs.shape[1:]) if self.ensemble else xs.shape[1:]
+    return step(jnp.zeros(shape), self.cell, xs)[1]
+
+
+@pytest.mark.parametrize("ensemble", [False, True])
+def test_a_cell_broadcast_over_scan_steps_is_refused(ensemble):
+  # The ensemble's stack axis is its vmap's, not the scan's: its inputs and
+  # cotangents came out summed over the time steps, unnoticed.
+  model = RecurrentCells(nnx.Rngs(0), ensemble)
+  xs = jnp.asarray(np.random.default_rng(2).normal(size=(5, 3, 4)),
+                   jnp.float32)
+  with pytest.raises(ValueError, match="'cell' runs inside a loop.*"
+                     "stacked for 0 of them.*skip_layers"):
+    kfac_jax.value_grad_and_stats(lambda m: jnp.sum(m(xs)**2))(model)
 
 
 def test_nnx_stacked_layer_under_a_jax_vmap_over_its_inputs_is_refused():

@@ -106,6 +106,8 @@ class _ShapeRecorder:
       default_factory=probes_lib.CallCounter)
   calls: dict[str, list[probes_lib.Call]] = dataclasses.field(
       default_factory=dict)
+  trace_check: probes_lib.TraceCheck = dataclasses.field(
+      default_factory=probes_lib.TraceCheck)
   paths: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
   # Embed layers also called through attend (tied output weights).
   attended: set[str] = dataclasses.field(default_factory=set)
@@ -141,10 +143,11 @@ class _ShapeRecorder:
     path = tuple(module.path)
     if layers.is_skipped_layer(path, type(module).__name__, self.skip):
       return next_fun(*args, **kwargs)  # no probes: the real pass skips it
-    outputs, innermost = self.nesting.call(path, next_fun, args, kwargs)
+    name = layers.layer_name(path)
+    with self.trace_check.scope(name):
+      outputs, innermost = self.nesting.call(path, next_fun, args, kwargs)
     if not innermost:
       return outputs
-    name = layers.layer_name(path)
     key = (layers.EMBEDDING if isinstance(module, nn.Embed) else
            layers.KERNEL)
     kernel = _lookup(self.params, path + (key,))
@@ -181,6 +184,8 @@ class _ShapeRecorder:
     if signature is not None:
       probes_lib.record_call(self.calls, self.counter, name,
                              probes_lib.make_call(signature, inputs, outputs))
+      self.trace_check.allow(name, stack_ndim - probes_lib.vmapped_axes(
+          inner_kernel, probes_lib.batch_traces(kernel)))
       self.paths[name] = path
     return outputs
 
@@ -253,8 +258,10 @@ def _shape_pass(fun: Callable[..., Any], params: Any, skip, args,
     with nn.intercept_methods(recorder):
       return fun(params, *args, **kwargs)
 
-  out_shape = probes_lib.shape_pass(traced, params, args, kwargs)
+  out_shape = probes_lib.shape_pass(traced, params, args, kwargs,
+                                    trace_check=recorder.trace_check)
   recorder.check_traces()
+  recorder.trace_check.check()
   probes_lib.drop_attended(recorder.calls, recorder.attended)
   return recorder, out_shape
 

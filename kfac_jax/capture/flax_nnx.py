@@ -12,14 +12,16 @@ does; so is that of the NNX objects among the loss's other arguments.
 Each captured layer's probes are set on the copy as ``Probes``, a
 ``Param``, so a lifted transform that slices the params (``nnx.scan`` over
 layers stacked by ``nnx.vmap``) slices them too, and the layer is captured
-with its stack axes. A layer in another trace with its params unsliced
-(``nnx.remat``, a jit inside the loss, an RNN cell broadcast over
-``nnx.scan`` steps) is refused with an error naming it (pass it in
-``skip_layers``).
+with its stack axes; one that passes them whole (``nnx.remat``, ``nnx.jit``,
+``nnx.cond``) passes the probes whole too. A layer in a loop that does not
+slice its params (an RNN cell broadcast over ``nnx.scan`` steps,
+``nnx.fori_loop``) is refused with an error naming it
+(``probes.TraceCheck``; pass it in ``skip_layers``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -105,21 +107,23 @@ def _stack_ndim(name: str, module: nnx.Module, kernel_shape: tuple[int, ...],
 def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
                 attended: set[str],
                 probes: Mapping[str, tuple[ProbePair, ...]],
-                outer_vmaps: frozenset[int]) -> None:
+                outer_vmaps: frozenset[int],
+                trace_check: probes_lib.TraceCheck | None = None) -> None:
   """Routes every captured module call of ``model`` (a private copy) through
   ``hook``, sets each layer's ``probes`` on it (``PROBES``), and adds to
   ``attended`` each ``Embed`` called through ``attend``. Layers that ``skip``
   matches are left as they are.
 
   A layer whose kernel a lifted transform slices (``nnx.scan`` over stacked
-  layers) is captured with its stack axes; one that runs in another trace
-  unsliced (``nnx.remat``, ``nnx.jit`` inside the loss, ``nnx.cond``, a scan
-  broadcasting an RNN cell) is refused: its probes would be closed over, and a loop
-  would sum its calls' rows into one. So is one under a ``vmap`` inside the
-  loss that maps its inputs but not its kernel (``outer_vmaps``: those
-  around the loss, which map each call's probes too).
+  layers) is captured with its stack axes. One under a ``vmap`` inside the
+  loss that maps its inputs but not its kernel is refused (``outer_vmaps``:
+  the vmaps around the loss, which map each call's probes too).
+  ``trace_check``: the shape pass's, which marks each call and is told its stack axes, for
+  the checks after the pass (an RNN cell broadcast over ``nnx.scan``
+  steps is refused there).
   """
-  top_trace = probes_lib.trace_state()
+  scope = (trace_check.scope if trace_check is not None else
+           lambda name: contextlib.nullcontext())
   for path, module in nnx.iter_modules(model):
     if not isinstance(module, CAPTURED_MODULES) or layers.is_skipped_layer(
         path, type(module).__name__, skip):
@@ -133,7 +137,8 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
 
     def call(self, inputs, *args, _base=base, _name=name, _key=key,
              _kernel_shape=kernel_shape, **kwargs):
-      outputs = _base.__call__(self, inputs, *args, **kwargs)
+      with scope(_name):
+        outputs = _base.__call__(self, inputs, *args, **kwargs)
       stack_ndim = _stack_ndim(_name, self, _kernel_shape,
                                tuple(getattr(self, _key).shape))
       signature = _signature(self, type(self).__name__, inputs, stack_ndim)
@@ -149,17 +154,9 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
             "would be summed over the mapped axis. Apply it to the whole "
             "batch (Flax layers take leading batch axes), vmap outside "
             f"value_grad_and_stats, or {probes_lib.skip_advice(_name)}.")
-      if probes_lib.trace_state() != top_trace:
-        if stack_ndim == 0:
-          raise ValueError(
-              f"value_grad_and_stats: NNX layer {_name!r} runs in another "
-              "trace than the loss with its params unsliced: under "
-              "nnx.remat, a jit inside the loss (nnx.jit, jax.jit), a "
-              "branch of nnx.cond/lax.cond, or an nnx.scan broadcasting "
-              "them (an RNN cell), which the NNX capture does "
-              "not support (lifted transforms that slice stacked params, "
-              "nnx.scan over layers, are). Jit the whole training step "
-              f"instead, or {probes_lib.skip_advice(_name)}.")
+      if trace_check is not None:
+        trace_check.allow(_name, stack_ndim - probes_lib.vmapped_axes(
+            kernel, outer_vmaps))
       return hook(_name, inputs, outputs, signature, self)
 
     methods = {"__call__": call}
@@ -194,7 +191,8 @@ def _model_param(path: tuple[Any, ...], value: Any) -> bool:
 
 
 def _run(fun: Callable[..., Any], model: nnx.Module, skip: Skip, args, kwargs,
-         attended: set[str] | None = None
+         attended: set[str] | None = None,
+         trace_check: probes_lib.TraceCheck | None = None
          ) -> tuple[Callable[..., tuple[Any, Any]], tuple[Any, ...]]:
   """``(run, objects)``: ``run(params, hook, probes) -> (fun output, updated
   state)`` on private copies (``_instrument``) of ``objects``, the model and
@@ -223,7 +221,8 @@ def _run(fun: Callable[..., Any], model: nnx.Module, skip: Skip, args, kwargs,
     outer_vmaps = frozenset().union(*map(probes_lib.batch_traces,
                                          jax.tree.leaves((params, leaves))))
     _instrument(copies[0], hook, skip,
-                set() if attended is None else attended, probes, outer_vmaps)
+                set() if attended is None else attended, probes, outer_vmaps,
+                trace_check)
     out = fun(copies[0], *copy_args, **copy_kwargs)
     return out, nnx.state(copies, nnx.Not(_model_param))
 
@@ -241,11 +240,17 @@ def _shape_pass(fun, model, skip, args, kwargs):
     return outputs
 
   attended: set[str] = set()
+  trace_check = probes_lib.TraceCheck()
   params = nnx.state(model, nnx.Param)
-  out_shape, _ = probes_lib.shape_pass(
-      lambda params, args, kwargs: _run(fun, model, skip, args, kwargs,
-                                        attended)[0](params, record, {}),
-      params, args, kwargs, is_leaf=_is_graph_node)
+
+  def shape_run(params, args, kwargs):
+    run, _ = _run(fun, model, skip, args, kwargs, attended, trace_check)
+    return run(params, record, {})
+
+  out_shape, _ = probes_lib.shape_pass(shape_run, params, args, kwargs,
+                                       is_leaf=_is_graph_node,
+                                       trace_check=trace_check)
+  trace_check.check()
   probes_lib.drop_attended(calls, attended)
   return calls, out_shape
 

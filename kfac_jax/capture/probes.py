@@ -16,12 +16,16 @@ the probes can be allocated; both front ends (Linen, NNX) share this module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+import itertools
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.extend
+import jax.extend.core
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -166,11 +170,12 @@ def make_call(signature: LayerSignature, inputs: jax.Array,
               _explicit_sharding(inputs), _explicit_sharding(outputs))
 
 
-def skip_advice(name: str) -> str:
-  """How to leave a layer the capture refuses to the chained optimizer."""
-  return (f"pass skip_layers=[{skip_pattern(name)!r}] to value_grad_and_stats, "
-          "trace_layers and scale_by_kfac to leave it to the chained "
-          "optimizer")
+def skip_advice(*names: str) -> str:
+  """How to leave layers the capture refuses to the chained optimizer."""
+  patterns = ", ".join(repr(skip_pattern(name)) for name in names)
+  return (f"pass skip_layers=[{patterns}] to value_grad_and_stats, "
+          "trace_layers and scale_by_kfac to leave "
+          f"{'it' if len(names) == 1 else 'them'} to the chained optimizer")
 
 
 def record_call(calls: dict[str, list[Call]], counter: CallCounter, name: str,
@@ -266,15 +271,135 @@ def layer_info(name: str, path: tuple[Any, ...], kernel_shape: Sequence[int],
       kernel_key=kernel_key(signature))
 
 
+class TraceCheck:
+  """Checks the shape pass's jaxpr for two things the interceptors, which
+  see a call only while it is traced, cannot see.
+
+  *Loops.* A layer called in the body of a ``lax.scan``, ``lax.map`` or
+  ``fori_loop``/``while_loop`` whose params the loop does not slice (closed
+  over or carried: a loop over micro-batches, an RNN cell) gets the same
+  probes at every step, so their gradients would sum its rows over the
+  steps: ``A`` would be ``(Σₜaₜ)(Σₜaₜ)ᵀ``. A loop that slices stacked params
+  (``nn.scan``/``nnx.scan`` over layers, ``lax.scan`` over a stacked params
+  tree) slices the probes too and takes one of the layer's stack axes. So a
+  layer may run under as many loops as it has stack axes that no ``vmap``
+  inside the loss slices (an ``nnx.vmap``/``nn.vmap`` ensemble's axis).
+
+  *Reused traces.* ``jax.jit``, ``jax.checkpoint`` and ``nn.jit`` cache a
+  function's trace: called again (twice in one loss, or by a later capture)
+  it runs its cached program without tracing, so the capture would merge or
+  miss its layers' calls.
+
+  The shape pass runs each call under a ``jax.named_scope`` naming this
+  check, the call and the layer (``scope``), and reports the stack axes it
+  leaves to loops (``allow``). ``read`` walks the traced jaxpr (an
+  equation's name stack is relative to the equation holding its sub-jaxpr):
+  a call found in two sub-jaxprs, or one from another check, ran a reused
+  trace; it counts the loops around each call: ``scan`` equations of more
+  than one step (``lax.scan``, ``lax.map``, a ``fori_loop`` with static
+  bounds) and ``while`` ones. ``check`` raises for either problem.
+  """
+
+  _instances = itertools.count()
+
+  def __init__(self):
+    self.id = next(TraceCheck._instances)
+    self.calls = 0
+    self.allowed: dict[str, int] = {}
+    self.loops: dict[str, int] = {}
+    self.sites: dict[int, tuple[int, ...]] = {}  # call -> its sub-jaxpr
+    self.reused: dict[str, None] = {}  # ordered set
+
+  @contextlib.contextmanager
+  def scope(self, name: str) -> Iterator[None]:
+    """Marks the equations of one call of layer ``name``."""
+    self.calls += 1
+    with jax.named_scope(
+        f"__kfac_{self.id}_{self.calls}_{name.encode().hex()}__"):
+      yield
+
+  def allow(self, name: str, loop_axes: int) -> None:
+    """Records a call of ``name`` with ``loop_axes`` stack axes left for
+    loops to slice: its stack axes less those a ``vmap`` inside the loss
+    slices (``vmapped_axes``)."""
+    self.allowed[name] = min(self.allowed.get(name, loop_axes), loop_axes)
+
+  def read(self, jaxpr: jax.extend.core.Jaxpr, loops: int = 0,
+           site: tuple[int, ...] = ()) -> None:
+    """Records, per layer, the most loops around one of its calls, and the
+    layers whose calls ran a reused trace. ``site``: where ``jaxpr`` is,
+    as the indices of the equations and sub-jaxprs holding it."""
+    for index, eqn in enumerate(jaxpr.eqns):
+      for check, call, name in re.findall(r"__kfac_(\d+)_(\d+)_([0-9a-f]*)__",
+                                          str(eqn.source_info.name_stack)):
+        name = bytes.fromhex(name).decode()
+        if (int(check) != self.id or
+            self.sites.setdefault(int(call), site) != site):
+          self.reused[name] = None
+        self.loops[name] = max(self.loops.get(name, 0), loops)
+      repeats = eqn.primitive.name == "while" or (
+          eqn.primitive.name == "scan" and eqn.params["length"] > 1)
+      for sub_index, sub_jaxpr in enumerate(_sub_jaxprs(eqn.params.values())):
+        self.read(sub_jaxpr, loops + repeats, site + (index, sub_index))
+
+  def check(self) -> None:
+    if self.reused:
+      raise ValueError(
+          f"value_grad_and_stats: layers {', '.join(map(repr, self.reused))} "
+          "run in a function whose trace jax reused (a jax.jit, "
+          "jax.checkpoint or nn.jit function called twice in the loss, or "
+          "already traced by an earlier capture): the capture sees a call "
+          "only while it is traced, so it would merge or miss their calls. "
+          "Apply the model plainly in the loss and jit the whole training "
+          "step, create the jitted/checkpointed function inside the loss (a "
+          f"new one per call), or {skip_advice(*self.reused)}.")
+    for name, allowed in self.allowed.items():
+      loops = self.loops.get(name, 0)
+      if loops > allowed:
+        where = "a loop" if loops == 1 else f"{loops} nested loops"
+        raise ValueError(
+            f"value_grad_and_stats: layer {name!r} runs inside {where} "
+            "(jax.lax.scan, lax.map, fori_loop, while_loop, or their nn/nnx "
+            f"forms) but its params are stacked for {allowed} of them: a "
+            "loop that does not slice its params (closed over, or carried) "
+            "gives every step the same probes, so its inputs and cotangents "
+            "would be summed over the steps. Scan over layers with the "
+            "params stacked (nn.scan, nnx.scan, or lax.scan over a stacked "
+            "params tree), unroll the loop (micro-batches: one "
+            "value_grad_and_stats each, with kfac_jax's gradient "
+            f"accumulation), or {skip_advice(name)}.")
+
+
+def vmapped_axes(kernel: Any, outside: frozenset[int]) -> int:
+  """How many of a running layer's stack axes a ``vmap`` inside the loss
+  sliced: the vmaps mapping its ``kernel`` less those ``outside`` it (the
+  ``batch_traces`` of the loss's arguments)."""
+  return len(batch_traces(kernel) - outside)
+
+
+def _sub_jaxprs(values: Any) -> Iterator[jax.extend.core.Jaxpr]:
+  """The jaxprs among an equation's params (a scan's body, cond's branches,
+  a remat's or a jit's)."""
+  for value in values:
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+      yield value.jaxpr
+    elif isinstance(value, jax.extend.core.Jaxpr):
+      yield value
+    elif isinstance(value, (tuple, list)):
+      yield from _sub_jaxprs(value)
+
+
 def shape_pass(fun: Callable[..., Any], params: Any, args: Sequence[Any],
                kwargs: Mapping[str, Any],
-               is_leaf: Callable[[Any], bool] | None = None) -> Any:
+               is_leaf: Callable[[Any], bool] | None = None,
+               trace_check: TraceCheck | None = None) -> Any:
   """``jax.eval_shape`` of ``fun(params, args, kwargs)``.
 
   The ``jax.ShapeDtypeStruct`` leaves of ``args``/``kwargs`` (``trace_layers``
   takes them) are traced abstractly; every other leaf is passed as given,
   so Python flags (``train=False``) stay static. ``is_leaf``: subtrees kept
   whole (NNX objects: rebuilt, they would no longer be the model's own).
+  ``trace_check``: reads the jaxpr of the calls ``fun`` marked with it.
   """
   leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_leaf)
   abstract = [i for i, leaf in enumerate(leaves)
@@ -287,7 +412,11 @@ def shape_pass(fun: Callable[..., Any], params: Any, args: Sequence[Any],
     args, kwargs = jax.tree.unflatten(treedef, filled)
     return fun(params, args, kwargs)
 
-  return jax.eval_shape(run, params, [leaves[i] for i in abstract])
+  # What jax.eval_shape does, keeping the jaxpr for the TraceCheck.
+  traced = jax.jit(run).trace(params, [leaves[i] for i in abstract])
+  if trace_check is not None:
+    trace_check.read(traced.jaxpr.jaxpr)
+  return traced.out_info
 
 
 def split_output(out: Any, has_aux: bool, caller: str) -> tuple[Any, Any]:
