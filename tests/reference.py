@@ -196,7 +196,10 @@ class KFACReference:
     if self.step % self.factor_update_steps == 0:
       for name in names:
         a_batch = np.mean([cov(b[name].activation_rows) for b in batches], 0)
-        g_batch = np.mean([cov(b[name].gradient_rows) for b in batches], 0)
+        # Each micro-batch's loss is its own mean: its cotangents are k
+        # times the concatenated batch's.
+        g_batch = np.mean([cov(b[name].gradient_rows) for b in batches],
+                          0) / len(batches)**2
         a, g = self.factors[name]
         self.factors[name] = (d * a + (1 - d) * a_batch,
                               d * g + (1 - d) * g_batch)

@@ -474,3 +474,57 @@ def test_calls_that_contract_different_axes_are_refused():
   with pytest.raises(ValueError, match="'general' is called with two signatures"):
     kfac_jax.value_grad_and_stats(
         lambda params: model.apply({"params": params}, x3, x2))(params)
+
+
+@pytest.mark.parametrize("batch_dims", [0, (0,)])
+def test_dense_general_with_batch_dims_is_left_out(batch_dims):
+  # Its kernel [batch, in, out] is no Kronecker layer. The int form (Flax's
+  # shorthand for one axis) was read as none: kernel (6, 3, 2) as in (6,),
+  # out (3, 2), then a bias-shape error at init.
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      h = nn.DenseGeneral(2, batch_dims=batch_dims, name="batched")(x)
+      return nn.Dense(1, name="head")(h)
+
+  model = Model()
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 5, 3)),
+                  jnp.float32)
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  assert params["batched"]["kernel"].shape == (6, 3, 2)
+  loss_fn = lambda params: jnp.mean(model.apply({"params": params}, x)**2)
+  table = kfac_jax.trace_layers(loss_fn, params)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  assert list(table) == list(stats) == ["head"]
+  tx = kfac_jax.scale_by_kfac(layers=table, skip_layers=["^batched$"])
+  updates, _ = tx.update(grads, tx.init(params), kfac_stats=stats)
+  jax.tree.map(np.testing.assert_array_equal, updates["batched"],
+               grads["batched"])
+
+
+def test_boxed_params_are_refused_with_the_way_out():
+  # Partitioned kernels were a crash in the capture (no .shape), and
+  # scale_by_kfac took them for masked leaves: the layer silently got no
+  # K-FAC.
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(2, kernel_init=nn.with_partitioning(
+          nn.initializers.lecun_normal(), (None, "model")), name="dense")(x)
+
+  model = Model()
+  x = jnp.ones((4, 3))
+  boxed = model.init(jax.random.PRNGKey(0), x)["params"]
+  loss_fn = lambda params: jnp.mean(model.apply({"params": params}, x)**2)
+  match = r"dense/kernel are boxed \(Partitioned.*nn\.unbox"
+  for call in (lambda: kfac_jax.value_grad_and_stats(loss_fn)(boxed),
+               lambda: kfac_jax.trace_layers(loss_fn, boxed),
+               lambda: kfac_jax.scale_by_kfac().init(boxed)):
+    with pytest.raises(ValueError, match=match):
+      call()
+  params = nn.unbox(boxed)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  tx = kfac_jax.scale_by_kfac()
+  assert list(tx.init(params).factors) == ["dense"]

@@ -474,3 +474,54 @@ def test_without_momentum_the_update_is_alpha_times_the_direction():
     update, residual = model_gradient(split, step)
     assert_orthogonal(update, residual, step[3])
   assert float(history[-1][1].quadratic_model.step_sizes[1]) == 0.0
+
+
+def fill_masked(params, full_params):
+  """``params`` with the ``optax.MaskedNode`` leaves of another group taken
+  from ``full_params`` (the README's recipe for ``optax.multi_transform``)."""
+  return jax.tree.map(
+      lambda mine, whole: whole if isinstance(mine, optax.MaskedNode) else mine,
+      params, full_params, is_leaf=lambda n: isinstance(n, optax.MaskedNode))
+
+
+def test_adaptive_mode_in_multi_transform_with_the_masked_params_filled():
+  # The README advises multi_transform for parameters outside the blocks;
+  # outputs_fn then received optax.MaskedNode leaves and Flax raised
+  # ScopeParamNotFoundError. Filled from the full params, the K-FAC group
+  # moves as a lone adaptive K-FAC whose other layer gets zero gradients.
+  params, batch, split, loss_fn = sigmoid_problem()
+  labels = {"Dense_0": "kfac", "Dense_1": "frozen"}
+  multi = optax.multi_transform(
+      {"kfac": adaptive_tx(), "frozen": optax.set_to_zero()}, labels)
+  alone = kfac_jax.scale_by_kfac(
+      damping=1.0, kl_clip=None, compute_eigenvalue_outer_product=False,
+      adaptive=kfac_jax.AdaptiveConfig(), skip_layers=["^Dense_1$"])
+
+  @jax.jit
+  def multi_step(params, state):
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, *batch)
+    filled = kfac_jax.SplitLoss(
+        lambda p: split.outputs_fn(fill_masked(p, params)), split.loss_fn,
+        lambda p: split.regularizer(fill_masked(p, params)))
+    return multi.update(grads, state, params, kfac_stats=stats,
+                        split_loss=filled)
+
+  @jax.jit
+  def alone_step(params, state):
+    _, grads, stats = kfac_jax.value_grad_and_stats(
+        loss_fn, skip_layers=["^Dense_1$"])(params, *batch)
+    grads["Dense_1"] = jax.tree.map(jnp.zeros_like, grads["Dense_1"])
+    return alone.update(grads, state, params, kfac_stats=stats,
+                        split_loss=split)
+
+  multi_params, multi_state = params, multi.init(params)
+  alone_params, alone_state = params, alone.init(params)
+  for _ in range(3):  # the second step on uses the previous update too
+    multi_updates, multi_state = multi_step(multi_params, multi_state)
+    alone_updates, alone_state = alone_step(alone_params, alone_state)
+    assert not any(np.any(u) for u in jax.tree.leaves(
+        alone_updates["Dense_1"]))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=1e-4, atol=1e-7), multi_updates, alone_updates)
+    multi_params = optax.apply_updates(multi_params, multi_updates)
+    alone_params = optax.apply_updates(alone_params, alone_updates)

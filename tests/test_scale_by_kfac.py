@@ -157,6 +157,32 @@ def test_accumulation(kind):
                   inv_update_steps=2)
 
 
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_accumulation_steps_equal_one_step_on_the_concatenated_batch(kind):
+  # G was the mean of the micro-batches' G: k² times the concatenated
+  # batch's, as each micro-batch's loss is a mean over its own rows.
+  params, batches, loss_fn, _ = make_problem(kind, True)
+  micro = [next(batches) for _ in range(3)]
+  whole = tuple(np.concatenate(arrays) for arrays in zip(*micro))
+  capture = jax.jit(kfac_jax.value_grad_and_stats(loss_fn))
+  settings = dict(damping=DAMPING, kl_clip=None, factor_decay=0.5)
+  accumulating = kfac_jax.scale_by_kfac(accumulation_steps=3, **settings)
+  state = accumulating.init(params)
+  for x, y in micro:
+    _, grads, stats = capture(params, x, y)
+    updates, state = accumulating.update(grads, state, params,
+                                         kfac_stats=stats)
+  single = kfac_jax.scale_by_kfac(**settings)
+  _, grads, stats = capture(params, *whole)
+  expected, expected_state = single.update(grads, single.init(params), params,
+                                           kfac_stats=stats)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=1e-4, atol=1e-6 * np.abs(b).max()), updates, expected)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=1e-4, atol=1e-7 * np.abs(b).max()), state.factors,
+               expected_state.factors)
+
+
 def test_schedules_are_called_with_the_step():
   damping = optax.linear_schedule(0.01, 0.001, 4)
   params, batches, loss_fn, reference_tensors = make_problem("mlp", True)
@@ -411,6 +437,11 @@ def test_inject_hyperparams_equals_building_with_the_values():
           learning_rate=LEARNING_RATE, damping=DAMPING),
        "learning_rate", 0.5 * LEARNING_RATE,
        lambda lr: kfac_jax.kfac(lr, damping=DAMPING)),
+      # damping was left in **kfac_kwargs, static: not in the hyperparams.
+      (optax.inject_hyperparams(kfac_jax.kfac)(
+          learning_rate=LEARNING_RATE, damping=DAMPING),
+       "damping", 10 * DAMPING,
+       lambda damping: kfac_jax.kfac(LEARNING_RATE, damping=damping)),
       (optax.inject_hyperparams(
           kfac_jax.scale_by_kfac, static_args=("accumulation_steps",))(
               learning_rate=LEARNING_RATE, damping=DAMPING),

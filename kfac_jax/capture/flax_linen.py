@@ -45,7 +45,8 @@ def _signature(module: nn.Module, inputs: jax.Array,
     return signatures.embed_signature(module_type, module.num_embeddings,
                                       stack_ndim)
   if isinstance(module, nn.DenseGeneral):
-    if module.batch_dims:
+    # Flax takes an int for one axis (batch_dims=0 is axis 0).
+    if isinstance(module.batch_dims, int) or module.batch_dims:
       return None  # its kernel carries batch axes: not a Kronecker layer.
     return signatures.dense_signature(module_type, module.use_bias, inputs,
                                       module.axis, module.features, stack_ndim)
@@ -251,6 +252,7 @@ def _inject(params: Any, path: tuple[str, ...], value: Any) -> Any:
 
 def _shape_pass(fun: Callable[..., Any], params: Any, skip, args,
                 kwargs) -> tuple[_ShapeRecorder, Any]:
+  layers.check_unboxed(params, "value_grad_and_stats")
   recorder = _ShapeRecorder(params, skip)
 
   def traced(params, args, kwargs):

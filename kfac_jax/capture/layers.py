@@ -186,6 +186,30 @@ def is_skipped_layer(path: tuple[str, ...], module_type: str,
   return is_skipped_path(path, skip) or matches_any(skip, module_type)
 
 
+def _is_boxed(node: Any) -> bool:
+  """Whether ``node`` is a Flax metadata box (``flax.core.meta.AxisMetadata``:
+  ``nn.Partitioned`` from ``nn.with_partitioning``), by its interface: this
+  module imports neither jax nor flax."""
+  return hasattr(node, "unbox") and hasattr(node, "replace_boxed")
+
+
+def check_unboxed(params: Any, caller: str,
+                  path: tuple[str, ...] = ()) -> None:
+  """Refuses params boxed with Flax's partitioning metadata: jax
+  differentiates through the boxes, but K-FAC reads each kernel's shape, and
+  a boxed kernel would be taken for one the chain withholds
+  (``optax.MaskedNode``)."""
+  if _is_boxed(params):
+    raise ValueError(
+        f"{caller}: the params at {'/'.join(path) or 'the root'} are boxed "
+        f"({type(params).__name__}, from nn.with_partitioning). Pass the "
+        "arrays, nn.unbox(params), to the loss and the optimizer; "
+        "nn.get_partition_spec(params) gives their PartitionSpecs.")
+  if isinstance(params, Mapping):
+    for key, child in params.items():
+      check_unboxed(child, caller, path + (str(key),))
+
+
 def find_layers(params: Any,
                 skip: Sequence[re.Pattern[str]] = (),
                 table: LayerTable | None = None,
@@ -211,6 +235,7 @@ def find_layers(params: Any,
   Returns:
     ``{name: LayerInfo}`` in params-tree order.
   """
+  check_unboxed(params, "scale_by_kfac")
   layers: dict[str, LayerInfo] = {}
   masked: set[str] = set()  # withheld by optax.masked/multi_transform
 

@@ -10,17 +10,18 @@ import optax
 from kfac_jax.transform.hyperparameters import (ScalarOrSchedule,
                                                 hyperparameter, non_negative,
                                                 static_positive_integer)
-from kfac_jax.transform.scale_by_kfac import scale_by_kfac
+from kfac_jax.transform.scale_by_kfac import DEFAULT_DAMPING, scale_by_kfac
 
 
 def kfac(learning_rate: ScalarOrSchedule,
          momentum: float | None = 0.9,
          weight_decay: float = 0.0,
          nesterov: bool = False,
+         damping: ScalarOrSchedule = DEFAULT_DAMPING,
          **kfac_kwargs: Any) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning followed by SGD with momentum (KAISA's setup).
 
-  ``optax.chain(scale_by_kfac(learning_rate, **kfac_kwargs),
+  ``optax.chain(scale_by_kfac(learning_rate, damping, **kfac_kwargs),
   add_decayed_weights(weight_decay), sgd(learning_rate, momentum, nesterov))``.
   As in KAISA (PyTorch SGD after K-FAC), weight decay is added after
   preconditioning. With ``accumulation_steps=k`` the SGD part is wrapped in
@@ -32,6 +33,8 @@ def kfac(learning_rate: ScalarOrSchedule,
     momentum: SGD momentum in [0, 1) (``None`` or 0 for none).
     weight_decay: decoupled-from-preconditioning L2 coefficient, ≥ 0.
     nesterov: Nesterov momentum.
+    damping: ``scale_by_kfac``'s λ; named here so that
+      ``optax.inject_hyperparams`` can change it between steps.
     **kfac_kwargs: any other ``scale_by_kfac`` argument.
   """
   # optax.inject_hyperparams binds **kfac_kwargs as one argument of that
@@ -54,7 +57,8 @@ def kfac(learning_rate: ScalarOrSchedule,
     hyperparameter("momentum", momentum, lambda v: (0 <= v) & (v < 1),
                    "in [0, 1)")
   # Built first: it validates kfac_kwargs (accumulation_steps included).
-  preconditioner = scale_by_kfac(learning_rate=learning_rate, **kfac_kwargs)
+  preconditioner = scale_by_kfac(learning_rate=learning_rate, damping=damping,
+                                 **kfac_kwargs)
   # Only a Python zero drops a stage: under optax.inject_hyperparams the
   # values are arrays (traced in a jitted update), and init and update must
   # build the same chain.

@@ -97,9 +97,13 @@ class ScaleByKFACState(NamedTuple):
   quadratic_model: QuadraticModelState | None = None
 
 
+# scale_by_kfac's λ unless given (the kfac alias's too).
+DEFAULT_DAMPING = 0.001
+
+
 def scale_by_kfac(
     learning_rate: ScalarOrSchedule = 0.1,
-    damping: ScalarOrSchedule = 0.001,
+    damping: ScalarOrSchedule = DEFAULT_DAMPING,
     factor_decay: ScalarOrSchedule = 0.95,
     kl_clip: ScalarOrSchedule | None = 0.001,
     factor_update_steps: ScalarOrSchedule = 1,
@@ -147,8 +151,10 @@ def scale_by_kfac(
       ``1/(outer(d_A, d_G) + λ)`` at each decomposition (λ then stays fixed
       until the next one) instead of forming it every step.
     accumulation_steps: k > 1 accumulates k micro-batches per optimizer step:
-      gradients and batch factors are averaged over them, and the
-      preconditioned update is emitted on the k-th call (zeros before). Wrap
+      gradients and batch factors are averaged over them (G also divided by
+      k²: each micro-batch's loss is its own mean), as for one step on the
+      concatenated batch, and the preconditioned update is emitted on the
+      k-th call (zeros before). Wrap
       the rest of the chain in ``optax.MultiSteps(..., every_k_schedule=k,
       use_grad_mean=False)`` so it steps once per k calls (``kfac`` does).
     skip_layers: regexes (``re.search``) matched against each layer's module
@@ -599,8 +605,12 @@ def scale_by_kfac(
       mean_grads = jax.tree.map(
           lambda s, g: (s / k.astype(s.dtype)).astype(g.dtype), gradient_sums,
           updates)
+      # Each micro-batch's cotangents are those of its own mean loss, k
+      # times the concatenated batch's: its G is k² times that batch's.
       mean_factors = {
-          b: LayerFactors(*(f / k for f in factor_sums[b])) for b in batch_blocks
+          b: LayerFactors(factor_sums[b].activation_factor / k,
+                          factor_sums[b].gradient_factor / k**3)
+          for b in batch_blocks
       }
       new_updates, new_state = optimizer_step(state, mean_grads, layers,
                                               active, lambda: mean_factors,
@@ -864,7 +874,11 @@ def _check_stats(stats: Mapping[str, LayerStatistics] | None,
     raise ValueError(
         "scale_by_kfac.update needs kfac_stats=...: compute "
         "(loss, grads, stats) = kfac_jax.value_grad_and_stats(loss_fn)(params, "
-        "...) and call tx.update(grads, state, params, kfac_stats=stats).")
+        "...) and call tx.update(grads, state, params, kfac_stats=stats). "
+        "A wrapper that does not forward extra arguments to tx.update "
+        "(flax's TrainState.apply_gradients, optax.lookahead) drops them: "
+        "call tx.update yourself (or use nnx.Optimizer.update, which "
+        "forwards them).")
   if not isinstance(stats, Mapping) or not all(
       isinstance(s, LayerStatistics) for s in stats.values()):
     raise TypeError(
@@ -905,7 +919,9 @@ def _check_stats(stats: Mapping[str, LayerStatistics] | None,
     raise ValueError(
         f"kfac_stats has layer {name!r} ({layer_stats.signature.module_type}) "
         "but the gradients have no kernel at that path. Pass the stats and "
-        "grads of the same loss call, and init with the same params.")
+        "grads of the same loss call, and init with the same params; a "
+        "wrapper that reshapes the gradients (optax.flatten) hides the "
+        "layers from scale_by_kfac.")
   return active
 
 
