@@ -381,9 +381,46 @@ def test_a_scanned_layer_in_a_further_loop_is_refused():
   loss_fn = lambda params: jnp.sum(jax.lax.map(
       lambda xb: jnp.sum(model.apply({"params": params}, xb)**2),
       x.reshape(2, 3, 4)))
-  with pytest.raises(ValueError,
-                     match="'layers/dense' runs inside 2 nested loops"):
+  with pytest.raises(ValueError, match="'layers/dense' runs inside a loop "
+                     r"of 2 steps.*stack axes \(3,\)"):
     kfac_jax.value_grad_and_stats(loss_fn)(params)
+
+
+def test_a_loop_is_matched_to_a_stack_axis_of_its_length():
+  # A length-1 nn.scan is no loop, but its stack axis once let the closed
+  # over fori_loop of 3 steps around it pass: rows summed over the steps.
+  class OneLayerScan(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.scan(_ScanBody, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=1)(name="layers")(
+                         x, None)[0]
+
+  model = OneLayerScan()
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 4)), jnp.float32)
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  loss_fn = lambda params: jnp.sum(jax.lax.fori_loop(
+      0, 3, lambda i, h: model.apply({"params": params}, h), x)**2)
+  with pytest.raises(ValueError, match="'layers/dense' runs inside a loop "
+                     r"of 3 steps.*stack axes \(1,\)"):
+    kfac_jax.value_grad_and_stats(loss_fn)(params)
+
+
+def test_a_jit_split_by_a_gradient_inside_the_loss_is_no_reused_trace():
+  # jax.grad in the loss splits a fresh jit's program into a forward and a
+  # backward copy, both with the call's marker: that was taken for reuse.
+  model, x, y, params = _two_dense_setup()
+
+  def loss_fn(params):
+    inner = lambda x: jnp.sum(jax.jit(
+        lambda x: model.apply({"params": params}, x))(x))
+    return jnp.sum(jax.grad(inner)(x)**2)
+
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  assert set(stats) == {"hidden", "out"}
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+               grads, jax.grad(loss_fn)(params))
 
 
 def test_a_trace_jax_reuses_is_refused():

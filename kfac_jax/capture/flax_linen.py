@@ -185,8 +185,8 @@ class _ShapeRecorder:
     if signature is not None:
       probes_lib.record_call(self.calls, self.counter, name,
                              probes_lib.make_call(signature, inputs, outputs))
-      self.trace_check.allow(name, stack_ndim - probes_lib.vmapped_axes(
-          inner_kernel, probes_lib.batch_traces(kernel)))
+      self.trace_check.allow(name, kernel.shape[:stack_ndim], inner_kernel,
+                             probes_lib.batch_traces(kernel))
       self.paths[name] = path
     return outputs
 

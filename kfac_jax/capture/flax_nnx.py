@@ -155,8 +155,8 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
             "batch (Flax layers take leading batch axes), vmap outside "
             f"value_grad_and_stats, or {probes_lib.skip_advice(_name)}.")
       if trace_check is not None:
-        trace_check.allow(_name, stack_ndim - probes_lib.vmapped_axes(
-            kernel, outer_vmaps))
+        trace_check.allow(_name, _kernel_shape[:stack_ndim], kernel,
+                          outer_vmaps)
       return hook(_name, inputs, outputs, signature, self)
 
     methods = {"__call__": call}

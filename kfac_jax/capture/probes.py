@@ -281,100 +281,109 @@ class TraceCheck:
   probes at every step, so their gradients would sum its rows over the
   steps: ``A`` would be ``(Σₜaₜ)(Σₜaₜ)ᵀ``. A loop that slices stacked params
   (``nn.scan``/``nnx.scan`` over layers, ``lax.scan`` over a stacked params
-  tree) slices the probes too and takes one of the layer's stack axes. So a
-  layer may run under as many loops as it has stack axes that no ``vmap``
-  inside the loss slices (an ``nnx.vmap``/``nn.vmap`` ensemble's axis).
+  tree) slices the probes too, along one of the layer's stack axes. So each
+  loop of more than one step around a call must have the length of a stack
+  axis of its own (one that no ``vmap`` inside the loss slices, such as an
+  ``nnx.vmap`` ensemble's), and a ``while`` loop none. (A loop as long as a
+  stack axis that slices it by other means, ``stack[i]`` inside a loop over
+  as many micro-batches, is not told apart.)
 
   *Reused traces.* ``jax.jit``, ``jax.checkpoint`` and ``nn.jit`` cache a
   function's trace: called again (twice in one loss, or by a later capture)
   it runs its cached program without tracing, so the capture would merge or
-  miss its layers' calls.
+  miss its layers' calls. A cached program shows as one sub-jaxpr object
+  held by two equations, or as another check's markers.
 
   The shape pass runs each call under a ``jax.named_scope`` naming this
-  check, the call and the layer (``scope``), and reports the stack axes it
-  leaves to loops (``allow``). ``read`` walks the traced jaxpr (an
-  equation's name stack is relative to the equation holding its sub-jaxpr):
-  a call found in two sub-jaxprs, or one from another check, ran a reused
-  trace; it counts the loops around each call: ``scan`` equations of more
-  than one step (``lax.scan``, ``lax.map``, a ``fori_loop`` with static
-  bounds) and ``while`` ones. ``check`` raises for either problem.
+  check and the layer (``scope``) and reports its stack axes (``allow``);
+  ``read`` walks the traced jaxpr (an equation's name stack is relative to
+  the equation holding its sub-jaxpr); ``check`` raises for either problem.
   """
 
   _instances = itertools.count()
 
   def __init__(self):
     self.id = next(TraceCheck._instances)
-    self.calls = 0
-    self.allowed: dict[str, int] = {}
-    self.loops: dict[str, int] = {}
-    self.sites: dict[int, tuple[int, ...]] = {}  # call -> its sub-jaxpr
+    self.stacks: dict[str, tuple[int, ...]] = {}
+    # Per layer, the lengths of the loops around each of its calls, outer
+    # first (None: a while loop).
+    self.loops: dict[str, set[tuple[int | None, ...]]] = {}
+    self.walked: set[int] = set()  # ids of the sub-jaxprs read
     self.reused: dict[str, None] = {}  # ordered set
 
   @contextlib.contextmanager
   def scope(self, name: str) -> Iterator[None]:
     """Marks the equations of one call of layer ``name``."""
-    self.calls += 1
-    with jax.named_scope(
-        f"__kfac_{self.id}_{self.calls}_{name.encode().hex()}__"):
+    with jax.named_scope(f"__kfac_{self.id}_{name.encode().hex()}__"):
       yield
 
-  def allow(self, name: str, loop_axes: int) -> None:
-    """Records a call of ``name`` with ``loop_axes`` stack axes left for
-    loops to slice: its stack axes less those a ``vmap`` inside the loss
-    slices (``vmapped_axes``)."""
-    self.allowed[name] = min(self.allowed.get(name, loop_axes), loop_axes)
+  def allow(self, name: str, stack_shape: Sequence[int], kernel: Any,
+            outside: frozenset[int]) -> None:
+    """Records a call of ``name``, whose kernel has ``stack_shape`` in the
+    loss's params and is ``kernel`` where it runs: the vmaps mapping it,
+    less those ``outside`` the loss (the ``batch_traces`` of its arguments),
+    sliced its leading stack axes, which loops then cannot."""
+    vmapped = len(batch_traces(kernel) - outside)
+    self.stacks[name] = tuple(stack_shape[vmapped:])
 
-  def read(self, jaxpr: jax.extend.core.Jaxpr, loops: int = 0,
-           site: tuple[int, ...] = ()) -> None:
-    """Records, per layer, the most loops around one of its calls, and the
-    layers whose calls ran a reused trace. ``site``: where ``jaxpr`` is,
-    as the indices of the equations and sub-jaxprs holding it."""
-    for index, eqn in enumerate(jaxpr.eqns):
-      for check, call, name in re.findall(r"__kfac_(\d+)_(\d+)_([0-9a-f]*)__",
-                                          str(eqn.source_info.name_stack)):
-        name = bytes.fromhex(name).decode()
-        if (int(check) != self.id or
-            self.sites.setdefault(int(call), site) != site):
+  def read(self, jaxpr: jax.extend.core.Jaxpr,
+           loops: tuple[int | None, ...] = (), reused: bool = False) -> None:
+    """Records the loops around each marked call, and the layers with calls
+    in a sub-jaxpr met twice (``reused``) or marked by another check."""
+    for eqn in jaxpr.eqns:
+      for check, name in re.findall(r"__kfac_(\d+)_([0-9a-f]+)__",
+                                    str(eqn.source_info.name_stack)):
+        try:
+          name = bytes.fromhex(name).decode()
+        except ValueError:
+          continue  # a module named like a marker, not one
+        if reused or int(check) != self.id:
           self.reused[name] = None
-        self.loops[name] = max(self.loops.get(name, 0), loops)
-      repeats = eqn.primitive.name == "while" or (
-          eqn.primitive.name == "scan" and eqn.params["length"] > 1)
-      for sub_index, sub_jaxpr in enumerate(_sub_jaxprs(eqn.params.values())):
-        self.read(sub_jaxpr, loops + repeats, site + (index, sub_index))
+        self.loops.setdefault(name, set()).add(loops)
+      if eqn.primitive.name == "while":
+        inner = loops + (None,)
+      elif eqn.primitive.name == "scan" and eqn.params["length"] > 1:
+        inner = loops + (eqn.params["length"],)
+      else:
+        inner = loops
+      for sub_jaxpr in _sub_jaxprs(eqn.params.values()):
+        seen = id(sub_jaxpr) in self.walked
+        self.walked.add(id(sub_jaxpr))
+        self.read(sub_jaxpr, inner, reused or seen)
 
   def check(self) -> None:
     if self.reused:
       raise ValueError(
-          f"value_grad_and_stats: layers {', '.join(map(repr, self.reused))} "
+          "value_grad_and_stats: layers "
+          f"{', '.join(map(repr, sorted(self.reused)))} "
           "run in a function whose trace jax reused (a jax.jit, "
           "jax.checkpoint or nn.jit function called twice in the loss, or "
           "already traced by an earlier capture): the capture sees a call "
           "only while it is traced, so it would merge or miss their calls. "
           "Apply the model plainly in the loss and jit the whole training "
           "step, create the jitted/checkpointed function inside the loss (a "
-          f"new one per call), or {skip_advice(*self.reused)}.")
-    for name, allowed in self.allowed.items():
-      loops = self.loops.get(name, 0)
-      if loops > allowed:
-        where = "a loop" if loops == 1 else f"{loops} nested loops"
-        raise ValueError(
-            f"value_grad_and_stats: layer {name!r} runs inside {where} "
-            "(jax.lax.scan, lax.map, fori_loop, while_loop, or their nn/nnx "
-            f"forms) but its params are stacked for {allowed} of them: a "
-            "loop that does not slice its params (closed over, or carried) "
-            "gives every step the same probes, so its inputs and cotangents "
-            "would be summed over the steps. Scan over layers with the "
-            "params stacked (nn.scan, nnx.scan, or lax.scan over a stacked "
-            "params tree), unroll the loop (micro-batches: one "
-            "value_grad_and_stats each, with kfac_jax's gradient "
-            f"accumulation), or {skip_advice(name)}.")
-
-
-def vmapped_axes(kernel: Any, outside: frozenset[int]) -> int:
-  """How many of a running layer's stack axes a ``vmap`` inside the loss
-  sliced: the vmaps mapping its ``kernel`` less those ``outside`` it (the
-  ``batch_traces`` of the loss's arguments)."""
-  return len(batch_traces(kernel) - outside)
+          f"new one per call), or {skip_advice(*sorted(self.reused))}.")
+    for name, stack in self.stacks.items():
+      for loops in self.loops.get(name, ()):
+        axes = list(stack)
+        for length in loops:
+          if length not in axes:
+            steps = ("unknown length (a while_loop)" if length is None else
+                     f"{length} steps")
+            raise ValueError(
+                f"value_grad_and_stats: layer {name!r} runs inside a loop "
+                f"of {steps} (jax.lax.scan, lax.map, fori_loop, while_loop, "
+                "or their nn/nnx forms) with no stack axis of its params "
+                f"left to slice (stack axes {stack}; loops around it "
+                f"{loops}): a loop that does not slice the params (closed "
+                "over, or carried) gives every step the same probes, so the "
+                "layer's inputs and cotangents would be summed over the "
+                "steps. Scan over layers with the params stacked (nn.scan, "
+                "nnx.scan, or lax.scan over a stacked params tree), unroll "
+                "the loop (micro-batches: one value_grad_and_stats each, "
+                "with kfac_jax's gradient accumulation), or "
+                f"{skip_advice(name)}.")
+          axes.remove(length)
 
 
 def _sub_jaxprs(values: Any) -> Iterator[jax.extend.core.Jaxpr]:
