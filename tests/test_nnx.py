@@ -406,19 +406,25 @@ def test_nnx_objects_among_the_arguments_are_copied_and_updated(shared):
                                    "head", "hidden"}
 
 
+def two_stacked_linears(rngs: nnx.Rngs, features_in: int,
+                        features_out: int) -> nnx.Linear:
+  """Two ``nnx.Linear`` members stacked on axis 0 by ``nnx.vmap``."""
+
+  @nnx.split_rngs(splits=2)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def create(rngs):
+    return nnx.Linear(features_in, features_out, rngs=rngs)
+
+  return create(rngs)
+
+
 class Ensemble(nnx.Module):
   """Two Linear members stacked by nnx.vmap, applied by nnx.vmap to one
   batch; ``per_example``: each member by a jax.vmap over the examples."""
 
   def __init__(self, rngs: nnx.Rngs, per_example: bool = False):
     self.per_example = per_example
-
-    @nnx.split_rngs(splits=2)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def create(rngs):
-      return nnx.Linear(4, 3, rngs=rngs)
-
-    self.members = create(rngs)
+    self.members = two_stacked_linears(rngs, 4, 3)
 
   def __call__(self, x):
     apply = ((lambda m, x: jax.vmap(m)(x)) if self.per_example else
@@ -613,13 +619,8 @@ class RecurrentCells(nnx.Module):
 
   def __init__(self, rngs: nnx.Rngs, ensemble: bool = False):
     self.ensemble = ensemble
-
-    @nnx.split_rngs(splits=2)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def create(rngs):
-      return nnx.Linear(4, 4, rngs=rngs)
-
-    self.cell = create(rngs) if ensemble else nnx.Linear(4, 4, rngs=rngs)
+    self.cell = (two_stacked_linears(rngs, 4, 4) if ensemble else
+                 nnx.Linear(4, 4, rngs=rngs))
 
   def __call__(self, xs):
 
