@@ -40,7 +40,7 @@ from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrate
 from kfac_jax.transform import hyperparameters as hp
 from kfac_jax.transform.hyperparameters import ComputeMethod, ScalarOrSchedule
 from kfac_jax.transform.scale_by_kfac import (ScaleByKFACState,
-                                              decomposition_inputs,
+                                              guarded_decomposition,
                                               make_placement)
 
 _KeyPath = tuple[str, ...]
@@ -198,22 +198,14 @@ def recompute_preconditioners(
   def decompose_all(state: ScaleByKFACState) -> ScaleByKFACState:
     dims = factor_dims(state.factors)
     adaptive = state.quadratic_model is not None
-    factors, damping_value = decomposition_inputs(
-        state.factors, state.quadratic_model.damping if adaptive else
-        damping_fn(state.count), adaptive and method is ComputeMethod.INVERSE)
-    preconditioners, rejected = placement.decompose(
-        dims, factors, placement.init(dims), damping_value)
-    damping_ok = None if adaptive else hp.all_valid(state.count, damping_fn)
-    if damping_ok is not None:
-      # A schedule out of range at this count: update would reject every
-      # decomposition (scale_by_kfac's guard), so the identity's stay.
-      preconditioners = jax.tree.map(
-          lambda new, initial: jnp.where(damping_ok, new, initial),
-          preconditioners, placement.init(dims))
-      rejected = jnp.where(damping_ok, rejected, len(dims))
-    return state._replace(
-        preconditioners=preconditioners,
-        rejected_decompositions=state.rejected_decompositions + rejected)
+    preconditioners, rejected = guarded_decomposition(
+        placement, dims, state.factors, placement.init(dims),
+        state.rejected_decompositions,
+        state.quadratic_model.damping if adaptive else damping_fn(state.count),
+        None if adaptive else hp.all_valid(state.count, damping_fn),
+        adaptive and method is ComputeMethod.INVERSE)
+    return state._replace(preconditioners=preconditioners,
+                          rejected_decompositions=rejected)
 
   return _map_kfac_states(lambda _, state: decompose_all(state), tree,
                           "recompute_preconditioners")

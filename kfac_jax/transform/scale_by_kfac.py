@@ -38,6 +38,7 @@ from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.factors import batch as batch_lib
 from kfac_jax.distribution import placement as placement_lib
 from kfac_jax.distribution import strategy
+from kfac_jax.distribution.layout import Dims
 from kfac_jax.distribution.placement import ShardedPreconditioners
 from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
 from kfac_jax.factors import running
@@ -472,25 +473,10 @@ def scale_by_kfac(
         factor_step | any_corrupted, updated_factors,
         lambda: (dict(state.factors), state.skipped_factor_updates))
 
-    def decomposed():
-      # A decomposition that comes out non-finite keeps the previous one.
-      to_decompose, decomposition_damping = decomposition_inputs(
-          {block: factors[block] for block in active_blocks}, damping_value,
-          factored_damping)
-      preconditioners, rejected = placement.decompose(
-          dims, to_decompose, state.preconditioners, decomposition_damping)
-      return preconditioners, state.rejected_decompositions + rejected
-
-    if damping_ok is None:
-      preconditioners, rejected = lax.cond(
-          decomposition_step, decomposed,
-          lambda: (state.preconditioners, state.rejected_decompositions))
-    else:  # each block's decomposition is rejected at a bad λ
-      preconditioners, rejected = lax.cond(
-          decomposition_step & damping_ok, decomposed,
-          lambda: (state.preconditioners, state.rejected_decompositions +
-                   (decomposition_step & ~damping_ok).astype(jnp.int32) *
-                   len(active_blocks)))
+    preconditioners, rejected = guarded_decomposition(
+        placement, dims, {block: factors[block] for block in active_blocks},
+        state.preconditioners, state.rejected_decompositions, damping_value,
+        damping_ok, factored_damping, when=decomposition_step)
 
     gradient_matrices = {}
     for name in active:
@@ -670,6 +656,40 @@ def decomposition_inputs(
     return dict(factors), damping
   return ({block: inverse_lib.factored_damping_scaled(f, damping)
            for block, f in factors.items()}, jnp.ones([], jnp.float32))
+
+
+def guarded_decomposition(
+    placement: placement_lib.Placement, dims: Dims,
+    factors: Mapping[str, LayerFactors], previous: Mapping[str, Any],
+    rejected: jax.Array, damping: jax.Array, damping_ok: jax.Array | None,
+    factored_damping: bool, when: jax.Array | bool = True,
+) -> tuple[dict[str, Any], jax.Array]:
+  """A decomposition step's preconditioners and rejection count.
+
+  ``factors`` (the blocks to decompose) go through ``decomposition_inputs``
+  and ``placement.decompose`` if ``when``; a block whose decomposition comes
+  out non-finite keeps its ``previous`` preconditioner and adds one to
+  ``rejected``. ``damping_ok``: whether a scheduled λ is in range at this
+  step (``None``: not checked); where it is not, nothing is decomposed and
+  every block counts as rejected. Off ``when``, ``previous`` and
+  ``rejected`` come back as they are.
+  """
+
+  def decomposed():
+    to_decompose, decomposition_damping = decomposition_inputs(
+        factors, damping, factored_damping)
+    preconditioners, newly_rejected = placement.decompose(
+        dims, to_decompose, previous, decomposition_damping)
+    return preconditioners, rejected + newly_rejected
+
+  if damping_ok is None:
+    if when is True:
+      return decomposed()
+    return lax.cond(when, decomposed, lambda: (dict(previous), rejected))
+  return lax.cond(
+      when & damping_ok, decomposed,
+      lambda: (dict(previous), rejected +
+               (when & ~damping_ok).astype(jnp.int32) * len(factors)))
 
 
 def state_partition_specs(state: ScaleByKFACState,
