@@ -50,6 +50,17 @@ def test_bad_configuration(kwargs, error, match):
     kfac_jax.scale_by_kfac(**kwargs)
 
 
+def test_tree_map_params_gets_a_clear_error():
+  # Failed with "Dict key mismatch" deep in optax: init on a placeholder
+  # finds no layers.
+  params = {"Dense_0": {"kernel": jnp.ones((3, 4)), "bias": jnp.zeros(4)}}
+  tx = optax.chain(kfac_jax.scale_by_kfac(learning_rate=0.1, damping=1e-3),
+                   optax.sgd(0.1))
+  with pytest.raises(TypeError, match="tree_map_params.*"
+                     "get_opt_state_partition_specs"):
+    optax.tree_utils.tree_map_params(tx, lambda p: p, tx.init(params))
+
+
 def test_the_kfac_alias_refuses_the_adaptive_mode():
   # Its SGD multiplied the adaptive update by -lr: the loss went up.
   with pytest.raises(ValueError, match=r"kfac\(adaptive=...\).*scale_by_kfac"):

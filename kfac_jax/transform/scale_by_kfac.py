@@ -372,6 +372,7 @@ def scale_by_kfac(
     return factors, preconditioners
 
   def init_fn(params: Any) -> ScaleByKFACState:
+    _check_not_params_placeholder(params)
     if params_partition_specs is not None:
       placement_lib.check_params_specs(params, params_partition_specs)
     layers = find_layers(params, warn_untraced=True)
@@ -656,6 +657,24 @@ def decomposition_inputs(
     return dict(factors), damping
   return ({block: inverse_lib.factored_damping_scaled(f, damping)
            for block, f in factors.items()}, jnp.ones([], jnp.float32))
+
+
+def _check_not_params_placeholder(params: Any) -> None:
+  """Refuses ``optax.tree_utils.tree_map_params``'s stand-in for the params.
+
+  That helper calls ``init`` on one opaque placeholder to find the params
+  trees in a state; K-FAC's state is built from the layers in the params,
+  so it cannot be derived from a placeholder (and failed with a key
+  mismatch deep in optax).
+  """
+  if type(params).__name__ == "_ParamsPlaceholder":
+    raise TypeError(
+        "scale_by_kfac: init was given optax's params placeholder, as "
+        "optax.tree_utils.tree_map_params does. K-FAC's state is built "
+        "from the layers found in the params, which a placeholder hides. "
+        "For partition specs of the optimizer state use "
+        "kfac_jax.get_opt_state_partition_specs(params, ...); to map over "
+        "a state, use jax.tree.map on it.")
 
 
 def guarded_decomposition(
