@@ -165,6 +165,26 @@ def _two_dense_setup(seed=0):
   return model, x, y, params
 
 
+@pytest.mark.parametrize("retrace", ["cond", "grad"])
+def test_a_linen_model_traced_twice_in_the_loss_is_refused_naming_why(retrace):
+  # Per-trace call numbering cannot tell the two traces' calls apart; the
+  # message blamed only nn.scan and RNN cells.
+  model, x, y, params = _two_dense_setup()
+  apply = lambda p: model.apply({"params": p}, x)
+
+  def loss_fn(params):
+    if retrace == "cond":
+      out = jax.lax.cond(x[0, 0] > 0, apply, lambda p: -apply(p), params)
+    else:
+      inner = jax.grad(lambda p: jnp.sum(apply(p)))(params)
+      out = apply(params) + 0.0 * jnp.sum(inner["out"]["bias"])
+    return 0.5 * jnp.mean((out - y)**2)
+
+  with pytest.raises(ValueError, match="runs in 2 separate traces.*lax.cond"
+                     ".*jax.grad.*skip_layers"):
+    kfac_jax.value_grad_and_stats(loss_fn)(params)
+
+
 def test_a_vmap_inside_the_loss_over_broadcast_params_is_refused():
   # Broadcast probes would sum each layer's rows over the mapped axis.
   model, x, y, params = _two_dense_setup()

@@ -203,9 +203,12 @@ class _ShapeRecorder:
             f"value_grad_and_stats: layer {name!r} runs in {len(traces)} "
             "separate traces, so its calls cannot be told apart. This happens "
             "with a layer whose params are broadcast over nn.scan steps (an "
-            "RNN cell), or a lifted (scanned/remat) layer applied more than "
-            "once: twice in one model.apply, or in more than one model.apply "
-            "per loss. Apply it once per loss, or "
+            "RNN cell); a model applied in more than one branch of a "
+            "lax.cond or lax.switch, or also under a jax.grad (or another "
+            "transformation that traces it again) inside the loss; or a "
+            "lifted (scanned/remat) layer applied more than once: twice in "
+            "one model.apply, or in more than one model.apply per loss. "
+            "Apply it once per loss, or "
             f"{probes_lib.skip_advice(name)}.")
 
   def stack_shape(self, name: str) -> tuple[int, ...]:
