@@ -679,19 +679,20 @@ def _check_not_params_placeholder(params: Any) -> None:
 
 def guarded_decomposition(
     placement: placement_lib.Placement, dims: Dims,
-    factors: Mapping[str, LayerFactors], previous: Mapping[str, Any],
+    factors: Mapping[str, LayerFactors], previous: Any,
     rejected: jax.Array, damping: jax.Array, damping_ok: jax.Array | None,
     factored_damping: bool, when: jax.Array | bool = True,
-) -> tuple[dict[str, Any], jax.Array]:
+) -> tuple[Any, jax.Array]:
   """A decomposition step's preconditioners and rejection count.
 
   ``factors`` (the blocks to decompose) go through ``decomposition_inputs``
   and ``placement.decompose`` if ``when``; a block whose decomposition comes
-  out non-finite keeps its ``previous`` preconditioner and adds one to
-  ``rejected``. ``damping_ok``: whether a scheduled λ is in range at this
-  step (``None``: not checked); where it is not, nothing is decomposed and
-  every block counts as rejected. Off ``when``, ``previous`` and
-  ``rejected`` come back as they are.
+  out non-finite keeps its ``previous`` preconditioner (in the layout
+  ``placement.init`` makes: a dict, or the packed ``ShardedPreconditioners``)
+  and adds one to ``rejected``. ``damping_ok``: whether a scheduled λ is in
+  range at this step (``None``: not checked); where it is not, nothing is
+  decomposed and every block counts as rejected. Off ``when``, ``previous``
+  and ``rejected`` come back as they are.
   """
 
   def decomposed():
@@ -704,10 +705,10 @@ def guarded_decomposition(
   if damping_ok is None:
     if when is True:
       return decomposed()
-    return lax.cond(when, decomposed, lambda: (dict(previous), rejected))
+    return lax.cond(when, decomposed, lambda: (previous, rejected))
   return lax.cond(
       when & damping_ok, decomposed,
-      lambda: (dict(previous), rejected +
+      lambda: (previous, rejected +
                (when & ~damping_ok).astype(jnp.int32) * len(factors)))
 
 
