@@ -60,6 +60,11 @@ def test_fsdp_sharded_kernels_train_as_one_device_and_keep_their_specs():
 
 
 @pytest.mark.multidevice
+def test_row_sharded_kernels_with_kfac_on_another_axis_equal_one_device():
+  run_on_eight_devices("row_parallel", "Auto")
+
+
+@pytest.mark.multidevice
 def test_fsdp_kernels_without_mesh_axes_keep_the_state_specs():
   # Before, the preconditioning of a sharded kernel pulled its factors and
   # preconditioner onto the kernel's sharding (a donated step compiled
@@ -285,3 +290,24 @@ def test_params_partition_specs_must_fit_the_params():
                           "bias": None}}
   with pytest.raises(ValueError, match=r"\['Dense_0'\]\['kernel'\]"):
     kfac_jax.scale_by_kfac(params_partition_specs=too_long).init(params)
+
+
+def test_an_unconstrained_entry_in_params_specs_names_no_axis():
+  # Crashed update with "'UnconstrainedSingleton' object is not iterable".
+  model = nn.Dense(4)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 3)), jnp.float32)
+  params = model.init(jax.random.key(0), x)["params"]
+  loss_fn = lambda p: jnp.mean(model.apply({"params": p}, x)**2)
+  specs = {"kernel": PartitionSpec(None, PartitionSpec.UNCONSTRAINED),
+           "bias": PartitionSpec()}
+  reference_tx = kfac_jax.scale_by_kfac()
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  expected, _ = reference_tx.update(grads, reference_tx.init(params), params,
+                                    kfac_stats=stats)
+  mesh = jax.make_mesh((1,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(mesh):
+    tx = kfac_jax.scale_by_kfac(params_partition_specs=specs)
+    updates, _ = tx.update(grads, tx.init(params), params, kfac_stats=stats)
+  for got, want in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

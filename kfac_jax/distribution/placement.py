@@ -195,7 +195,7 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
     rows, rejected = _manual(
         body, in_specs=(PartitionSpec(), rows_spec, PartitionSpec()),
         out_specs=(rows_spec, PartitionSpec()),
-        axes=axes)(dict(factors), previous.rows, damping)
+        axes=axes)(_replicated(factors, axes), previous.rows, damping)
     return ShardedPreconditioners(rows), rejected
 
   def precondition(dims, preconditioners, gradients, damping, sharded):
@@ -253,7 +253,8 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
 
     return _manual(
         body, in_specs=(rows_spec, PartitionSpec(), PartitionSpec()),
-        out_specs=PartitionSpec(), axes=axes)(rows, dict(gradients), damping)
+        out_specs=PartitionSpec(), axes=axes)(
+            rows, _replicated(gradients, axes), damping)
 
   def per_layer(dims, preconditioners):
     plan = layout(dims)
@@ -269,6 +270,21 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
     return ShardedPreconditioners(rows_spec)
 
   return Placement(init, decompose, precondition, per_layer, partition_specs)
+
+
+def _replicated(arrays: Mapping[str, Any],
+                axes: tuple[str, ...]) -> dict[str, Any]:
+  """``arrays`` replicated over the whole mesh, for a ``_manual`` body.
+
+  ``in_specs=P()`` replicates only over the manual ``axes``. An input left
+  sharded over another (Auto) axis, as a row-sharded kernel's backward pass
+  leaves its neighbours' gradients, gets collectives over that axis inside
+  each device's ``lax.switch`` branch, and the branches differ across
+  ``axes``: XLA then waits on collectives the other devices never reach
+  (on CPU, an abort after its 40 s rendezvous timeout).
+  """
+  return jax.tree.map(lambda x: constrain(x, PartitionSpec(), axes),
+                      dict(arrays))
 
 
 def _manual(body: Callable[..., Any], in_specs: Any, out_specs: Any,

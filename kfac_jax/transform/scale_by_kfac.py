@@ -750,8 +750,7 @@ def _sharded_kernels(layers: Mapping[str, LayerInfo],
     if layer.num_blocks > 1:
       continue  # its blocks are sliced from the whole gradient.
     spec = layers_lib.get_layer_params(params_specs, layer)[layer.kernel_key]
-    axes = tuple(a for entry in (spec or ()) if entry is not None
-                 for a in ((entry,) if isinstance(entry, str) else entry))
+    axes = tuple(placement_lib.named_axes(spec or PartitionSpec()))
     if axes:
       sharded[name] = axes
   return sharded
