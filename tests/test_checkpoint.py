@@ -78,10 +78,11 @@ def assert_bit_exact(actual, expected):
 
 @pytest.mark.parametrize("kfac_kwargs", [
     dict(compute_method="eigen", inv_update_steps=2),
-    # Saved mid-accumulation (micro_step 1 of 2) with bfloat16 factors.
+    # Saved mid-accumulation (micro_step 1 of 2) with bfloat16 inverses.
     dict(compute_method="inverse", accumulation_steps=2,
-         factor_dtype=jnp.bfloat16),
-], ids=["eigen", "inverse-accumulating-bf16"])
+         inv_dtype=jnp.bfloat16),
+    dict(compute_method="eigen", factor_dtype=jnp.bfloat16),
+], ids=["eigen", "inverse-accumulating-bf16", "eigen-bf16-factors"])
 def test_round_trip_is_bit_exact_and_training_continues(tmp_path, kfac_kwargs):
   params, tx, step = make_training(**kfac_kwargs)
   data = batches()

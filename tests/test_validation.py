@@ -44,6 +44,13 @@ import kfac_jax
     # float32's range but no mantissa, sign or zero: eye(2) stored as NaNs.
     (dict(inv_dtype=jnp.float8_e8m0fnu), ValueError, "inv_dtype=float8_e8m0fnu cannot store"),
     (dict(factor_dtype=jnp.float8_e8m0fnu), ValueError, "factor_dtype=float8_e8m0fnu cannot store"),
+    # Rounded to bfloat16, a rank-deficient factor turned indefinite: 46 of
+    # 50 Cholesky inverses were rejected, the layer left unpreconditioned.
+    (dict(factor_dtype=jnp.bfloat16, compute_method="inverse"), ValueError,
+     "factor_dtype=bfloat16 does not work with compute_method='inverse'"),
+    # Without 64-bit mode jax stored float32, with a generic warning.
+    (dict(factor_dtype=jnp.float64), ValueError, "factor_dtype=float64 needs 64-bit mode"),
+    (dict(inv_dtype="float64"), ValueError, "inv_dtype=float64 needs 64-bit mode"),
 ])
 def test_bad_configuration(kwargs, error, match):
   with pytest.raises(error, match=match):

@@ -234,6 +234,12 @@ def _check_storage(name: str, dtype: jnp.dtype) -> jnp.dtype:
     raise ValueError(
         f"{name}={dtype} cannot store K-FAC's factors or preconditioners; use "
         "jnp.float32 (the default), jnp.bfloat16 or jnp.float64.")
+  if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+    # jax would store float32 instead, with only its generic warning.
+    raise ValueError(
+        f"{name}=float64 needs 64-bit mode: call "
+        "jax.config.update('jax_enable_x64', True) before building the "
+        "optimizer, or use jnp.float32.")
   return dtype
 
 

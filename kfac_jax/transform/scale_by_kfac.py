@@ -312,6 +312,16 @@ def scale_by_kfac(
                                   table=table,
                                   include_embeddings=precondition_embeddings)
   factor_dtype = hp.factor_dtype("factor_dtype", factor_dtype)
+  if factor_dtype == jnp.bfloat16 and method is ComputeMethod.INVERSE:
+    raise ValueError(
+        "factor_dtype=bfloat16 does not work with compute_method='inverse': "
+        "rounding a running factor to bfloat16 moves each entry by up to "
+        "2⁻⁹ of its size, which makes a rank-deficient factor (a batch "
+        "smaller than the layer's width, correlated inputs) indefinite, so "
+        "F + λI has no Cholesky factor unless λ outweighs the rounding; "
+        "those decompositions are rejected and the layer goes "
+        "unpreconditioned. Use compute_method='eigen' (it clamps the "
+        "negative eigenvalues at 0) or float32 factors (the default).")
   inv_dtype = hp.preconditioner_dtype("inv_dtype", inv_dtype)
   if decomposition_batch_size is not None:
     decomposition_batch_size = hp.static_positive_integer(
