@@ -311,3 +311,32 @@ def test_an_unconstrained_entry_in_params_specs_names_no_axis():
     updates, _ = tx.update(grads, tx.init(params), params, kfac_stats=stats)
   for got, want in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_partition_specs_of_the_kfac_alias_from_its_transformation():
+  # chain_with could not express kfac()'s first-order part (an identity or
+  # weight decay stage before SGD, MultiSteps under accumulation).
+  model = nn.Dense(4)
+  x = jnp.ones((8, 3))
+  params = model.init(jax.random.key(0), x)["params"]
+  specs = {"kernel": PartitionSpec(None, "data"), "bias": PartitionSpec()}
+  mesh = jax.make_mesh((1,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  kw = dict(params_partition_specs=specs, mesh_axes="data",
+            accumulation_steps=2)
+  is_spec = lambda s: isinstance(s, PartitionSpec)
+  with jax.set_mesh(mesh):
+    tx = kfac_jax.kfac(0.1, weight_decay=1e-4, **kw)
+    state_specs = kfac_jax.get_opt_state_partition_specs(params, tx=tx, **kw)
+    state = jax.jit(tx.init, out_shardings=jax.tree.map(
+        lambda s: jax.sharding.NamedSharding(mesh, s), state_specs,
+        is_leaf=is_spec))(params)
+    assert (jax.tree.structure(state_specs, is_leaf=is_spec) ==
+            jax.tree.structure(state))
+    # SGD's momentum and MultiSteps' accumulated gradients follow the params.
+    momentum = state[1].inner_opt_state[1][0].trace
+    assert jax.tree.map(lambda a: a.sharding.spec, momentum) == specs
+    with pytest.raises(ValueError, match="would not make"):
+      kfac_jax.get_opt_state_partition_specs(params, tx=tx, mesh_axes="data")
+    with pytest.raises(ValueError, match="not both"):
+      kfac_jax.get_opt_state_partition_specs(params, optax.sgd(0.1), tx=tx)

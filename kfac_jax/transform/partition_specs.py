@@ -21,13 +21,17 @@ _PLACEMENT_ARGS = ("compute_method", "compute_eigenvalue_outer_product",
 def get_opt_state_partition_specs(
     params: Any,
     chain_with: optax.GradientTransformation | None = None,
+    *,
+    tx: optax.GradientTransformation | None = None,
     **kwargs: Any,
 ) -> Any:
   """``PartitionSpec``s of ``tx.init(params)``, computed without allocating.
 
   ``tx`` is ``scale_by_kfac(**kwargs)``, or ``optax.chain(scale_by_kfac(
   **kwargs), chain_with)`` when the rest of the chain is given (as
-  distributed_kron's helper covers its whole chain). Call it under the same
+  distributed_kron's helper covers its whole chain), or any transformation
+  given as ``tx`` whose state holds the state of ``scale_by_kfac(**kwargs)``
+  for these params (``kfac_jax.kfac(...)``). Call it under the same
   ``jax.set_mesh`` as ``init`` and ``update``::
 
     specs = kfac_jax.get_opt_state_partition_specs(
@@ -45,14 +49,23 @@ def get_opt_state_partition_specs(
   Args:
     params: the params, or their ``jax.eval_shape``.
     chain_with: the transformation chained after ``scale_by_kfac``.
-    **kwargs: the ``scale_by_kfac`` arguments.
+    tx: instead of ``chain_with``, the whole transformation.
+    **kwargs: the ``scale_by_kfac`` arguments (those ``tx`` was built with,
+      at least the ones that shape its state and layout).
 
   Raises:
     ValueError: as ``scale_by_kfac`` and its ``init``, e.g. a mesh axis not
-      in the mesh, or a ``grad_worker_fraction`` that does not divide it.
+      in the mesh, or a ``grad_worker_fraction`` that does not divide it;
+      ``chain_with`` and ``tx`` both given; a K-FAC state in ``tx``'s that
+      ``scale_by_kfac(**kwargs)`` would not make.
   """
   kfac_tx = scale_by_kfac(**kwargs)
-  tx = kfac_tx if chain_with is None else optax.chain(kfac_tx, chain_with)
+  if tx is None:
+    tx = kfac_tx if chain_with is None else optax.chain(kfac_tx, chain_with)
+  elif chain_with is not None:
+    raise ValueError("get_opt_state_partition_specs: pass chain_with (the "
+                     "rest of a chain after scale_by_kfac) or tx (the whole "
+                     "transformation), not both.")
   arguments = inspect.signature(scale_by_kfac).bind(**kwargs)
   arguments.apply_defaults()
   placement = scale_by_kfac_lib.make_placement(
@@ -63,6 +76,15 @@ def get_opt_state_partition_specs(
       if params_specs is None else params_specs)
 
   shapes = jax.eval_shape(tx.init, params)
+  expected = jax.eval_shape(kfac_tx.init, params)
+  is_state = lambda node: isinstance(node, ScaleByKFACState)
+  for state in jax.tree.leaves(shapes, is_leaf=is_state):
+    if is_state(state) and not _same_shapes(state, expected):
+      raise ValueError(
+          "get_opt_state_partition_specs: tx holds a K-FAC state that "
+          "scale_by_kfac(**kwargs) would not make (another accumulation, "
+          "adaptive mode, compute_method, dtype or layer set): pass the "
+          "scale_by_kfac arguments tx was built with.")
   params_structure = jax.tree.structure(params)
   params_shapes = [leaf.shape for leaf in jax.tree.leaves(params)]
 
@@ -82,3 +104,11 @@ def get_opt_state_partition_specs(
       spec_of, shapes,
       is_leaf=lambda node: isinstance(node, ScaleByKFACState) or (
           node is not None and params_like(node)))
+
+
+def _same_shapes(tree: Any, other: Any) -> bool:
+  """Same structure, shapes and dtypes (``jax.eval_shape`` results)."""
+  shape = lambda leaf: (leaf.shape, leaf.dtype)
+  return (jax.tree.structure(tree) == jax.tree.structure(other) and
+          list(map(shape, jax.tree.leaves(tree))) ==
+          list(map(shape, jax.tree.leaves(other))))
