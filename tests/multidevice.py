@@ -215,13 +215,15 @@ def fsdp(axis_type: AxisType) -> None:
 
 
 def row_parallel(axis_type: AxisType) -> None:
-  """Kernel rows sharded over 'model', K-FAC spread over 'data' only: each
-  strategy equals one device. (Gradients left sharded over 'model' inside
-  the per-device branches of the preconditioning made XLA wait on
-  collectives the other branches never reach: MEM_OPT aborted.)"""
+  """Kernel rows sharded over 'model' (Auto), K-FAC spread over 'data' only
+  ('data' of ``axis_type``): each strategy equals one device. (Arrays
+  sharded over 'model' inside the per-device branches of the placement made
+  XLA wait on collectives the other branches never reach: MEM_OPT aborted
+  on Auto axes, COMM_OPT with 'data' Explicit.)"""
   params, loss_fn, batches = conv_problem()
   reference = train(params, loss_fn, batches, {})
-  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(axis_type, AxisType.Auto))
   # One kernel sharded: its neighbours' gradients then come out of the
   # backward pass sharded over 'model', though their kernels are not.
   specs = jax.tree.map(lambda _: PartitionSpec(), params)

@@ -708,3 +708,31 @@ def test_an_nnx_vmap_ensemble_is_captured_per_member():
   np.testing.assert_array_equal(layer.inputs[0], jnp.stack([x, x]))
   np.testing.assert_allclose(layer.output_cotangents[0], jnp.cos(outputs),
                              rtol=1e-5, atol=1e-6)
+
+
+def test_params_partition_specs_through_nnx_optimizer():
+  # nnx.Optimizer inits on nnx.Param-wrapped state and updates with bare
+  # arrays: no spec tree passed both checks (one failed at init, the other
+  # at update).
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)
+  loss_fn = lambda model, x: jnp.mean(model(x)**2)
+  mesh = jax.make_mesh((1,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  updated = []
+  for with_specs in (False, True):
+    model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    kw = {}
+    if with_specs:
+      kw = dict(mesh_axes="data", params_partition_specs=jax.tree.map(
+          lambda p: jax.sharding.PartitionSpec(None, "data") if p.ndim == 2
+          else jax.sharding.PartitionSpec(),
+          nnx.pure(nnx.state(model, nnx.Param))))
+    with jax.set_mesh(mesh):
+      optimizer = nnx.Optimizer(
+          model, optax.chain(kfac_jax.scale_by_kfac(**kw), optax.sgd(0.1)),
+          wrt=nnx.Param)
+      _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(model, x)
+      optimizer.update(model, grads, kfac_stats=stats)
+    updated.append(nnx.pure(nnx.state(model, nnx.Param)))
+  for plain, sharded in zip(*map(jax.tree.leaves, updated)):
+    np.testing.assert_allclose(sharded, plain, rtol=1e-6, atol=1e-7)

@@ -297,6 +297,18 @@ def _manual(body: Callable[..., Any], in_specs: Any, out_specs: Any,
   replicated within groups by construction, which the replication checker
   cannot see through ``lax.switch``.
   """
+  mesh = jax.sharding.get_abstract_mesh()
+  if any(kind == jax.sharding.AxisType.Auto and name not in axes
+         for name, kind in zip(mesh.axis_names, mesh.axis_types)):
+    # Inside, XLA still places arrays over the other Auto axes and may shard
+    # them there (rows resharded for a row-sharded kernel's preconditioning
+    # propagate back into the body): collectives over those axes inside the
+    # per-device branches would wait on devices in other branches. Pinned
+    # replicated over them, the branches hold no collectives.
+    pin = lambda tree: jax.tree.map(
+        lambda x: lax.with_sharding_constraint(x, PartitionSpec()), tree)
+    unpinned = body
+    body = lambda *args: pin(unpinned(*pin(args)))
   return jax.jit(jax.shard_map(body, in_specs=in_specs, out_specs=out_specs,
                                axis_names=set(axes), check_vma=False))
 
@@ -347,24 +359,34 @@ def constrain(x: jax.Array, spec: PartitionSpec,
 
 
 def constrain_like_params(tree: Any, params_specs: Any) -> Any:
-  """Each leaf of a params-shaped ``tree`` placed as its params spec."""
+  """Each array of a params-shaped ``tree`` placed as its params spec."""
   specs = check_params_specs(tree, params_specs)
-  return jax.tree.map(lambda x, spec: constrain(x, spec, ()), tree, specs,
-                      is_leaf=lambda x: x is None)
+  return jax.tree.map(
+      lambda spec, node: jax.tree.map(lambda x: constrain(x, spec, ()), node),
+      specs, tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def check_params_specs(params: Any, params_specs: Any) -> Any:
-  """``params_specs`` with ``None`` leaves as ``P()``; must fit ``params``."""
+  """``params_specs`` with ``None`` leaves as ``P()``; must fit ``params``.
+
+  A spec stands for one array: a leaf of ``params``, or a node holding one
+  array (an ``nnx.Param`` of ``nnx.state``, as ``nnx.Optimizer`` hands
+  ``init``, where ``update`` gets the bare arrays).
+  """
   is_spec = lambda x: isinstance(x, PartitionSpec) or x is None
-  spec_structure = jax.tree.structure(params_specs, is_leaf=is_spec)
-  params_structure = jax.tree.structure(params)
-  if spec_structure != params_structure:
-    raise ValueError(
-        "params_partition_specs must have the structure of the params, with "
-        f"a PartitionSpec (or None) per array; got {spec_structure} for "
-        f"params {params_structure}.")
   specs = jax.tree.map(lambda s: PartitionSpec() if s is None else s,
                        params_specs, is_leaf=is_spec)
+  try:
+    arrays = jax.tree.map(lambda _, node: len(jax.tree.leaves(node)), specs,
+                          params, is_leaf=is_spec)
+  except ValueError:
+    arrays = None
+  if arrays is None or any(count != 1 for count in jax.tree.leaves(arrays)):
+    raise ValueError(
+        "params_partition_specs must have the structure of the params, with "
+        "a PartitionSpec (or None) per array; got "
+        f"{jax.tree.structure(params_specs, is_leaf=is_spec)} for params "
+        f"{jax.tree.structure(params)}.")
   mesh = jax.sharding.get_abstract_mesh()
   for (path, leaf), spec in zip(
       jax.tree_util.tree_flatten_with_path(params)[0],
