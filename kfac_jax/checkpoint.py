@@ -294,9 +294,15 @@ def _check_shapes(saved: Any, target: Any, directory: str) -> None:
       mismatched.append(
           f"{_describe(key)}: saved {shape}, target {tuple(np.shape(leaf))}")
   if mismatched:
+    # Packed preconditioner rows change shape with the device count and
+    # strategy; the factors do not.
+    hint = ("" if not any("preconditioners/rows" in m for m in mismatched) else
+            " A distributed state moves to another device count or strategy "
+            "by its factors: save with include_preconditioners=False, then "
+            "call recompute_preconditioners under the new mesh.")
     raise ValueError(
         f"The checkpoint at {directory} has other shapes than the target: "
-        f"{'; '.join(mismatched)}.")
+        f"{'; '.join(mismatched)}.{hint}")
 
 
 def _key_path(path: Sequence[Any]) -> _KeyPath:

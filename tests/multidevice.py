@@ -458,24 +458,35 @@ def checkpoint(axis_type: AxisType) -> None:
   directory = tempfile.mkdtemp() + "/ckpt"
   checkpoint_lib.save(directory, state, include_preconditioners=False)
 
-  def restored_on(mesh, kwargs):
+  def target_on(mesh, kwargs):
     tx = kfac_jax.scale_by_kfac(**kwargs)
+    specs = kfac_jax.get_opt_state_partition_specs(params, **kwargs)
+    return jax.tree.map(
+        lambda shape, spec: jax.ShapeDtypeStruct(
+            shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)),
+        jax.eval_shape(tx.init, params), specs,
+        is_leaf=lambda s: isinstance(s, PartitionSpec))
+
+  def restored_on(mesh, kwargs):
     with jax.set_mesh(mesh):
-      specs = kfac_jax.get_opt_state_partition_specs(params, **kwargs)
-      target = jax.tree.map(
-          lambda shape, spec: jax.ShapeDtypeStruct(
-              shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)),
-          jax.eval_shape(tx.init, params), specs,
-          is_leaf=lambda s: isinstance(s, PartitionSpec))
-      restored = checkpoint_lib.restore(directory, target)
+      restored = checkpoint_lib.restore(directory, target_on(mesh, kwargs))
       restored = checkpoint_lib.recompute_preconditioners(
           restored, 0.01, **kwargs)
       return restored, per_layer(restored, kwargs)
 
   four = jax.make_mesh((4,), ("devices",), axis_types=(axis_type,),
                        devices=jax.devices()[4:])
-  moved, moved_layers = restored_on(
-      four, dict(mesh_axes="devices", grad_worker_fraction="mem_opt"))
+  four_kwargs = dict(mesh_axes="devices", grad_worker_fraction="mem_opt")
+  # With its packed preconditioners the state cannot move: the error says how.
+  with_rows = tempfile.mkdtemp() + "/ckpt"
+  checkpoint_lib.save(with_rows, state)
+  with jax.set_mesh(four):
+    try:
+      checkpoint_lib.restore(with_rows, target_on(four, four_kwargs))
+      raise AssertionError("restored 8 devices' rows onto 4")
+    except ValueError as error:
+      assert "include_preconditioners=False" in str(error), error
+  moved, moved_layers = restored_on(four, four_kwargs)
   one = jax.make_mesh((1,), ("devices",), axis_types=(axis_type,),
                       devices=jax.devices()[:1])
   _, reference_layers = restored_on(one, dict(mesh_axes="devices"))
