@@ -60,7 +60,8 @@ def get_opt_state_partition_specs(
       ``scale_by_kfac(**kwargs)`` would not make.
   """
   kfac_tx = scale_by_kfac(**kwargs)
-  if tx is None:
+  given_tx = tx is not None
+  if not given_tx:
     tx = kfac_tx if chain_with is None else optax.chain(kfac_tx, chain_with)
   elif chain_with is not None:
     raise ValueError("get_opt_state_partition_specs: pass chain_with (the "
@@ -76,10 +77,12 @@ def get_opt_state_partition_specs(
       if params_specs is None else params_specs)
 
   shapes = jax.eval_shape(tx.init, params)
-  expected = jax.eval_shape(kfac_tx.init, params)
   is_state = lambda node: isinstance(node, ScaleByKFACState)
+  expected = (scale_by_kfac_lib.shapes_and_dtypes(
+      jax.eval_shape(kfac_tx.init, params)) if given_tx else None)
   for state in jax.tree.leaves(shapes, is_leaf=is_state):
-    if is_state(state) and not _same_shapes(state, expected):
+    if given_tx and is_state(state) and (
+        scale_by_kfac_lib.shapes_and_dtypes(state) != expected):
       raise ValueError(
           "get_opt_state_partition_specs: tx holds a K-FAC state that "
           "scale_by_kfac(**kwargs) would not make (another accumulation, "
@@ -104,11 +107,3 @@ def get_opt_state_partition_specs(
       spec_of, shapes,
       is_leaf=lambda node: isinstance(node, ScaleByKFACState) or (
           node is not None and params_like(node)))
-
-
-def _same_shapes(tree: Any, other: Any) -> bool:
-  """Same structure, shapes and dtypes (``jax.eval_shape`` results)."""
-  shape = lambda leaf: (leaf.shape, leaf.dtype)
-  return (jax.tree.structure(tree) == jax.tree.structure(other) and
-          list(map(shape, jax.tree.leaves(tree))) ==
-          list(map(shape, jax.tree.leaves(other))))

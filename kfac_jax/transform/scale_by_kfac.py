@@ -864,6 +864,12 @@ def _check_state(layers: Mapping[str, LayerInfo], state: ScaleByKFACState,
             "tx.init with the current params.")
 
 
+def shapes_and_dtypes(tree: Any) -> Any:
+  """``tree`` with each array as ``(shape, dtype)``: equal for like states."""
+  return jax.tree.map(
+      lambda leaf: (tuple(leaf.shape), jnp.dtype(leaf.dtype)), tree)
+
+
 def _check_preconditioners(preconditioners: Any, expected: Any) -> None:
   """The state's preconditioners must be what this transformation makes.
 
@@ -877,13 +883,11 @@ def _check_preconditioners(preconditioners: Any, expected: Any) -> None:
         "from a checkpoint saved with include_preconditioners=False). Call "
         "kfac_jax.checkpoint.recompute_preconditioners(state, damping, ...) "
         "with this transformation's arguments first.")
-  describe = lambda tree: jax.tree.map(
-      lambda leaf: (tuple(leaf.shape), jnp.dtype(leaf.dtype)), tree)
   try:
-    found = describe(preconditioners)
+    found = shapes_and_dtypes(preconditioners)
   except (AttributeError, TypeError):
     found = None
-  if found != describe(expected):
+  if found != shapes_and_dtypes(expected):
     raise ValueError(
         "scale_by_kfac.update: the state's preconditioners are not the ones "
         "this transformation makes (another compute_method, "
