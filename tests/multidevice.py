@@ -127,7 +127,7 @@ def per_layer(state, kwargs):
   placement = make_placement(
       kwargs.get("compute_method", "eigen"), True, jnp.float32,
       kwargs.get("mesh_axes"), kwargs.get("grad_worker_fraction", "comm_opt"),
-      "compute")
+      kwargs.get("assignment_strategy", "compute"))
   return placement.per_layer(factor_dims(state.factors),
                              state.preconditioners)
 
@@ -439,6 +439,17 @@ def specs(axis_type: AxisType) -> None:
         raise AssertionError(f"no ValueError for {bad}")
 
 
+def restore_target(params, mesh, kwargs):
+  """The abstract ``scale_by_kfac(**kwargs)`` state to restore onto ``mesh``."""
+  tx = kfac_jax.scale_by_kfac(**kwargs)
+  specs = kfac_jax.get_opt_state_partition_specs(params, **kwargs)
+  return jax.tree.map(
+      lambda shape, spec: jax.ShapeDtypeStruct(
+          shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)),
+      jax.eval_shape(tx.init, params), specs,
+      is_leaf=lambda s: isinstance(s, PartitionSpec))
+
+
 def checkpoint(axis_type: AxisType) -> None:
   """A HYBRID_OPT state on 8 devices continues as MEM_OPT on 4 (and on 1).
 
@@ -459,13 +470,7 @@ def checkpoint(axis_type: AxisType) -> None:
   checkpoint_lib.save(directory, state, include_preconditioners=False)
 
   def target_on(mesh, kwargs):
-    tx = kfac_jax.scale_by_kfac(**kwargs)
-    specs = kfac_jax.get_opt_state_partition_specs(params, **kwargs)
-    return jax.tree.map(
-        lambda shape, spec: jax.ShapeDtypeStruct(
-            shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)),
-        jax.eval_shape(tx.init, params), specs,
-        is_leaf=lambda s: isinstance(s, PartitionSpec))
+    return restore_target(params, mesh, kwargs)
 
   def restored_on(mesh, kwargs):
     with jax.set_mesh(mesh):
@@ -498,6 +503,78 @@ def checkpoint(axis_type: AxisType) -> None:
     for x, y in zip(comparable(moved_layers[name]),
                     comparable(reference_layers[name])):
       np.testing.assert_allclose(x, y, **TOLERANCE, err_msg=name)
+
+
+class FlippedCosts(nn.Module):
+  """Layers [dA, dG] = [10, 10], [11, 13], [14, 1]: by dA³ + dG³ the third
+  outranks the first, by dA² + dG² the first outranks the third, so the two
+  assignment strategies pack the rows in other orders."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.tanh(nn.Dense(10)(x))
+    x = jnp.tanh(nn.Dense(13)(x))
+    return nn.Dense(1)(x)
+
+
+def restored_layout(axis_type: AxisType) -> None:
+  """A COMM_OPT state restored under another assignment_strategy: the same
+  rows shape, other offsets. The stale layout is detected: the next update
+  (not a decomposition step) decomposes every layer from the factors, as a
+  decomposition step of the state recomputed under the new layout does."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from kfac_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+
+  model = FlippedCosts()
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (4, 16, 9))
+  y = jax.random.normal(keys[1], (4, 16, 1))
+  params = model.init(keys[2], x[0])["params"]
+  loss_fn = lambda p, x, y: jnp.mean((model.apply({"params": p}, x) - y)**2)
+  mesh = jax.make_mesh((8,), ("devices",), axis_types=(axis_type,))
+  base = dict(damping=0.01, mesh_axes="devices", inv_update_steps=2)
+  saved_kwargs = dict(base, assignment_strategy="compute")
+  moved_kwargs = dict(base, assignment_strategy="memory")
+
+  def step(kwargs, params, state, i):
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x[i],
+                                                             y[i])
+    return jax.jit(kfac_jax.scale_by_kfac(**kwargs).update)(
+        grads, state, params, kfac_stats=stats)
+
+  with jax.set_mesh(mesh):
+    params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    state = jax.jit(kfac_jax.scale_by_kfac(**saved_kwargs).init)(params)
+    for i in range(3):  # Count 3: the next step is no decomposition step.
+      updates, state = step(saved_kwargs, params, state, i)
+      params = optax.apply_updates(params, updates)
+    directory = tempfile.mkdtemp() + "/ckpt"
+    checkpoint_lib.save(directory, state)
+    restored = checkpoint_lib.restore(
+        directory, restore_target(params, mesh, moved_kwargs))
+    assert restored.preconditioners.rows.shape == state.preconditioners.rows.shape
+    try:
+      per_layer(restored, moved_kwargs)
+      raise AssertionError("read rows packed under another assignment")
+    except ValueError as error:
+      assert "another layout" in str(error), error
+
+    updates, moved = step(moved_kwargs, params, restored, 3)
+    # Reference: the factors decomposed under the new layout, then a
+    # decomposition step.
+    recomputed = checkpoint_lib.recompute_preconditioners(
+        restored, 0.01, mesh_axes="devices", assignment_strategy="memory")
+    reference_updates, reference = step(
+        dict(moved_kwargs, inv_update_steps=1), params, recomputed, 3)
+    for a, b in zip(jax.tree.leaves(updates),
+                    jax.tree.leaves(reference_updates)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOLERANCE)
+    layers, reference_layers = (per_layer(s, moved_kwargs)
+                                for s in (moved, reference))
+  for name in reference_layers:
+    for a, b in zip(comparable(layers[name]),
+                    comparable(reference_layers[name])):
+      np.testing.assert_allclose(a, b, **TOLERANCE, err_msg=name)
 
 
 class ScannedGroupedBlocks(nn.Module):
@@ -720,7 +797,7 @@ PROGRAMS = {f.__name__: f for f in (adaptive, equality, fsdp, local_fsdp,
                                     row_parallel,
                                     mixed, division, specs, checkpoint, blocks,
                                     gradient_from_stats, edges,
-                                    stable_state)}
+                                    restored_layout, stable_state)}
 
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()

@@ -122,6 +122,13 @@ def test_checkpoint_moves_a_state_to_another_strategy_and_device_count():
   run_on_eight_devices("checkpoint", "Explicit")
 
 
+@pytest.mark.multidevice
+def test_rows_restored_under_another_assignment_are_decomposed_again():
+  """Same rows shape, other offsets: detected by the layout fingerprint; the
+  next update equals a decomposition step of the recomputed state."""
+  run_on_eight_devices("restored_layout", "Auto")
+
+
 # ---------------------------------------------------------------- one device
 
 

@@ -283,16 +283,15 @@ def test_non_finite_gradients_emit_zeros_and_raise_the_damping():
   assert all(np.isfinite(h[-1]) for h in history)
 
 
-@pytest.mark.parametrize("field", ["damping", "previous_update"])
-def test_a_restored_non_finite_lambda_or_delta_recovers(field):
-  # Clipping kept a NaN λ and a rejected step kept a NaN δ: every later
-  # update was zero. Now λ restarts at max_damping and δ at zeros.
+def test_a_restored_non_finite_delta_recovers():
+  # A rejected step kept a NaN δ: every later update was zero. Now δ
+  # restarts at zeros.
   params, batch, split, loss_fn = sigmoid_problem()
   tx = adaptive_tx(damping=1.0)
   params_1, state_1, _ = run_steps(tx, params, batch, split, loss_fn, 2)
   model = state_1.quadratic_model
-  model = model._replace(**{field: jax.tree.map(
-      lambda x: jnp.full_like(x, jnp.nan), getattr(model, field))})
+  model = model._replace(previous_update=jax.tree.map(
+      lambda x: jnp.full_like(x, jnp.nan), model.previous_update))
   state_1 = state_1._replace(quadratic_model=model)
   _, state, history = run_steps(tx, params_1, batch, split, loss_fn, 3,
                                 initial_state=state_1)
@@ -302,10 +301,43 @@ def test_a_restored_non_finite_lambda_or_delta_recovers(field):
              for u in jax.tree.leaves(u))
   assert all(np.all(np.isfinite(np.asarray(leaf)))
              for leaf in jax.tree.leaves(state))
-  if field == "damping":
-    # max_damping after the rejected step, then λ·ω or λ or λ/ω: clipped.
-    assert float(history[1][1].quadratic_model.damping) == 1000.0
   assert history[-1][-1] < history[0][-1]
+
+
+@pytest.mark.parametrize("outer_product", [False, True])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_a_restored_lambda_out_of_range_restarts_clipped_at_once(
+    bad, outer_product):
+  # λ entered the step's decompositions and step sizes as restored until the
+  # next adaptation step. With the outer product precomputed a NaN λ's
+  # decompositions were rejected, the old eigenbasis kept Δ finite and the
+  # solve gave α = μ = 0: zero updates, nothing flagged, for every step up
+  # to the adaptation. Now every step reads λ clipped, as the rule keeps it.
+  params, batch, split, loss_fn = sigmoid_problem()
+  tx = kfac_jax.scale_by_kfac(
+      damping=1.0, kl_clip=None, compute_eigenvalue_outer_product=outer_product,
+      adaptive=kfac_jax.AdaptiveConfig())
+  params_2, state_2, _ = run_steps(tx, params, batch, split, loss_fn, 2)
+  model = state_2.quadratic_model
+  config = kfac_jax.AdaptiveConfig()
+  clipped = config.max_damping if bad != -1.0 else config.min_damping
+  runs = [
+      run_steps(tx, params_2, batch, split, loss_fn, 3,
+                initial_state=state_2._replace(quadratic_model=model._replace(
+                    damping=jnp.asarray(value, jnp.float32))))
+      for value in (bad, clipped)
+  ]
+  # Counts 2, 3, 4: no adaptation step (interval 5) to clean λ up.
+  (_, state, history), (_, reference, reference_history) = runs
+  for step, reference_step in zip(history, reference_history):
+    for u, r in zip(jax.tree.leaves(step[2]),
+                    jax.tree.leaves(reference_step[2])):
+      np.testing.assert_array_equal(np.asarray(u), np.asarray(r))
+      assert np.any(np.asarray(u) != 0)
+  assert int(state.rejected_decompositions) == int(
+      reference.rejected_decompositions)
+  assert float(state.quadratic_model.damping) == float(
+      reference.quadratic_model.damping)
 
 
 def test_an_injected_initial_damping_is_traced_in_a_jitted_update():

@@ -11,9 +11,11 @@ members' layers back to back, member by member, with no padding between
 them, so ``R`` is the largest group load: every layer for COMM_OPT (``g =
 n``, exactly the replicated size), the device's own layers for MEM_OPT.
 
-Everything here is Python-side and depends only on the layers' sizes and
-``(n, g)``, so ``init``, ``update`` and ``get_opt_state_partition_specs`` agree
-on it without storing it.
+Everything here is Python-side and depends only on the layers' sizes,
+``(n, g)`` and the assignment strategy, so ``init``, ``update`` and
+``get_opt_state_partition_specs`` agree on it without storing it. The state
+stores only its ``fingerprint``: a state restored under another layout can
+have the same ``[n, R]`` with the layers at other offsets.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -50,6 +53,8 @@ class ShardedLayout:
     segment_size: S, elements of one device's segment (the largest load).
     row_size: R, elements of one row (the largest group load).
     templates: ``{layer: preconditioner of ShapeDtypeStructs}`` to unpack.
+    fingerprint: a checksum of ``(n, g)`` and every layer's owner, offset and
+      size, in ``[0, 2³¹)`` (an int32 in the state).
   """
 
   num_devices: int
@@ -61,6 +66,7 @@ class ShardedLayout:
   segment_size: int
   row_size: int
   templates: Mapping[str, Any]
+  fingerprint: int
 
   def owned(self, device: int) -> list[str]:
     """The layers ``device`` decomposes, in segment order."""
@@ -128,7 +134,11 @@ def _make_layout(dims: tuple[tuple[str, tuple[int, int]], ...],
       segment_size=max(loads),
       row_size=max(sum(loads[start:start + group_size])
                    for start in range(0, num_devices, group_size)),
-      templates=templates)
+      templates=templates,
+      fingerprint=zlib.crc32(repr(
+          (num_devices, group_size,
+           [(name, owner[name], offset[name], size[name]) for name in names])
+      ).encode()) & 0x7FFFFFFF)
 
 
 def pack_by_owner(names: Sequence[str], owner: Mapping[str, int],

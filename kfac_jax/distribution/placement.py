@@ -7,14 +7,14 @@ step and the preconditioning of every step.
 * ``local_placement``: ``{layer: Preconditioner}``; every decomposition runs
   where the program runs, batched by factor size (``batched``).
 * ``mesh_placement``: KAISA's strategies on the mesh set with
-  ``jax.set_mesh``. The state is ``ShardedPreconditioners(rows [n, R])``
-  sharded over the K-FAC mesh axes (``layout``). Inside ``shard_map`` each
-  device decomposes only the layers assigned to it (a ``lax.switch`` on its
-  index), and the results reach the other ``g − 1`` devices of its group by
-  one ``all_gather`` at decomposition steps. Each step, with ``g = n`` every
-  device preconditions every layer from its own row (no second-order
-  communication); with ``g < n`` each layer's owner preconditions it and the
-  preconditioned gradients are all-gathered.
+  ``jax.set_mesh``. The state is ``ShardedPreconditioners(rows [n, R],
+  layout_fingerprint)``, rows sharded over the K-FAC mesh axes (``layout``).
+  Inside ``shard_map`` each device decomposes only the layers assigned to it
+  (a ``lax.switch`` on its index), and the results reach the other ``g − 1``
+  devices of its group by one ``all_gather`` at decomposition steps. Each
+  step, with ``g = n`` every device preconditions every layer from its own
+  row (no second-order communication); with ``g < n`` each layer's owner
+  preconditions it and the preconditioned gradients are all-gathered.
 """
 
 from __future__ import annotations
@@ -43,9 +43,14 @@ class ShardedPreconditioners(NamedTuple):
   Attributes:
     rows: ``[n, R]`` in the storage dtype; row ``d`` lives on device ``d``
       of the K-FAC mesh axes and holds the preconditioners of its group.
+    layout_fingerprint: ``ShardedLayout.fingerprint`` of the packing the rows
+      were written in (int32 scalar, replicated). Another strategy, device
+      assignment or version can pack the same ``[n, R]`` differently; a state
+      restored under one is told apart by it (``Placement.stale``).
   """
 
   rows: jax.Array
+  layout_fingerprint: jax.Array
 
 
 class Placement(NamedTuple):
@@ -56,7 +61,8 @@ class Placement(NamedTuple):
     decompose: ``(dims, factors, previous, λ) -> (state, rejected)``:
       decomposes ``factors`` (a subset of the layers), keeps ``previous`` for
       the others and for any decomposition that comes out non-finite;
-      ``rejected`` counts those (int32).
+      ``rejected`` counts those (int32). A stale ``previous`` is not read:
+      the identity's preconditioners stand in for it.
     precondition: ``(dims, state, {layer: ∇ [dA, dG]}, λ, sharded) ->
       {layer: P}``, float32. Layers in ``sharded`` (``{layer: mesh axes}``,
       kernels sharded over those axes) are preconditioned in place, sharded
@@ -64,6 +70,10 @@ class Placement(NamedTuple):
     per_layer: ``(dims, state) -> {layer: Preconditioner}``: inspection of
       a concrete state (host arrays for a sharded one).
     partition_specs: ``dims -> PartitionSpec`` tree of the state.
+    stale: ``(dims, state) ->`` whether the state was packed in another
+      layout (a traced bool), or ``None`` for a layout that cannot be stale
+      (``{layer: Preconditioner}``). A stale state must be decomposed before
+      it preconditions anything.
   """
 
   init: Callable[[Dims], Any]
@@ -73,6 +83,7 @@ class Placement(NamedTuple):
                           Mapping[str, tuple[str, ...]]], dict[str, jax.Array]]
   per_layer: Callable[[Dims, Any], dict[str, Preconditioner]]
   partition_specs: Callable[[Dims], Any]
+  stale: Callable[[Dims, Any], jax.Array | None]
 
 
 def decompose_checked(
@@ -119,7 +130,8 @@ def local_placement(method: Method) -> Placement:
 
   return Placement(init, decompose, precondition,
                    per_layer=lambda dims, state: dict(state),
-                   partition_specs=partition_specs)
+                   partition_specs=partition_specs,
+                   stale=lambda dims, state: None)
 
 
 def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
@@ -145,7 +157,15 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
     ]
     rows = jnp.stack([group_rows[d // plan.group_size]
                       for d in range(plan.num_devices)])
-    return ShardedPreconditioners(constrain(rows, rows_spec, axes))
+    return ShardedPreconditioners(constrain(rows, rows_spec, axes),
+                                  fingerprint(plan))
+
+  def fingerprint(plan: ShardedLayout) -> jax.Array:
+    return constrain(jnp.asarray(plan.fingerprint, jnp.int32), PartitionSpec(),
+                     axes)
+
+  def stale(dims: Dims, preconditioners: ShardedPreconditioners) -> jax.Array:
+    return preconditioners.layout_fingerprint != layout(dims).fingerprint
 
   def decompose(dims, factors, previous, damping):
     plan = layout(dims)
@@ -154,8 +174,12 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
     def device_branch(device: int):
       names = [name for name in plan.owned(device) if name in factors]
 
-      def branch(factors, row, damping):
-        old = {name: _read(row, plan.row_offset(name), plan, name)
+      def branch(factors, row, damping, is_stale):
+        # A stale row holds other layers at these offsets.
+        old = {name: finite.select(~is_stale,
+                                   _read(row, plan.row_offset(name), plan,
+                                         name),
+                                   method.init(*dims[name]))
                for name in plan.owned(device)}
         new, rejected = decompose_checked(
             method, {name: factors[name] for name in names}, old, damping)
@@ -175,11 +199,12 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
 
       return branch
 
-    def body(factors, rows, damping):
+    def body(factors, rows, damping, is_stale):
       row = rows[0]
       device = lax.axis_index(axes)
       segment, rejected = lax.switch(
-          device, [device_branch(d) for d in range(n)], factors, row, damping)
+          device, [device_branch(d) for d in range(n)], factors, row, damping,
+          is_stale)
       rejected = lax.psum(rejected, axes)
       if g == 1:
         row = segment[:plan.row_size]
@@ -191,12 +216,15 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
       return row[None], rejected
 
     if size == 0:  # No layers: nothing to decompose (nor to gather).
-      return previous, jnp.zeros([], jnp.int32)
+      return ShardedPreconditioners(previous.rows,
+                                    fingerprint(plan)), jnp.zeros([], jnp.int32)
     rows, rejected = _manual(
-        body, in_specs=(PartitionSpec(), rows_spec, PartitionSpec()),
+        body,
+        in_specs=(PartitionSpec(), rows_spec, PartitionSpec(), PartitionSpec()),
         out_specs=(rows_spec, PartitionSpec()),
-        axes=axes)(_replicated(factors, axes), previous.rows, damping)
-    return ShardedPreconditioners(rows), rejected
+        axes=axes)(_replicated(factors, axes), previous.rows, damping,
+                   stale(dims, previous))
+    return ShardedPreconditioners(rows, fingerprint(plan)), rejected
 
   def precondition(dims, preconditioners, gradients, damping, sharded):
     plan = layout(dims)
@@ -258,6 +286,12 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
 
   def per_layer(dims, preconditioners):
     plan = layout(dims)
+    if int(preconditioners.layout_fingerprint) != plan.fingerprint:
+      raise ValueError(
+          "These preconditioners were packed in another layout (another "
+          "strategy, assignment_strategy or device count than the one given "
+          "here): their rows cannot be read. The next update decomposes them "
+          "again; checkpoint.recompute_preconditioners does so now.")
     rows = jax.device_get(preconditioners.rows)  # Inspection of a concrete state.
     return {
         name: _read(rows[plan.first_of_group(name)],
@@ -267,9 +301,10 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
 
   def partition_specs(dims: Dims) -> ShardedPreconditioners:
     layout(dims)  # Validates the axes and the fraction against the mesh.
-    return ShardedPreconditioners(rows_spec)
+    return ShardedPreconditioners(rows_spec, PartitionSpec())
 
-  return Placement(init, decompose, precondition, per_layer, partition_specs)
+  return Placement(init, decompose, precondition, per_layer, partition_specs,
+                   stale)
 
 
 def _replicated(arrays: Mapping[str, Any],

@@ -547,6 +547,13 @@ def scale_by_kfac(
       sharded = _sharded_kernels(layers, placement_lib.check_params_specs(
           updates, params_partition_specs))
     _check_state(layers, state, accumulation_steps, adaptive is not None)
+    if adaptive is not None:
+      # Only a restored λ can be out of range (NaN/Inf from a corrupted
+      # checkpoint): it would enter this step's decompositions and step sizes
+      # as it is until the next adaptation step cleaned it up.
+      state = state._replace(quadratic_model=state.quadratic_model._replace(
+          damping=quadratic_model.clip_damping(state.quadratic_model.damping,
+                                               adaptive)))
     _check_preconditioners(state.preconditioners, jax.eval_shape(
         lambda: placement.init(layers_lib.blocks_of(layers))))
     active = _check_stats(kfac_stats, layers, skip, updates)
@@ -702,8 +709,13 @@ def guarded_decomposition(
   and adds one to ``rejected``. ``damping_ok``: whether a scheduled λ is in
   range at this step (``None``: not checked); where it is not, nothing is
   decomposed and every block counts as rejected. Off ``when``, ``previous``
-  and ``rejected`` come back as they are.
+  and ``rejected`` come back as they are. A ``previous`` packed in another
+  layout (``placement.stale``: a checkpoint restored under another strategy)
+  is decomposed whatever ``when``, from the identity's preconditioners.
   """
+  stale = placement.stale(dims, previous)
+  if stale is not None and when is not True:
+    when = when | stale
 
   def decomposed():
     to_decompose, decomposition_damping = decomposition_inputs(
