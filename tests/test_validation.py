@@ -18,6 +18,8 @@ import kfac_jax
     (dict(compute_method="cholesky"), ValueError, "compute_method='cholesky'"),
     (dict(damping=0.0), ValueError, "damping must be > 0"),
     (dict(damping=-1e-3), ValueError, "damping must be > 0"),
+    # Subnormal in float32: XLA flushes it to 0.
+    (dict(damping=1e-40), ValueError, "damping must be > 0 and a normal"),
     (dict(factor_decay=0.0), ValueError, r"factor_decay must be in \(0, 1\]"),
     (dict(factor_decay=1.5), ValueError, r"factor_decay must be in \(0, 1\]"),
     (dict(factor_update_steps=0), ValueError, "factor_update_steps must be a positive"),
@@ -255,13 +257,44 @@ def test_class_name_skip_without_a_table_says_to_skip_by_path():
   tx = kfac_jax.scale_by_kfac(skip_layers=skip)
   with pytest.raises(ValueError, match="'features'.*class.*skip it by path"):
     tx.update(grads, tx.init(params), params, kfac_stats=stats)
+  table = kfac_jax.trace_layers(loss_fn, params, skip_layers=skip)
   for tx in [kfac_jax.scale_by_kfac(skip_layers=skip + ["^features$"]),
-             kfac_jax.scale_by_kfac(skip_layers=skip,
-                                    layers=kfac_jax.trace_layers(
-                                        loss_fn, params, skip_layers=skip))]:
-    with warnings.catch_warnings(record=True):
+             kfac_jax.scale_by_kfac(skip_layers=skip, layers=table)]:
+    # The table tells the class-skipped layer from an unknown module: no
+    # warning (it warned that the layer was not captured).
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
       state = tx.init(params)
     updates, _ = tx.update(grads, state, params, kfac_stats=stats)
     # The skipped layer's gradient passes through as it is.
     jax.tree.map(np.testing.assert_array_equal, updates["features"],
                  grads["features"])
+  # Skipped by class in trace_layers alone: the warning names the class.
+  with pytest.warns(UserWarning, match=r"'features'.*class name \(Conv\)"):
+    kfac_jax.scale_by_kfac(layers=table).init(params)
+
+
+def test_nnx_class_name_skip_with_the_table_does_not_warn():
+  """The README's setup, one skip list for trace_layers, scale_by_kfac and
+  value_grad_and_stats, naming NNX's class: no warning, plain gradients."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  class MLP(nnx.Module):
+
+    def __init__(self, rngs):
+      self.body = nnx.Linear(4, 5, rngs=rngs)
+      self.head = nnx.Linear(5, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(jnp.tanh(self.body(x)))
+
+  loss_fn = lambda model, x: jnp.sum(model(x)**2)
+  model, x, skip = MLP(nnx.Rngs(0)), jnp.ones((8, 4)), ["^Linear$"]
+  table = kfac_jax.trace_layers(loss_fn, model, x, skip_layers=skip)
+  assert dict(table) == {} and table.skipped_classes == {
+      "body": "Linear", "head": "Linear"}
+  tx = kfac_jax.scale_by_kfac(layers=table, skip_layers=skip)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  assert not optimizer.opt_state.factors

@@ -9,7 +9,7 @@ from flax import nnx
 
 from kfac_jax.capture import flax_linen
 from kfac_jax.capture import flax_nnx
-from kfac_jax.capture.layers import LayerInfo, compile_patterns
+from kfac_jax.capture.layers import TracedLayers, compile_patterns
 from kfac_jax.capture.statistics import LayerStatistics
 
 
@@ -68,7 +68,7 @@ def value_grad_and_stats(
 
 def trace_layers(fun: Callable[..., Any], params_or_model: Any, *args: Any,
                  skip_layers: Sequence[str] | str | None = None,
-                 **kwargs: Any) -> dict[str, LayerInfo]:
+                 **kwargs: Any) -> TracedLayers:
   """The layer table of a loss function, for ``scale_by_kfac(layers=...)``.
 
   Traces ``fun(params_or_model, *args, **kwargs)`` once for shapes only (no
@@ -87,7 +87,9 @@ def trace_layers(fun: Callable[..., Any], params_or_model: Any, *args: Any,
     **kwargs: example keyword arguments.
 
   Returns:
-    ``{layer name: LayerInfo}``.
+    ``{layer name: LayerInfo}`` (a dict; its ``skipped_classes`` lets
+    ``scale_by_kfac`` given the same ``skip_layers`` leave the layers skipped
+    by class name without a warning).
   """
   return _front_end(params_or_model).trace_layers(
       fun, compile_patterns(skip_layers), params_or_model, *args, **kwargs)

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from kfac_jax.capture import layers
 from kfac_jax.capture import probes as probes_lib
 from kfac_jax.capture import signatures
-from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
 
 # Module classes whose calls are captured. Subclasses count too.
@@ -112,6 +111,8 @@ class _ShapeRecorder:
   paths: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
   # Embed layers also called through attend (tied output weights).
   attended: set[str] = dataclasses.field(default_factory=set)
+  # {layer: class name} of the captured modules skip matched by class alone.
+  skipped_classes: dict[str, str] = dataclasses.field(default_factory=dict)
 
   # Whether the model.apply running now is under a jax.vmap in the loss that
   # broadcasts its params: then every captured layer inside, lifted
@@ -143,6 +144,8 @@ class _ShapeRecorder:
     inputs = args[0] if args else kwargs["inputs"]
     path = tuple(module.path)
     if layers.is_skipped_layer(path, type(module).__name__, self.skip):
+      if layers.class_skipped(path, type(module).__name__, self.skip):
+        self.skipped_classes[layers.layer_name(path)] = type(module).__name__
       return next_fun(*args, **kwargs)  # no probes: the real pass skips it
     name = layers.layer_name(path)
     with self.trace_check.scope(name):
@@ -273,15 +276,15 @@ def _shape_pass(fun: Callable[..., Any], params: Any, skip, args,
 
 def trace_layers(fun: Callable[..., Any], skip: tuple[re.Pattern[str], ...],
                  params: Any, *args: Any,
-                 **kwargs: Any) -> dict[str, LayerInfo]:
+                 **kwargs: Any) -> layers.TracedLayers:
   """Linen front end of ``kfac_jax.trace_layers``."""
   recorder, _ = _shape_pass(fun, params, skip, args, kwargs)
-  return {
+  return layers.TracedLayers({
       name: probes_lib.layer_info(name, recorder.paths[name],
                                   recorder.kernel(name).shape,
                                   calls[0].signature)
       for name, calls in recorder.calls.items()
-  }
+  }, recorder.skipped_classes)
 
 
 def value_grad_and_stats(

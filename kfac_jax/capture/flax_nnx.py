@@ -33,7 +33,6 @@ import jax.numpy as jnp
 from kfac_jax.capture import layers
 from kfac_jax.capture import probes as probes_lib
 from kfac_jax.capture import signatures
-from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.capture.probes import ProbePair
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
 
@@ -270,12 +269,17 @@ def _kernels(model: nnx.Module, calls: Mapping[str, Sequence[probes_lib.Call]]
 
 def trace_layers(fun: Callable[..., Any], skip: Skip, model: nnx.Module,
                  *args: Any,
-                 **kwargs: Any) -> dict[str, LayerInfo]:
+                 **kwargs: Any) -> layers.TracedLayers:
   """NNX front end of ``kfac_jax.trace_layers``."""
   calls, _ = _shape_pass(fun, model, skip, args, kwargs)
-  return {name: probes_lib.layer_info(name, path, kernel.shape,
-                                      calls[name][0].signature)
-          for name, (path, kernel) in _kernels(model, calls).items()}
+  return layers.TracedLayers(
+      {name: probes_lib.layer_info(name, path, kernel.shape,
+                                   calls[name][0].signature)
+       for name, (path, kernel) in _kernels(model, calls).items()},
+      {layers.layer_name(path): type(module).__name__
+       for path, module in nnx.iter_modules(model)
+       if isinstance(module, CAPTURED_MODULES) and layers.class_skipped(
+           path, type(module).__name__, skip)})
 
 
 def value_grad_and_stats(

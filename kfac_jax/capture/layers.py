@@ -120,6 +120,28 @@ class LayerInfo:
 LayerTable = Mapping[str, LayerInfo]
 
 
+class TracedLayers(dict):
+  """``trace_layers``' table: ``{layer name: LayerInfo}``, a dict.
+
+  Attributes:
+    skipped_classes: ``{layer name: Flax class name}`` of the captured
+      modules that ``trace_layers``' ``skip_layers`` matched by class name
+      only. Their kernels are not in the table; ``find_layers`` reads this to
+      tell them from kernels of modules the capture does not know.
+  """
+
+  def __init__(self, layers: Mapping[str, LayerInfo],
+               skipped_classes: Mapping[str, str]):
+    super().__init__(layers)
+    self.skipped_classes = dict(skipped_classes)
+
+
+def class_skipped(path: tuple[str, ...], module_type: str,
+                  skip: Sequence[re.Pattern[str]]) -> bool:
+  """Whether ``skip`` leaves the layer out by its class name alone."""
+  return matches_any(skip, module_type) and not is_skipped_path(path, skip)
+
+
 def blocks_of(layers: LayerTable) -> dict[str, tuple[int, int]]:
   """``{block name: (activation_dim, gradient_dim)}`` over all layers."""
   return {block: (layer.activation_dim, layer.gradient_dim)
@@ -271,7 +293,7 @@ def find_layers(params: Any,
           has_bias=node.get(BIAS) is not None,
           kernel_key=key)
       if table is not None:
-        layer = _from_table(table, layer, warn_untraced)
+        layer = _from_table(table, layer, warn_untraced, skip)
       if layer is not None and not matches_any(skip, layer.module_type or ""):
         _check_bias(layer, node.get(BIAS))
         layers[name] = layer
@@ -338,18 +360,26 @@ def _warn_untraced_embedding(name: str, path: tuple[str, ...],
       "skip_layers to silence this warning.", stacklevel=4)
 
 
-def _from_table(table: LayerTable, layer: LayerInfo,
-                warn_untraced: bool) -> LayerInfo | None:
+def _from_table(table: LayerTable, layer: LayerInfo, warn_untraced: bool,
+                skip: Sequence[re.Pattern[str]]) -> LayerInfo | None:
   traced = table.get(layer.name)
   if traced is None:
+    skipped_class = getattr(table, "skipped_classes", {}).get(layer.name)
+    if skipped_class is not None and matches_any(skip, skipped_class):
+      return None  # Skipped by class here as in trace_layers.
     if warn_untraced:
+      why = (
+          f"trace_layers skipped it by its class name ({skipped_class})"
+          if skipped_class is not None else
+          "its module was not captured by kfac_jax.trace_layers (captured: "
+          "Linen Dense, DenseGeneral without batch_dims and Conv; NNX "
+          "Linear, LinearGeneral and Conv; and their subclasses)")
       warnings.warn(
-          f"Layer {layer.name!r} has a kernel {layer.kernel_shape} but its "
-          "module was not captured by kfac_jax.trace_layers (captured: Dense, "
-          "DenseGeneral without batch_dims, Conv, and their subclasses), or "
-          "trace_layers skipped it by its class name. K-FAC leaves it to the "
-          f"chained optimizer; add its path ({skip_pattern(layer.name)!r}) "
-          "to skip_layers to silence this warning.", stacklevel=4)
+          f"Layer {layer.name!r} has a kernel {layer.kernel_shape} but "
+          f"{why}. K-FAC leaves it to the chained optimizer; pass the same "
+          "skip_layers to trace_layers and scale_by_kfac, or add its path "
+          f"({skip_pattern(layer.name)!r}) to skip_layers, to silence this "
+          "warning.", stacklevel=4)
     return None
   if (traced.kernel_shape, traced.has_bias) != (layer.kernel_shape,
                                                  layer.has_bias):

@@ -183,7 +183,11 @@ def static_positive_integer(name: str, value: object) -> int:
 
 
 def positive(name: str, value: ScalarOrSchedule) -> Hyperparameter:
-  return hyperparameter(name, value, lambda v: v > 0, "> 0")
+  # Not just > 0: XLA on CPU flushes float32 subnormals to 0, and a λ of 0
+  # makes every decomposition of a rank-deficient factor non-finite.
+  tiny = float(np.finfo(np.float32).tiny)
+  return hyperparameter(name, value, lambda v: v >= tiny,
+                        f"> 0 and a normal float32 (>= {tiny:.3g})")
 
 
 def non_negative(name: str, value: ScalarOrSchedule) -> Hyperparameter:
