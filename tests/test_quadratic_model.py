@@ -557,3 +557,22 @@ def test_adaptive_mode_in_multi_transform_with_the_masked_params_filled():
         a, b, rtol=1e-4, atol=1e-7), multi_updates, alone_updates)
     multi_params = optax.apply_updates(multi_params, multi_updates)
     alone_params = optax.apply_updates(alone_params, alone_updates)
+
+
+@pytest.mark.parametrize("piece, malformed", [
+    ("loss_fn", lambda split: split._replace(
+        loss_fn=lambda o: jnp.sum(o, axis=-1))),  # per example
+    ("loss_fn", lambda split: split._replace(
+        loss_fn=lambda o: split.loss_fn(o)[None])),  # shape (1,)
+    ("loss_fn", lambda split: split._replace(
+        loss_fn=lambda o: jnp.sum(o > 0))),  # integer
+    ("regularizer", lambda split: split._replace(
+        regularizer=lambda p: jnp.ones(3))),
+])
+def test_a_malformed_split_loss_is_named(piece, malformed):
+  # jax's own error ("Gradient only defined for scalar-output functions")
+  # named no piece of the SplitLoss.
+  params, batch, split, loss_fn = sigmoid_problem()
+  with pytest.raises(ValueError,
+                     match=f"SplitLoss.{piece} must return a floating scalar"):
+    run_steps(adaptive_tx(), params, batch, malformed(split), loss_fn, 1)

@@ -179,11 +179,24 @@ def _cross_products(left: Sequence[Any], right: Sequence[Any]) -> jax.Array:
       len(left), len(right))
 
 
+def _real_scalar(name: str, value: Any) -> jax.Array:
+  """``value``, checked at trace time to be what ``SplitLoss.name`` returns:
+  a floating scalar (jax's own error for a vector or an integer names no
+  piece of the ``SplitLoss``)."""
+  shape, dtype = np.shape(value), jnp.result_type(value)
+  if shape != () or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+        f"SplitLoss.{name} must return a floating scalar (reduce per-example "
+        f"values with .mean() or .sum()); got shape {shape}, dtype {dtype}.")
+  return value
+
+
 def loss_value(split_loss: SplitLoss, params: Any) -> jax.Array:
   """``loss_fn(outputs_fn(params)) + regularizer(params)`` (float32)."""
-  value = split_loss.loss_fn(split_loss.outputs_fn(params))
+  value = _real_scalar("loss_fn",
+                       split_loss.loss_fn(split_loss.outputs_fn(params)))
   if split_loss.regularizer is not None:
-    value = value + split_loss.regularizer(params)
+    value = value + _real_scalar("regularizer", split_loss.regularizer(params))
   return jnp.asarray(value, jnp.float32)
 
 
@@ -196,13 +209,16 @@ def curvature_products(split_loss: SplitLoss, params: Any,
   forward-over-reverse through ``loss_fn`` on the outputs only.
   """
   outputs, jacobian_product = jax.linearize(split_loss.outputs_fn, params)
-  loss = jnp.asarray(split_loss.loss_fn(outputs), jnp.float32)
+  loss = jnp.asarray(_real_scalar("loss_fn", split_loss.loss_fn(outputs)),
+                     jnp.float32)
   output_tangents = [jacobian_product(v) for v in vectors]
   _, hessian_product = jax.linearize(jax.grad(split_loss.loss_fn), outputs)
   curved = [hessian_product(t) for t in output_tangents]
   matrix = _cross_products(output_tangents, curved)
   if split_loss.regularizer is not None:
-    loss = loss + jnp.asarray(split_loss.regularizer(params), jnp.float32)
+    loss = loss + jnp.asarray(
+        _real_scalar("regularizer", split_loss.regularizer(params)),
+        jnp.float32)
     _, regularizer_hessian = jax.linearize(jax.grad(split_loss.regularizer),
                                            params)
     curved_params = [regularizer_hessian(v) for v in vectors]
