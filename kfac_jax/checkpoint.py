@@ -7,13 +7,17 @@
 with the sharding of the matching ``target`` leaf. The target is abstract, so a
 state saved on one mesh restores onto another mesh or onto one device::
 
-  abstract = jax.eval_shape(lambda: {"params": params,
+  with jax.set_mesh(mesh):
+    target = jax.eval_shape(lambda: {"params": params,
                                      "opt_state": tx.init(params)})
-  replicated = NamedSharding(mesh, PartitionSpec())
-  target = jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
-      abstract)
-  restored = kfac_jax.checkpoint.restore(path, target)
+    restored = kfac_jax.checkpoint.restore(path, target)
+
+On Explicit axes ``eval_shape`` gives every leaf its sharding (over the
+abstract mesh; ``restore`` places it on the mesh set then); leaves without
+one are restored replicated over the mesh set, or onto the default device
+when none is. ``get_opt_state_partition_specs`` gives the state's specs for
+an explicit target (a ``mesh_axes`` state's rows must be sharded over its
+axes on Explicit axes).
 
 ``save(..., include_preconditioners=False)`` leaves the eigenbases/inverses
 out: they are a function of the factors, and for a layer with ``dA`` inputs and
@@ -33,12 +37,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from kfac_jax.capture.layers import path_key_name
 from kfac_jax.factors.running import factor_dims
 from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
 from kfac_jax.transform import hyperparameters as hp
+from kfac_jax.transform import quadratic_model
 from kfac_jax.transform.hyperparameters import ComputeMethod, ScalarOrSchedule
+from kfac_jax.transform.quadratic_model import AdaptiveConfig
 from kfac_jax.transform.scale_by_kfac import (ScaleByKFACState,
                                               guarded_decomposition,
                                               make_placement)
@@ -104,17 +111,20 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
     target: the tree to restore into, e.g. ``jax.eval_shape`` of the saved
       tree, with the same structure, shapes and layers. Its leaves are
       ``jax.ShapeDtypeStruct``s or arrays; each restored array gets the leaf's
-      sharding (a leaf without one goes to the default device) and dtype
-      (values are cast when it is not the saved dtype; with the saved dtypes
-      the restore is bit for bit).
+      sharding and dtype (values are cast when it is not the saved dtype;
+      with the saved dtypes the restore is bit for bit). A sharding over an
+      abstract mesh is placed on the mesh set by ``jax.set_mesh``; a leaf
+      without one goes replicated over that mesh, or to the default device
+      when none is set.
 
   Returns:
     The restored tree. K-FAC states saved without preconditioners come back
     with ``preconditioners=None``.
 
   Raises:
-    ValueError: a K-FAC state of ``target`` has no saved counterpart at the
-      same place, or registers other layers than it (the message lists the
+    ValueError: a leaf is sharded over an abstract mesh other than the
+      mesh set (or none is set); a K-FAC state of ``target`` has no saved
+      counterpart at the same place, or registers other layers than it (the message lists the
       missing and the extra ones); an array has another shape than the saved
       one (the message lists them); Orbax's own ValueError when the rest of
       the structure disagrees.
@@ -139,7 +149,8 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
     # Checked here: Orbax notices a wrong shape only while reading, and leaves
     # its unfinished reads to be garbage-collected.
     _check_shapes(saved, target, directory)
-    return checkpointer.restore(directory, jax.tree.map(_abstract, target))
+    return checkpointer.restore(
+        directory, jax.tree_util.tree_map_with_path(_abstract, target))
 
 
 def recompute_preconditioners(
@@ -152,6 +163,7 @@ def recompute_preconditioners(
     grad_worker_fraction: DistributedStrategy | float = (
         DistributedStrategy.COMM_OPT),
     assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
+    adaptive: AdaptiveConfig | None = None,
 ) -> Any:
   """Decomposes the factors of every K-FAC state in ``tree`` again.
 
@@ -183,6 +195,10 @@ def recompute_preconditioners(
     mesh_axes: as in ``scale_by_kfac``.
     grad_worker_fraction: as in ``scale_by_kfac``.
     assignment_strategy: as in ``scale_by_kfac``.
+    adaptive: as in ``scale_by_kfac``: an adaptive state's λ is then clipped
+      into ``[min_damping, max_damping]`` first, as ``update`` clips it (a
+      corrupted or out-of-range λ; NaN becomes ``max_damping``). Without it
+      the state's λ is used as it is.
 
   Returns:
     ``tree`` with every K-FAC state's ``preconditioners`` (and
@@ -197,13 +213,19 @@ def recompute_preconditioners(
   @jax.jit
   def decompose_all(state: ScaleByKFACState) -> ScaleByKFACState:
     dims = factor_dims(state.factors)
-    adaptive = state.quadratic_model is not None
+    is_adaptive = state.quadratic_model is not None
+    if not is_adaptive:
+      damping = damping_fn(state.count)
+    elif adaptive is None:
+      damping = state.quadratic_model.damping
+    else:
+      damping = quadratic_model.clip_damping(state.quadratic_model.damping,
+                                             adaptive)
     preconditioners, rejected = guarded_decomposition(
         placement, dims, state.factors, placement.init(dims),
-        state.rejected_decompositions,
-        state.quadratic_model.damping if adaptive else damping_fn(state.count),
-        None if adaptive else hp.all_valid(state.count, damping_fn),
-        adaptive and method is ComputeMethod.INVERSE)
+        state.rejected_decompositions, damping,
+        None if is_adaptive else hp.all_valid(state.count, damping_fn),
+        is_adaptive and method is ComputeMethod.INVERSE)
     return state._replace(preconditioners=preconditioners,
                           rejected_decompositions=rejected)
 
@@ -211,11 +233,32 @@ def recompute_preconditioners(
                           "recompute_preconditioners")
 
 
-def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
-  """The restore spec of one target leaf; unsharded leaves go to one device."""
+def _abstract(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:
+  """The restore spec of one target leaf, on concrete devices.
+
+  Orbax places arrays on devices: a sharding over an abstract mesh (what
+  ``jax.eval_shape`` gives under ``jax.set_mesh`` with Explicit axes) is put
+  on the mesh set now. A leaf without a sharding goes replicated over that
+  mesh (a jitted step under it takes no array from outside it), or to the
+  default device when no mesh is set.
+  """
+  mesh = jax.sharding.get_mesh()
   sharding = getattr(leaf, "sharding", None)
   if sharding is None:
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                if mesh.empty else NamedSharding(mesh, PartitionSpec()))
+  elif isinstance(sharding, NamedSharding) and isinstance(
+      sharding.mesh, jax.sharding.AbstractMesh):
+    if mesh.empty or mesh.abstract_mesh != sharding.mesh:
+      raise ValueError(
+          f"checkpoint.restore: the target's {_describe(_key_path(path))} is "
+          f"sharded over an abstract mesh ({sharding.mesh}), as jax.eval_shape "
+          "gives it under jax.set_mesh, but "
+          + ("no mesh is set now" if mesh.empty else
+             f"the mesh set now is another ({mesh.abstract_mesh})")
+          + ". Call restore under `with jax.set_mesh(mesh):` of the mesh the "
+          "target was made under.")
+    sharding = NamedSharding(mesh, sharding.spec)
   return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
 
 
@@ -276,7 +319,13 @@ def _check_fields(path: _KeyPath, saved_state: Any, state: ScaleByKFACState,
         f"the checkpoint but not the target: {extra}. Restore onto a target "
         "made by tx.init of a transformation with the saved run's "
         "compute_method, compute_eigenvalue_outer_product, adaptive and "
-        "accumulation_steps.")
+        "accumulation_steps."
+        + ("" if not any(p.startswith("preconditioners")
+                         for p in missing + extra) else
+           " A state moves between mesh_axes (packed rows) and one device, or "
+           "between methods, by its factors: save with "
+           "include_preconditioners=False, then call "
+           "recompute_preconditioners under the new settings."))
 
 
 def _check_shapes(saved: Any, target: Any, directory: str) -> None:
