@@ -22,6 +22,8 @@ slice its params (an RNN cell broadcast over ``nnx.scan`` steps,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -121,64 +123,112 @@ def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
   the checks after the pass (an RNN cell broadcast over ``nnx.scan``
   steps is refused there).
   """
-  scope = (trace_check.scope if trace_check is not None else
-           lambda name: contextlib.nullcontext())
+  capture = _Capture(
+      hook, attended, outer_vmaps, trace_check,
+      trace_check.scope if trace_check is not None else
+      lambda name: contextlib.nullcontext())
   for path, module in nnx.iter_modules(model):
     if not isinstance(module, CAPTURED_MODULES) or layers.is_skipped_layer(
         path, type(module).__name__, skip):
       continue
-    cls = type(module)
     name = layers.layer_name(path)
-    # The Flax class whose call is the linear layer; a subclass may wrap it.
-    base = next(c for c in cls.__mro__ if c in CAPTURED_MODULES)
-    key = layers.EMBEDDING if issubclass(base, nnx.Embed) else layers.KERNEL
-    kernel_shape = tuple(getattr(module, key).shape)
-
-    def call(self, inputs, *args, _base=base, _name=name, _key=key,
-             _kernel_shape=kernel_shape, **kwargs):
-      with scope(_name):
-        outputs = _base.__call__(self, inputs, *args, **kwargs)
-      stack_ndim = _stack_ndim(_name, self, _kernel_shape,
-                               tuple(getattr(self, _key).shape))
-      signature = _signature(self, type(self).__name__, inputs, stack_ndim)
-      if signature is None:
-        return outputs
-      kernel = getattr(self, _key).get_value()
-      if (probes_lib.batch_traces(inputs) | probes_lib.batch_traces(outputs)
-         ) - probes_lib.batch_traces(kernel) - outer_vmaps:
-        raise ValueError(
-            f"value_grad_and_stats: NNX layer {_name!r} runs under a "
-            "jax.vmap (or nnx.vmap) inside the loss that maps its inputs but "
-            "broadcasts its params, so its captured inputs and cotangents "
-            "would be summed over the mapped axis. Apply it to the whole "
-            "batch (Flax layers take leading batch axes), vmap outside "
-            f"value_grad_and_stats, or {probes_lib.skip_advice(_name)}.")
-      if trace_check is not None:
-        trace_check.allow(_name, _kernel_shape[:stack_ndim], kernel,
-                          outer_vmaps)
-      return hook(_name, inputs, outputs, signature, self)
-
-    methods = {"__call__": call}
-    if issubclass(base, nnx.Embed):
-
-      def attend(self, query, *args, _name=name, **kwargs):
-        attended.add(_name)
-        return nnx.Embed.attend(self, query, *args, **kwargs)
-
-      methods["attend"] = attend
-    probed = type(base.__name__, (base,), methods)
-    # Between a subclass and its Flax class in the method order, so that a
-    # subclass overriding __call__ (2 * super().__call__(x)) is probed at
-    # the Flax call, the linear layer, not at its own output.
-    switched = (probed if cls is base else
-                type(cls.__name__, (cls, probed), {}))
+    key = (layers.EMBEDDING if isinstance(module, nnx.Embed) else
+           layers.KERNEL)
     # nnx.Module guards __setattr__; the copy may change class freely.
-    object.__setattr__(module, "__class__", switched)
+    object.__setattr__(module, "__class__", _probed_class(type(module)))
+    # Static (in the copy's graphdef), so a lifted transform's own copy of
+    # the module carries it too.
+    setattr(module, _CAPTURE, _LayerCapture(
+        name, key, tuple(getattr(module, key).shape), capture))
     if name in probes:
       # One Variable per array, so a loss reading every Param's value
       # (an L2 term over nnx.iter_graph) reads arrays.
       setattr(module, PROBES, nnx.List(
           [Probes(array) for pair in probes[name] for array in pair]))
+
+
+# The attribute holding a captured layer's ``_LayerCapture`` on the copy.
+_CAPTURE = "kfac_capture"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity
+class _Capture:
+  """One ``_instrument``'s hook and checks (see there)."""
+
+  hook: Hook
+  attended: set[str]
+  outer_vmaps: frozenset[int]
+  trace_check: probes_lib.TraceCheck | None
+  scope: Callable[[str], Any]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _LayerCapture:
+  """What a probed layer's call needs: its name, kernel and ``_Capture``."""
+
+  name: str
+  key: str
+  kernel_shape: tuple[int, ...]
+  capture: _Capture
+
+
+@functools.cache
+def _probed_class(cls: type[nnx.Module]) -> type[nnx.Module]:
+  """``cls`` with its Flax class's ``__call__`` (and ``attend``) routed
+  through the layer's ``_LayerCapture``.
+
+  One class per ``cls``, made once: every new ``nnx.Module`` subclass stays
+  in Flax's graph registry for good, so a class per call leaked.
+  """
+  # The Flax class whose call is the linear layer; a subclass may wrap it.
+  base = next(c for c in cls.__mro__ if c in CAPTURED_MODULES)
+
+  def call(self, inputs, *args, **kwargs):
+    return _captured_call(base, self, getattr(self, _CAPTURE), inputs, *args,
+                          **kwargs)
+
+  methods = {"__call__": call}
+  if issubclass(base, nnx.Embed):
+
+    def attend(self, query, *args, **kwargs):
+      layer = getattr(self, _CAPTURE)
+      layer.capture.attended.add(layer.name)
+      return nnx.Embed.attend(self, query, *args, **kwargs)
+
+    methods["attend"] = attend
+  probed = type(base.__name__, (base,), methods)
+  # Between a subclass and its Flax class in the method order, so that a
+  # subclass overriding __call__ (2 * super().__call__(x)) is probed at the
+  # Flax call, the linear layer, not at its own output.
+  return probed if cls is base else type(cls.__name__, (cls, probed), {})
+
+
+def _captured_call(base: type[nnx.Module], module: nnx.Module,
+                   layer: _LayerCapture, inputs: Any, *args: Any,
+                   **kwargs: Any) -> Any:
+  """``base.__call__`` of a probed layer, its outputs through the hook."""
+  capture, name = layer.capture, layer.name
+  with capture.scope(name):
+    outputs = base.__call__(module, inputs, *args, **kwargs)
+  stack_ndim = _stack_ndim(name, module, layer.kernel_shape,
+                           tuple(getattr(module, layer.key).shape))
+  signature = _signature(module, type(module).__name__, inputs, stack_ndim)
+  if signature is None:
+    return outputs
+  kernel = getattr(module, layer.key).get_value()
+  if (probes_lib.batch_traces(inputs) | probes_lib.batch_traces(outputs)
+     ) - probes_lib.batch_traces(kernel) - capture.outer_vmaps:
+    raise ValueError(
+        f"value_grad_and_stats: NNX layer {name!r} runs under a "
+        "jax.vmap (or nnx.vmap) inside the loss that maps its inputs but "
+        "broadcasts its params, so its captured inputs and cotangents "
+        "would be summed over the mapped axis. Apply it to the whole "
+        "batch (Flax layers take leading batch axes), vmap outside "
+        f"value_grad_and_stats, or {probes_lib.skip_advice(name)}.")
+  if capture.trace_check is not None:
+    capture.trace_check.allow(name, layer.kernel_shape[:stack_ndim], kernel,
+                              capture.outer_vmaps)
+  return capture.hook(name, inputs, outputs, signature, module)
 
 
 def _model_param(path: tuple[Any, ...], value: Any) -> bool:

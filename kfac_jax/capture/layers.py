@@ -310,7 +310,10 @@ def find_layers(params: Any,
     if missing:
       raise ValueError(
           f"The layer table has layers {missing} that the params lack. Trace "
-          "the table (kfac_jax.trace_layers) from the same model and params.")
+          "the table (kfac_jax.trace_layers) from the same model and params; "
+          "layers left out of the optimized params on purpose (frozen by "
+          "nnx.Optimizer's wrt filter, or a params subset) go in "
+          "skip_layers, given to trace_layers as well.")
   return layers
 
 
