@@ -133,3 +133,38 @@ def test_scale_by_kfac_takes_its_factors_from_the_subset():
 def test_bad_factor_batch_size_is_refused(value, error):
   with pytest.raises(error, match="factor_batch_size"):
     kfac_jax.scale_by_kfac(factor_batch_size=value)
+
+
+def test_a_shared_layers_call_with_zero_cotangents_in_the_subset_still_counts():
+  """A layer called twice whose second call's subset rows are padding (loss
+  weight 0) but which reaches the loss through its other rows: its A is
+  the sum of both calls' subset covariances (the subset's zero cotangents
+  were read as a call that never reaches the loss, and its A was dropped)."""
+
+  class Shared(nn.Module):
+
+    @nn.compact
+    def __call__(self, first, second):
+      dense = nn.Dense(3, name="shared")
+      return dense(first), dense(second)
+
+  rng = np.random.default_rng(0)
+  first, second = (jnp.asarray(rng.normal(size=(4, 5)), jnp.float32)
+                   for _ in range(2))
+  target = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)
+  padding = jnp.array([0.0, 1.0, 0.0, 1.0])  # the subset is rows 0 and 2
+  model = Shared()
+  params = model.init(jax.random.PRNGKey(0), first, second)["params"]
+
+  def loss_fn(p):
+    a, b = model.apply({"params": p}, first, second)
+    return jnp.mean(jnp.sum((a - target)**2, -1) +
+                    padding * jnp.sum((b - target)**2, -1))
+
+  _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  activation_factor, _ = batch_lib.batch_factors(stats["shared"], examples=2)
+  with_bias = lambda x: np.concatenate(
+      [np.asarray(x, np.float64)[[0, 2]], np.ones((2, 1))], 1)
+  expected = sum(with_bias(x).T @ with_bias(x) / 2 for x in (first, second))
+  np.testing.assert_allclose(activation_factor[0], expected, rtol=1e-5,
+                             atol=1e-6)

@@ -266,9 +266,14 @@ def batch_factors(stats: LayerStatistics, fisher_scaled: bool = False,
     # computed with the layer) gets zero cotangents, and its inputs come out
     # zeros (``probes.reveal_input``'s backward pass never runs): its bias
     # column, or token 0, would still enter A. Such a call adds nothing.
+    # Judged on all its rows: a subset can hold only zero-cotangent rows
+    # (padding) of a call that reaches the loss.
+    reached = rows if examples is None else [
+        _per_block(gradient_rows, g, signature)
+        for g in stats.output_cotangents]
     activations = [
         factor * jnp.any(g != 0, axis=(1, 2))[:, None, None].astype(
-            factor.dtype) for factor, g in zip(activations, rows)]
+            factor.dtype) for factor, g in zip(activations, reached)]
   return sum(activations), gradient_factor
 
 
