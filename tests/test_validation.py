@@ -298,3 +298,26 @@ def test_nnx_class_name_skip_with_the_table_does_not_warn():
     warnings.simplefilter("error")
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   assert not optimizer.opt_state.factors
+
+
+@pytest.mark.parametrize("other, names", [
+    (dict(compute_method="inverse"),
+     r"holds \['EigenPreconditioner'\].*makes \['InversePreconditioner'\].*"
+     "compute_method"),
+    (dict(inv_dtype=jnp.bfloat16),
+     r"stored as \['float32'\].*stores \['bfloat16'\].*inv_dtype"),
+    (dict(compute_eigenvalue_outer_product=False),
+     "compute_eigenvalue_outer_product"),
+])
+def test_a_state_of_another_configuration_names_what_differs(other, names):
+  # The message listed every possible cause instead of the one that differs.
+  model = nn.Dense(3)
+  x = jnp.ones((4, 5))
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x)**2)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  state = kfac_jax.scale_by_kfac().init(params)
+  with pytest.raises(ValueError, match="not the ones this transformation "
+                     f"makes: .*{names}"):
+    kfac_jax.scale_by_kfac(**other).update(grads, state, params,
+                                           kfac_stats=stats)

@@ -902,11 +902,33 @@ def _check_preconditioners(preconditioners: Any, expected: Any) -> None:
   if found != shapes_and_dtypes(expected):
     raise ValueError(
         "scale_by_kfac.update: the state's preconditioners are not the ones "
-        "this transformation makes (another compute_method, "
-        "compute_eigenvalue_outer_product, inv_dtype or distribution). Call "
+        "this transformation makes: "
+        f"{_difference(preconditioners, expected)}. Call "
         "kfac_jax.checkpoint.recompute_preconditioners(state, damping, ...) "
         "with this transformation's arguments, or build the transformation "
         "with the arguments the state was made with.")
+
+
+def _difference(found: Any, expected: Any) -> str:
+  """What differs between two preconditioner states (arrays or
+  ``ShapeDtypeStruct``s), and which argument would explain it."""
+
+  def kinds(tree: Any) -> list[str]:
+    nodes = tree.values() if isinstance(tree, Mapping) else [tree]
+    return sorted({type(node).__name__ for node in nodes})
+
+  if kinds(found) != kinds(expected):
+    return (f"the state holds {kinds(found)}, this transformation makes "
+            f"{kinds(expected)} (another compute_method, or mesh_axes)")
+  if jax.tree.structure(found) != jax.tree.structure(expected):
+    return ("other arrays of the same kind (another "
+            "compute_eigenvalue_outer_product)")
+  dtypes = lambda tree: sorted({str(x.dtype) for x in jax.tree.leaves(tree)})
+  if dtypes(found) != dtypes(expected):
+    return (f"stored as {dtypes(found)}, this transformation stores "
+            f"{dtypes(expected)} (another inv_dtype)")
+  return ("other shapes (another device count, grad_worker_fraction or "
+          "assignment_strategy)")
 
 
 def _check_split_loss(split_loss: SplitLoss | None, params: Any) -> None:
