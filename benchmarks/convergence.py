@@ -911,7 +911,11 @@ def parse_centers(values: Sequence[str]) -> dict[str, float]:
     if name not in CENTERS or not lr:
       raise SystemExit(f"--center {value!r}: use NAME=LR with NAME in "
                        f"{tuple(CENTERS)}.")
-    centers[name] = float(lr)
+    try:
+      centers[name] = float(lr)
+    except ValueError:
+      raise SystemExit(f"--center {value!r}: {lr!r} is not a learning "
+                       "rate.") from None
   return centers
 
 
@@ -1003,6 +1007,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       raise SystemExit(f"--{flag.replace('_', '-')} must be > 0.")
   if args.min_damping is not None and not args.min_damping > 0:
     raise SystemExit("--min-damping must be > 0.")
+  if args.resume is not None and not args.resume.is_file():
+    raise SystemExit(f"--resume {args.resume}: no such file.")
   if args.curvature_examples < 1:
     raise SystemExit("--curvature-examples must be >= 1.")
   if args.max_extensions < 0:

@@ -81,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--out", type=pathlib.Path, default=None,
                  help="optional JSON file")
   args = p.parse_args(argv)
+  if min(args.batch, args.repeats, *args.widths) < 1:
+    p.error("--batch, --repeats and every --widths must be >= 1")
   model = bench_common.Autoencoder(tuple(args.widths))
   key_data, key_init = jax.random.split(jax.random.PRNGKey(0))
   x = bench_common.random_images(key_data, args.batch,

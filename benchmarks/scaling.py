@@ -58,6 +58,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.smoke:
     args.devices, args.models = [1, 2], ["balanced"]
+  for n in args.devices:
+    # The batch is sharded over the n devices.
+    if n < 1 or args.batch % n:
+      p.error(f"--devices {n}: must be >= 1 and divide --batch {args.batch}")
   return args
 
 

@@ -3,10 +3,12 @@
 Trains an MLP whose params and activations are bfloat16
 (``param_dtype=dtype=bfloat16``; ``--dtype float32`` for a baseline), with
 bfloat16 Kronecker factors (``--factor-dtype``) and float32 decompositions,
-using ``kfac_jax.kfac`` (K-FAC + SGD with momentum; by default the K-FAC
-settings of examples/mnist_classifier.py) on the 8x8 digits of scikit-learn
-(``--dataset digits``, 1,797 images, no files needed) or on MNIST read from
-the IDX files in ``--data-dir`` (``--dataset mnist``).
+using ``kfac_jax.kfac`` (K-FAC + SGD with momentum; by default lr 0.1,
+momentum 0.9, damping 3e-3, kl_clip 1e-3, the eigen method) on the 8x8
+digits of scikit-learn (``--dataset digits``, 1,797 images, no files needed)
+or on MNIST's training images (``--dataset mnist``, found as the examples
+find it: ``$KFAC_JAX_DATA``, the shared data folder, or the copy in
+``examples/data``).
 
 After every step it checks that the loss, every parameter and every optimizer
 state leaf are finite. At the end it writes a JSON result to ``--out``: steps,
@@ -23,12 +25,10 @@ was non-finite and the final loss is below the initial one, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import pathlib
 import platform
-import struct
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -39,13 +39,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from sklearn.datasets import load_digits
 from tqdm import tqdm
 
 import kfac_jax
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-DEFAULT_MNIST_DIR = REPO_ROOT.parent / "shared" / "data" / "mnist"
+sys.path.insert(0, str(REPO_ROOT / "examples"))
+import datasets  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 class MLP(nn.Module):
@@ -63,28 +63,19 @@ class MLP(nn.Module):
     return nn.Dense(self.classes, dtype=self.dtype, param_dtype=self.dtype)(x)
 
 
-def load_dataset(name: str, data_dir: pathlib.Path) -> tuple[np.ndarray,
-                                                              np.ndarray]:
+def load_dataset(name: str) -> tuple[np.ndarray, np.ndarray]:
   """``(x [N, features] float32 in [0, 1], y [N] int32)``."""
   if name == "digits":
+    try:
+      from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      sys.exit("soak.py: --dataset digits needs scikit-learn (pip install "
+               "scikit-learn), or use --dataset mnist.")
     digits = load_digits()
     return ((digits.data / 16.0).astype(np.float32),
             digits.target.astype(np.int32))
-  images = _read_idx(data_dir / "train-images-idx3-ubyte.gz")
-  labels = _read_idx(data_dir / "train-labels-idx1-ubyte.gz")
-  return ((images.reshape(len(images), -1) / 255.0).astype(np.float32),
-          labels.astype(np.int32))
-
-
-def _read_idx(path: pathlib.Path) -> np.ndarray:
-  """A gzipped IDX file: 0, 0, type, ndim bytes; big-endian dims; uint8s."""
-  if not path.exists():
-    sys.exit(f"soak.py: {path} not found; pass --data-dir or --dataset digits.")
-  with gzip.open(path, "rb") as f:
-    raw = f.read()
-  ndim = raw[3]
-  shape = struct.unpack(">" + "I" * ndim, raw[4:4 + 4 * ndim])
-  return np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim).reshape(shape)
+  mnist = datasets.load_mnist()
+  return mnist.x_train, mnist.y_train
 
 
 def batches(x: np.ndarray, y: np.ndarray, batch_size: int,
@@ -121,29 +112,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       default=pathlib.Path("results"),
                       help="directory for the JSON result")
   parser.add_argument("--dataset", choices=("digits", "mnist"),
-                      default="digits")
-  parser.add_argument("--data-dir", type=pathlib.Path,
-                      default=DEFAULT_MNIST_DIR,
-                      help="folder of the MNIST IDX .gz files")
+                      default="digits",
+                      help="scikit-learn's 8x8 digits or MNIST's 60,000 "
+                      "training images")
   parser.add_argument("--widths", type=int, nargs="+", default=[128, 64],
                       help="hidden layer widths")
   parser.add_argument("--dtype", choices=("bfloat16", "float32"),
                       default="bfloat16", help="params and activations")
   parser.add_argument("--factor-dtype", choices=("bfloat16", "float32"),
                       default="bfloat16", help="Kronecker factor storage")
-  parser.add_argument("--batch-size", type=int, default=128)
-  parser.add_argument("--learning-rate", type=float, default=0.1)
+  parser.add_argument("--batch-size", type=int, default=128,
+                      help="examples per step")
+  parser.add_argument("--learning-rate", type=float, default=0.1,
+                      help="SGD learning rate (and K-FAC's, for the KL clip)")
   parser.add_argument("--momentum", type=float, default=0.9,
                       help="SGD momentum after K-FAC (0 for none)")
-  parser.add_argument("--damping", type=float, default=3e-3)
-  parser.add_argument("--kl-clip", type=float, default=1e-3)
-  parser.add_argument("--factor-decay", type=float, default=0.95)
-  parser.add_argument("--inv-update-steps", type=int, default=10)
+  parser.add_argument("--damping", type=float, default=3e-3,
+                      help="K-FAC damping λ")
+  parser.add_argument("--kl-clip", type=float, default=1e-3,
+                      help="K-FAC KL clip")
+  parser.add_argument("--factor-decay", type=float, default=0.95,
+                      help="running average decay of A and G")
+  parser.add_argument("--inv-update-steps", type=int, default=10,
+                      help="steps between decompositions")
   parser.add_argument("--compute-method", choices=("eigen", "inverse"),
                       default="eigen")
   parser.add_argument("--log-every", type=int, default=500,
                       help="record the full-dataset loss every this many steps")
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seed", type=int, default=0,
+                      help="init and data order")
   parser.add_argument("--no-progress", action="store_true",
                       help="no tqdm progress bar")
   args = parser.parse_args(argv)
@@ -154,7 +151,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
-  x, y = load_dataset(args.dataset, args.data_dir)
+  x, y = load_dataset(args.dataset)
   classes = int(y.max()) + 1
   model = MLP(tuple(args.widths), classes, jnp.dtype(args.dtype))
   params = model.init(jax.random.PRNGKey(args.seed), x[:1])["params"]

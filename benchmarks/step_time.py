@@ -94,7 +94,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       description=__doc__.split("\n\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--models", nargs="+", choices=ALL_MODELS, default=None,
-                 help="models to time (default: all; with --smoke: "
+                 help="models to time; None: all (with --smoke: "
                  "autoencoder only, to stay under 30 s)")
   p.add_argument("--batch-sizes", nargs="+", type=int, default=[256, 1024],
                  help="autoencoder batch sizes")
@@ -105,10 +105,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--resnet-width", type=int, default=1,
                  help="channel multiplier of the 16/32/64 stages")
   p.add_argument("--no-batch-norm", dest="batch_norm", action="store_false",
-                 help="ResNet without BatchNorm (convs get biases)")
+                 help="ResNet without BatchNorm (convs get biases); without "
+                 "the flag, BatchNorm is on: batch_norm=%(default)s")
   p.add_argument("--variants", nargs="+", choices=ALL_VARIANTS, default=None,
-                 help="optimizers to time; sgd is the baseline, keep it "
-                 "(default: all; with --smoke: all but adamw and kfac-eigen-gfs)")
+                 help="optimizers to time; sgd is the baseline, keep it. "
+                 "None: all (with --smoke: all but adamw and kfac-eigen-gfs)")
   p.add_argument("--kfac-revs", nargs="+", default=[], metavar="REV",
                  help="A/B in one run: also time every K-FAC variant with "
                  "kfac_jax as of these git revisions (named "
@@ -162,6 +163,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.error("--variants must include sgd (the baseline of every ratio)")
   if args.models is None:
     args.models = ["autoencoder"] if args.smoke else list(ALL_MODELS)
+  for flag in ("rounds", "steps_per_round", "resnet_batch", "resnet_depth",
+               "resnet_width", "inv_update_steps"):
+    if getattr(args, flag) < 1:
+      p.error(f"--{flag.replace('_', '-')} must be >= 1")
+  if args.warmup_steps < 0 or min(args.batch_sizes) < 1:
+    p.error("--warmup-steps must be >= 0 and every --batch-sizes >= 1")
+  for rev in args.kfac_revs:
+    if subprocess.run(["git", "rev-parse", "--verify", "--quiet",
+                       f"{rev}^{{commit}}"], cwd=HERE.parent,
+                      capture_output=True).returncode:
+      p.error(f"--kfac-revs: {rev!r} is not a commit of this repository")
+  if args.dm and not args.smoke and not (os.path.exists(args.dm_python) or
+                                         args.dm_create_venv):
+    # Checked now: the DeepMind run comes after all of ours (~15 min).
+    p.error(f"--dm: {args.dm_python} not found. Create it with "
+            f"{DM_VENV_COMMAND}, or pass --dm-create-venv or --dm-python.")
   if args.smoke:
     args.batch_sizes = [16]
     args.resnet_batch = 4

@@ -20,6 +20,7 @@ from all hosts' devices (README, "Several hosts").
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pathlib
 import sys
@@ -35,19 +36,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--devices", type=int, default=8,
                  help="simulated CPU devices (a single-host CPU run)")
   p.add_argument("--mesh-shape", type=int, nargs=2, default=[2, 4],
-                 metavar=("DATA", "FSDP"))
+                 metavar=("DATA", "FSDP"),
+                 help="the ('data', 'fsdp') mesh; its product must not "
+                 "exceed --devices")
   p.add_argument("--strategy", default="hybrid_opt",
-                 choices=["comm_opt", "hybrid_opt", "mem_opt"])
-  p.add_argument("--steps", type=int, default=300)
-  p.add_argument("--batch-size", type=int, default=256)
-  p.add_argument("--eval-size", type=int, default=10_000)
-  p.add_argument("--seed", type=int, default=0)
+                 choices=["comm_opt", "hybrid_opt", "mem_opt"],
+                 help="KAISA's distribution strategy over the whole mesh")
+  p.add_argument("--steps", type=int, default=300, help="training steps")
+  p.add_argument("--batch-size", type=int, default=256,
+                 help="global batch, a multiple of the mesh's devices")
+  p.add_argument("--eval-size", type=int, default=10_000,
+                 help="test images for the final accuracy")
+  p.add_argument("--seed", type=int, default=0, help="init and data order")
   p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"),
                  help="the results table is written to <out>/sharded_mnist.md")
   args = p.parse_args(argv)
   for flag in ("steps", "batch_size", "eval_size", "devices"):
     if getattr(args, flag) < 1:
       raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1.")
+  if min(args.mesh_shape) < 1 or math.prod(args.mesh_shape) > args.devices:
+    raise SystemExit(f"--mesh-shape {' '.join(map(str, args.mesh_shape))}: "
+                     f"needs {math.prod(args.mesh_shape)} devices, "
+                     f"--devices is {args.devices}.")
   return args
 
 
