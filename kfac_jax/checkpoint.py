@@ -40,6 +40,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kfac_jax.capture.layers import path_key_name
+from kfac_jax.distribution.placement import ShardedPreconditioners
 from kfac_jax.factors.running import factor_dims
 from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
 from kfac_jax.transform import hyperparameters as hp
@@ -118,8 +119,13 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
       when none is set.
 
   Returns:
-    The restored tree. K-FAC states saved without preconditioners come back
-    with ``preconditioners=None``.
+    The restored tree. K-FAC states saved without preconditioners, or whose
+    target has ``preconditioners=None`` (the saved ones are then not read),
+    come back with ``preconditioners=None``: ``recompute_preconditioners``
+    makes them, e.g. for another device count or strategy. Packed rows
+    saved before states had a ``layout_fingerprint`` come back with
+    fingerprint −1, which no layout has: the next ``update`` decomposes them
+    again.
 
   Raises:
     ValueError: a leaf is sharded over an abstract mesh other than the
@@ -132,25 +138,60 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
   directory = os.path.abspath(directory)
   with ocp.StandardCheckpointer() as checkpointer:
     saved = checkpointer.metadata(directory).item_metadata.tree
+  # Saved arrays the target leaves out: only preconditioners (read partially).
+  partial = False
+  # {path of a K-FAC state: its fingerprint's restore spec}, for rows saved
+  # before ShardedPreconditioners had a layout_fingerprint.
+  unfingerprinted = {}
 
-    def match_saved(path: _KeyPath,
-                    state: ScaleByKFACState) -> ScaleByKFACState:
-      saved_state = _saved_node(saved, path, directory)
-      _check_layers(path, set(state.factors),
-                    set(saved_state["factors"] or {}), directory)
-      # A state saved without preconditioners has None there; Orbax restores
-      # only onto a target of the saved structure.
-      if saved_state["preconditioners"] is None:
-        state = state._replace(preconditioners=None)
-      _check_fields(path, saved_state, state, directory)
+  def match_saved(path: _KeyPath,
+                  state: ScaleByKFACState) -> ScaleByKFACState:
+    nonlocal partial
+    saved_state = _saved_node(saved, path, directory)
+    _check_layers(path, set(state.factors),
+                  set(saved_state["factors"] or {}), directory)
+    saved_preconditioners = saved_state["preconditioners"]
+    # A state saved without preconditioners has None there; Orbax restores
+    # only onto a target of the saved structure.
+    if saved_preconditioners is None:
+      state = state._replace(preconditioners=None)
+    elif state.preconditioners is None:
+      partial = True  # Dropped: recompute_preconditioners makes them again.
+    elif isinstance(state.preconditioners, ShardedPreconditioners) and (
+        isinstance(saved_preconditioners, dict) and
+        "layout_fingerprint" not in saved_preconditioners):
+      partial = True
+      unfingerprinted[path] = _abstract(
+          path, state.preconditioners.layout_fingerprint)
+      state = state._replace(preconditioners=state.preconditioners._replace(
+          layout_fingerprint=None))
+    _check_fields(path, saved_state, state, directory)
+    return state
+
+  target = _map_kfac_states(match_saved, target)
+  # Checked here: Orbax notices a wrong shape only while reading, and leaves
+  # its unfinished reads to be garbage-collected.
+  _check_shapes(saved, target, directory)
+  target = jax.tree_util.tree_map_with_path(_abstract, target)
+  if not partial:
+    with ocp.StandardCheckpointer() as checkpointer:
+      return checkpointer.restore(directory, target)
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    restored = checkpointer.restore(directory, args=ocp.args.PyTreeRestore(
+        item=target,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True))
+
+  def stale_fingerprint(path: _KeyPath,
+                        state: ScaleByKFACState) -> ScaleByKFACState:
+    if path not in unfingerprinted:
       return state
+    # No layout fingerprint is negative: the next update decomposes them.
+    spec = unfingerprinted[path]
+    return state._replace(preconditioners=state.preconditioners._replace(
+        layout_fingerprint=jax.device_put(np.int32(-1), spec.sharding)))
 
-    target = _map_kfac_states(match_saved, target)
-    # Checked here: Orbax notices a wrong shape only while reading, and leaves
-    # its unfinished reads to be garbage-collected.
-    _check_shapes(saved, target, directory)
-    return checkpointer.restore(
-        directory, jax.tree_util.tree_map_with_path(_abstract, target))
+  return _map_kfac_states(stale_fingerprint, restored)
 
 
 def recompute_preconditioners(
@@ -308,6 +349,8 @@ def _check_fields(path: _KeyPath, saved_state: Any, state: ScaleByKFACState,
   saved_leaves = {_key_path(p)
                   for p, _ in jax.tree_util.tree_flatten_with_path(
                       saved_state)[0]}
+  if state.preconditioners is None:  # Not read (restore drops them).
+    saved_leaves = {p for p in saved_leaves if p[0] != "preconditioners"}
   target_leaves = {_key_path(p)
                    for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]}
   missing = sorted("/".join(p) for p in target_leaves - saved_leaves)
@@ -323,9 +366,9 @@ def _check_fields(path: _KeyPath, saved_state: Any, state: ScaleByKFACState,
         + ("" if not any(p.startswith("preconditioners")
                          for p in missing + extra) else
            " A state moves between mesh_axes (packed rows) and one device, or "
-           "between methods, by its factors: save with "
-           "include_preconditioners=False, then call "
-           "recompute_preconditioners under the new settings."))
+           "between methods, by its factors: restore onto a target with "
+           "preconditioners=None, then call recompute_preconditioners under "
+           "the new settings."))
 
 
 def _check_shapes(saved: Any, target: Any, directory: str) -> None:
@@ -347,8 +390,9 @@ def _check_shapes(saved: Any, target: Any, directory: str) -> None:
     # strategy; the factors do not.
     hint = ("" if not any("preconditioners/rows" in m for m in mismatched) else
             " A distributed state moves to another device count or strategy "
-            "by its factors: save with include_preconditioners=False, then "
-            "call recompute_preconditioners under the new mesh.")
+            "by its factors: restore onto a target with "
+            "preconditioners=None, then call recompute_preconditioners under "
+            "the new mesh.")
     raise ValueError(
         f"The checkpoint at {directory} has other shapes than the target: "
         f"{'; '.join(mismatched)}.{hint}")

@@ -482,7 +482,8 @@ def checkpoint(axis_type: AxisType) -> None:
   four = jax.make_mesh((4,), ("devices",), axis_types=(axis_type,),
                        devices=jax.devices()[4:])
   four_kwargs = dict(mesh_axes="devices", grad_worker_fraction="mem_opt")
-  # With its packed preconditioners the state cannot move: the error says how.
+  # Its packed preconditioners cannot move: the error says how, and a target
+  # without them reads the rest (a checkpoint saved with them, as by default).
   with_rows = tempfile.mkdtemp() + "/ckpt"
   checkpoint_lib.save(with_rows, state)
   with jax.set_mesh(four):
@@ -490,7 +491,13 @@ def checkpoint(axis_type: AxisType) -> None:
       checkpoint_lib.restore(with_rows, target_on(four, four_kwargs))
       raise AssertionError("restored 8 devices' rows onto 4")
     except ValueError as error:
-      assert "include_preconditioners=False" in str(error), error
+      assert "preconditioners=None" in str(error), error
+    dropped = checkpoint_lib.restore(
+        with_rows, target_on(four, four_kwargs)._replace(preconditioners=None))
+    assert dropped.preconditioners is None
+    dropped = checkpoint_lib.recompute_preconditioners(dropped, 0.01,
+                                                       **four_kwargs)
+    dropped_layers = per_layer(dropped, four_kwargs)
   moved, moved_layers = restored_on(four, four_kwargs)
   one = jax.make_mesh((1,), ("devices",), axis_types=(axis_type,),
                       devices=jax.devices()[:1])
@@ -500,9 +507,10 @@ def checkpoint(axis_type: AxisType) -> None:
                   jax.tree.leaves(state.factors)):
     assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
   for name in reference_layers:
-    for x, y in zip(comparable(moved_layers[name]),
-                    comparable(reference_layers[name])):
-      np.testing.assert_allclose(x, y, **TOLERANCE, err_msg=name)
+    for layers in (moved_layers, dropped_layers):
+      for x, y in zip(comparable(layers[name]),
+                      comparable(reference_layers[name])):
+        np.testing.assert_allclose(x, y, **TOLERANCE, err_msg=name)
 
 
 class FlippedCosts(nn.Module):

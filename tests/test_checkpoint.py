@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -251,7 +252,7 @@ def test_restoring_another_configuration_names_the_arrays(tmp_path):
       r"opt_state/0.*missing from the checkpoint: "
       r"\['preconditioners/head/damped_inverse', "
       r"'preconditioners/hidden/damped_inverse'\].*"
-      "compute_eigenvalue_outer_product.*include_preconditioners=False")):
+      "compute_eigenvalue_outer_product.*preconditioners=None")):
     checkpoint.restore(tmp_path / "ckpt", target)
 
 
@@ -489,3 +490,41 @@ def test_nnx_model_and_optimizer_resume_bit_exact(tmp_path):
                    nnx.pure(nnx.state(model)))
   assert_bit_exact(nnx.pure(resumed_optimizer.opt_state),
                    nnx.pure(optimizer.opt_state))
+
+
+class _UnfingerprintedRows(NamedTuple):
+  """``ShardedPreconditioners`` as saved before its ``layout_fingerprint``."""
+
+  rows: jax.Array
+
+
+def test_rows_saved_without_a_layout_fingerprint_are_decomposed_again(
+    tmp_path):
+  """Packed rows from a checkpoint of an earlier version (no fingerprint)
+  restore with fingerprint −1, which no layout has: the next update (no
+  decomposition step) equals a decomposition step of the recomputed state.
+  They did not restore at all; the advice was to re-save them."""
+  mesh = jax.make_mesh((1,), ("devices",))
+  with jax.set_mesh(mesh):
+    params, tx, step = make_training(mesh_axes="devices", inv_update_steps=2)
+    data = batches()
+    params, opt_state = train(step, params, tx.init(params), data, 3)
+    kfac_state = opt_state[0]
+    old = (kfac_state._replace(preconditioners=_UnfingerprintedRows(
+        kfac_state.preconditioners.rows)),) + tuple(opt_state[1:])
+    checkpoint.save(tmp_path / "ckpt", {"params": params, "opt_state": old})
+    restored = checkpoint.restore(tmp_path / "ckpt", jax.eval_shape(
+        lambda: {"params": params, "opt_state": tx.init(params)}))
+    preconditioners = restored["opt_state"][0].preconditioners
+    assert int(preconditioners.layout_fingerprint) == -1
+    assert_bit_exact(preconditioners.rows, kfac_state.preconditioners.rows)
+
+    x, y = next(data)
+    _, reference_step = make_training(mesh_axes="devices",
+                                      inv_update_steps=1)[1:]
+    recomputed = checkpoint.recompute_preconditioners(
+        restored["opt_state"], DAMPING, mesh_axes="devices")
+    for a, b in zip(
+        jax.tree.leaves(step(params, restored["opt_state"], x, y)),
+        jax.tree.leaves(reference_step(params, recomputed, x, y))):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
