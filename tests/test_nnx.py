@@ -272,12 +272,16 @@ def test_a_layer_under_remat_jit_or_cond_is_captured_as_called_plainly(
                              batch_factors(plain_stats[name])):
       np.testing.assert_allclose(got[0], expected[0], rtol=1e-6, atol=1e-7)
   tx = kfac_jax.scale_by_kfac(damping=0.01, layers=table)
+  grads, plain_grads = nnx.pure(grads), nnx.pure(plain_grads)
   updates, _ = tx.update(grads, tx.init(grads), kfac_stats=stats)
   plain_updates, _ = tx.update(plain_grads, tx.init(plain_grads),
                                kfac_stats=plain_stats)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
                                                        atol=1e-7),
                nnx.to_pure_dict(updates), nnx.to_pure_dict(plain_updates))
+  # Preconditioned (with Variable leaves the update was the gradient).
+  assert not np.allclose(updates["dense"]["kernel"],
+                         grads["dense"]["kernel"])
 
 
 
@@ -514,6 +518,7 @@ def test_nnx_scan_over_stacked_layers_matches_the_unrolled_layers():
           atol=1e-7)
 
   tx = lambda table: kfac_jax.scale_by_kfac(damping=0.01, layers=table)
+  grads, unrolled_grads = nnx.pure(grads), nnx.pure(unrolled_grads)
   updates, _ = tx(table).update(grads, tx(table).init(grads), kfac_stats=stats)
   unrolled_table = kfac_jax.trace_layers(loss_fn, unrolled, x)
   unrolled_updates, _ = tx(unrolled_table).update(
@@ -528,6 +533,9 @@ def test_nnx_scan_over_stacked_layers_matches_the_unrolled_layers():
                  unrolled_updates["blocks"][i]["lin"])
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4),
                updates["head"], unrolled_updates["head"])
+  # Preconditioned (with Variable leaves the update was the gradient).
+  assert not np.allclose(updates["head"]["kernel"],
+                         nnx.to_pure_dict(grads)["head"]["kernel"])
 
 
 def test_nnx_scan_over_layers_applied_twice_records_two_calls():
@@ -784,3 +792,21 @@ def test_layers_frozen_by_the_optimizers_wrt_filter_go_in_skip_layers():
       "blocks/0", "blocks/1", "conv[0]", "conv[1]", "heads"]
   jax.tree.map(np.testing.assert_array_equal, nnx.state(
       model, nnx.PathContains("hidden")), frozen)
+
+
+def test_variable_gradients_passed_to_update_directly_are_refused():
+  """tx.update given nnx.state(...) as it is (Variables, not nnx.pure)
+  returned every K-FAC layer's gradient unpreconditioned, silently: the
+  leaves sit under a '.value' key, off the layers' names."""
+  model, (x, target) = NnxModel(nnx.Rngs(0)), _data()
+  tx = kfac_jax.scale_by_kfac(damping=0.01, layers=kfac_jax.trace_layers(
+      _nnx_loss, model, x, target))
+  params = nnx.state(model, nnx.Param)
+  state = tx.init(params)  # as nnx.Optimizer's init gets them: accepted
+  _, grads, stats = kfac_jax.value_grad_and_stats(_nnx_loss)(model, x, target)
+  with pytest.raises(ValueError, match="are an NNX Param.*nnx.pure"):
+    tx.update(grads, state, params, kfac_stats=stats)
+  updates, _ = tx.update(nnx.pure(grads), state, nnx.pure(params),
+                         kfac_stats=stats)
+  assert not np.allclose(updates["hidden"]["kernel"],
+                         nnx.pure(grads)["hidden"]["kernel"])

@@ -539,6 +539,7 @@ def scale_by_kfac(
       **extra_args: Any,
   ) -> tuple[Any, ScaleByKFACState]:
     del extra_args
+    _check_no_variables(updates)
     if adaptive is not None:
       _check_split_loss(split_loss, params)
     layers = find_layers(updates)
@@ -929,6 +930,26 @@ def _difference(found: Any, expected: Any) -> str:
             f"{dtypes(expected)} (another inv_dtype)")
   return ("other shapes (another device count, grad_worker_fraction or "
           "assignment_strategy)")
+
+
+def _check_no_variables(updates: Any) -> None:
+  """Refuses Flax NNX ``Variable`` leaves (``nnx.state(model)`` as it is).
+
+  jax flattens a ``Variable`` to its value under a ``.value`` key, so each
+  layer's gradient sat at another path than its name, and the update came
+  out unpreconditioned, silently. (``nnx.Optimizer`` passes bare arrays.)
+  """
+  is_variable = lambda node: hasattr(node, "get_value") and hasattr(
+      node, "set_value")
+  for path, leaf in jax.tree_util.tree_flatten_with_path(
+      updates, is_leaf=is_variable)[0]:
+    if is_variable(leaf):
+      raise ValueError(
+          "scale_by_kfac.update: the gradients at "
+          f"{layers_lib.layer_name(tuple(map(layers_lib.path_key_name, path)))} "
+          f"are an NNX {type(leaf).__name__}, not an array. Pass "
+          "nnx.pure(...) of the NNX state (nnx.Optimizer.update(model, grads, "
+          "kfac_stats=stats) does so).")
 
 
 def _check_split_loss(split_loss: SplitLoss | None, params: Any) -> None:
