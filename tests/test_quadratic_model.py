@@ -84,7 +84,8 @@ def flat64(tree) -> np.ndarray:
 def test_curvature_products_match_the_dense_gauss_newton_matrix():
   params, _, split, _ = sigmoid_problem()
   vectors = [random_like(params, 1), random_like(params, 2)]
-  loss, matrix = quadratic_model.curvature_products(split, params, vectors)
+  loss, matrix, gradient_products = quadratic_model.curvature_products(
+      split, params, vectors)
   dense = dense_gauss_newton(split, params)
   flat = np.stack([flat64(v) for v in vectors])
   np.testing.assert_allclose(np.asarray(matrix), flat @ dense @ flat.T,
@@ -92,6 +93,35 @@ def test_curvature_products_match_the_dense_gauss_newton_matrix():
   np.testing.assert_allclose(float(loss),
                              float(quadratic_model.loss_value(split, params)),
                              rtol=1e-6)
+  gradient = flat64(jax.grad(lambda p: quadratic_model.loss_value(split, p))(
+      params))
+  np.testing.assert_allclose(np.asarray(gradient_products), flat @ gradient,
+                             rtol=1e-5)
+
+
+def test_a_curvature_mini_batch_measures_rho_on_the_whole_batchs_gradient():
+  # With the SplitLoss on part of the batch, ρ divided the part's loss
+  # change by the model of the whole batch's gradient: for a tiny step
+  # ρ → ∇_partᵀv / ∇ᵀv (anything, even negative), not 1, and λ moved on
+  # that alone.
+  params, (x, y), _, loss_fn = sigmoid_problem()
+  model = MLP()
+  part = kfac_jax.SplitLoss(
+      lambda p: model.apply({"params": p}, x[:4]),
+      lambda logits: optax.sigmoid_binary_cross_entropy(
+          logits, y[:4]).sum(-1).mean(),
+      lambda p: L2 * 0.5 * sum(jnp.vdot(v, v) for v in jax.tree.leaves(p)))
+  # A large λ: a tiny step, which the quadratic model predicts closely.
+  tx = adaptive_tx(damping=500.0)
+  _, state, history = run_steps(tx, params, (x, y), part, loss_fn, 1)
+  update, grads = history[0][2], history[0][3]
+  part_gradient = jax.grad(lambda p: quadratic_model.loss_value(part, p))(
+      params)
+  old_ratio = float(optax.tree.vdot(part_gradient, update) /
+                    optax.tree.vdot(grads, update))
+  assert abs(old_ratio - 1) > 0.1, old_ratio  # the test tells them apart
+  np.testing.assert_allclose(float(state.quadratic_model.reduction_ratio), 1.0,
+                             atol=0.02)
 
 
 def test_step_sizes_minimise_the_two_dimensional_model():

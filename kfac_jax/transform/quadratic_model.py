@@ -200,30 +200,37 @@ def loss_value(split_loss: SplitLoss, params: Any) -> jax.Array:
   return jnp.asarray(value, jnp.float32)
 
 
-def curvature_products(split_loss: SplitLoss, params: Any,
-                       vectors: Sequence[Any]) -> tuple[jax.Array, jax.Array]:
-  """The batch loss and ``[vᵢᵀ C vⱼ]`` (``[k, k]``) for the k ``vectors``.
+def curvature_products(
+    split_loss: SplitLoss, params: Any, vectors: Sequence[Any]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The batch loss, ``[vᵢᵀ C vⱼ]`` (``[k, k]``) and ``[∇ᵀvᵢ]`` (``[k]``) of
+  the ``SplitLoss`` for the k ``vectors``.
 
   ``C = Jᵀ H J + ∇²regularizer``: ``J vᵢ`` by forward mode through
   ``outputs_fn`` (one linearisation, k cheap applications), ``H (J vⱼ)`` by
-  forward-over-reverse through ``loss_fn`` on the outputs only.
+  forward-over-reverse through ``loss_fn`` on the outputs only, whose primal
+  output gives ``∇ᵀvᵢ = ∇loss_fn · J vᵢ`` (plus the regularizer's) for free.
   """
   outputs, jacobian_product = jax.linearize(split_loss.outputs_fn, params)
   loss = jnp.asarray(_real_scalar("loss_fn", split_loss.loss_fn(outputs)),
                      jnp.float32)
   output_tangents = [jacobian_product(v) for v in vectors]
-  _, hessian_product = jax.linearize(jax.grad(split_loss.loss_fn), outputs)
+  output_gradient, hessian_product = jax.linearize(
+      jax.grad(split_loss.loss_fn), outputs)
   curved = [hessian_product(t) for t in output_tangents]
   matrix = _cross_products(output_tangents, curved)
+  gradient_products = _cross_products([output_gradient], output_tangents)[0]
   if split_loss.regularizer is not None:
     loss = loss + jnp.asarray(
         _real_scalar("regularizer", split_loss.regularizer(params)),
         jnp.float32)
-    _, regularizer_hessian = jax.linearize(jax.grad(split_loss.regularizer),
-                                           params)
+    regularizer_gradient, regularizer_hessian = jax.linearize(
+        jax.grad(split_loss.regularizer), params)
     curved_params = [regularizer_hessian(v) for v in vectors]
     matrix = matrix + _cross_products(vectors, curved_params)
-  return loss, (matrix + matrix.T) / 2
+    gradient_products = gradient_products + _cross_products(
+        [regularizer_gradient], vectors)[0]
+  return loss, (matrix + matrix.T) / 2, gradient_products
 
 
 def solve_step_sizes(curvature: jax.Array, inner_products: jax.Array,
@@ -309,8 +316,10 @@ def step(state: QuadraticModelState, direction: Any, gradients: Any,
   # Without momentum δ's products are not needed: zeros in their place.
   vectors = (direction, previous) if config.use_momentum else (direction,)
   padding = [(0, 2 - len(vectors))]
-  loss, curvature = curvature_products(split_loss, params, vectors)
+  loss, curvature, split_gradient_products = curvature_products(
+      split_loss, params, vectors)
   curvature = jnp.pad(curvature, padding * 2)
+  split_gradient_products = jnp.pad(split_gradient_products, padding)
   # [gradients, *vectors]ᵀ vectors: the first row gives ∇ᵀvⱼ, the rest vᵢᵀvⱼ.
   products = _cross_products((gradients, *vectors), vectors)
   inner_products = jnp.pad(products[1:], padding * 2)
@@ -331,10 +340,17 @@ def step(state: QuadraticModelState, direction: Any, gradients: Any,
   def measured_ratio():
     new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params,
                               update)
+    # The model's linear term is the passed gradients' (the whole batch);
+    # the SplitLoss may cover part of it (a curvature mini-batch), whose own
+    # change also moves with its own linear term, ∇_splitᵀv ≠ ∇ᵀv. Its
+    # change less that term estimates the higher-order change; the whole
+    # batch's ∇ᵀv completes it (M&G measure ρ on the gradient's batch).
+    # With the SplitLoss on the whole batch the two terms cancel.
+    change = loss_value(split_loss, new_params) - loss + (
+        gradient_products - split_gradient_products) @ coefficients
     # predicted < 0 whenever the solve found a descent step; 0 when it
     # found none, in which case ρ is left NaN and λ grows.
-    return (loss_value(split_loss, new_params) - loss) / jnp.where(
-        predicted < 0, predicted, jnp.nan)
+    return change / jnp.where(predicted < 0, predicted, jnp.nan)
 
   ratio = jax.lax.cond(adapt & ok, measured_ratio,
                        lambda: state.reduction_ratio)
