@@ -4,11 +4,13 @@ Each optimizer trains each task for a fixed budget of *training* seconds
 (compilation and evaluation excluded; the clock stops while the objective is
 evaluated). The race has two phases:
 
-1. **Sweep.** Every optimizer tries the same three-point learning-rate grid,
-   ``center × (1/3, 1, 3)`` around its customary rate (``CENTERS``), with seed
-   0 and the sweep budget; when an edge of the grid wins, the grid grows past
-   it by factors of 3 (``--max-extensions``). The rate with the best final
-   metric wins.
+1. **Sweep.** Every optimizer tries the same three-point grid of its one
+   swept setting, ``center × (1/3, 1, 3)`` around its customary value
+   (``CENTERS``), with seed 0 and the sweep budget; when an edge of the grid
+   wins, the grid grows past it by factors of 3 (``--max-extensions``). The
+   value with the best final metric wins. The swept setting is the learning
+   rate, except for ``kfac_adaptive``, which has none: its initial damping
+   λ₀ (``lr`` in the JSON and tables holds it).
 2. **Final.** Each optimizer's winning rate runs with every seed and the full
    budget.
 
@@ -46,7 +48,9 @@ and damping from the exact quadratic model, with DeepMind kfac-jax's
 autoencoder-example settings, ``KFAC_ADAPTIVE_SETTINGS``, except for λ's
 floor: the library's ``AdaptiveConfig`` default, 1e-4, where the example has
 1e-5, ``--min-damping``; each run records λ, α, μ and ρ per step). Having no learning
-rate, ``kfac_adaptive`` is not swept. Its quadratic model is computed on the
+rate, ``kfac_adaptive`` is swept over its initial damping λ₀ (the example's
+150 the center): λ then moves by at most a factor 0.95⁵ every 5 steps, so λ₀
+sets the step sizes of the first ~100 steps. Its quadratic model is computed on the
 first ``--curvature-examples`` of each batch (default 250: a quarter of the
 autoencoder's batch, all of the others'), Martens' curvature mini-batch. Its
 Kronecker factors come from as many evenly spaced examples of the whole
@@ -111,11 +115,14 @@ import shakespeare_transformer  # pylint: disable=g-import-not-at-top,wrong-impo
 
 OPTIMIZERS = ("sgd", "adam", "muon", "kron", "kfac", "kfac_adaptive")
 FIRST_ORDER = ("sgd", "adam", "muon", "kron")
-NO_LEARNING_RATE = ("kfac_adaptive",)
 KFAC_OPTIMIZERS = ("kfac", "kfac_adaptive")
-# Each optimizer's customary learning rate; the sweep is center × LR_GRID.
+# The optimizer whose swept setting is the initial damping λ₀ (it has no
+# learning rate), not a learning rate.
+SWEPT_DAMPING = "kfac_adaptive"
+# Each optimizer's customary learning rate (kfac_adaptive: λ₀, that of
+# KFAC_ADAPTIVE_SETTINGS, below); the sweep is center × LR_GRID.
 CENTERS = {"sgd": 1e-2, "adam": 1e-3, "muon": 1e-2, "kron": 3e-4,
-           "kfac": 0.1}
+           "kfac": 0.1, "kfac_adaptive": 150.0}
 LR_GRID = (1 / 3, 1.0, 3.0)
 EXTENSION_FACTOR = 3.0  # beyond a winning edge of the grid
 MUON_ADAM_LR = 1e-3
@@ -136,13 +143,14 @@ KFAC_SETTINGS = {
                         factor_decay=0.95, factor_update_steps=1,
                         inv_update_steps=10),
 }
-# DeepMind kfac-jax's examples/autoencoder_mnist settings (initial damping
-# 150, adapted every 5 steps by 0.95^5 within [1e-5, 1000], inverses every 5
-# steps, factor decay 0.95), used for every task. The inverse method (with
-# π-split damping in this mode) costs less per step than the eigen method.
+# DeepMind kfac-jax's examples/autoencoder_mnist settings (damping adapted
+# every 5 steps by 0.95^5 within [1e-5, 1000], inverses every 5 steps, factor
+# decay 0.95), used for every task; its initial damping, 150, is the center
+# of kfac_adaptive's sweep (CENTERS). The inverse method (with π-split
+# damping in this mode) costs less per step than the eigen method.
 KFAC_ADAPTIVE_SETTINGS = dict(
-    compute_method="inverse", damping=150.0, factor_decay=0.95,
-    factor_update_steps=1, inv_update_steps=5, kl_clip=None)
+    compute_method="inverse", factor_decay=0.95, factor_update_steps=1,
+    inv_update_steps=5, kl_clip=None)
 BUDGETS = {"autoencoder": 420.0, "cifar": 300.0, "shakespeare": 300.0}
 # The autoencoder objective's L2 coefficient (the issue's 1e-5·½‖θ‖²).
 AUTOENCODER_WEIGHT_DECAY = 1e-5
@@ -392,12 +400,13 @@ def kfac_dtypes(inv_dtype: str) -> dict[str, Any]:
   return dict(inv_dtype=jnp.dtype(inv_dtype))
 
 
-def build_optimizer(name: str, lr: float | None, task: Task,
+def build_optimizer(name: str, lr: float, task: Task,
                     curvature: str = "batch",
                     curvature_examples: int | None = None,
                     min_damping: float | None = None,
                     inv_dtype: str = "float32") -> common.Optimizer:
-  """One contestant at learning rate ``lr`` (None for ``NO_LEARNING_RATE``).
+  """One contestant at its swept value ``lr``: the learning rate, or
+  ``kfac_adaptive``'s initial damping λ₀.
 
   ``curvature``: ``kfac_adaptive``'s factor statistics (``--curvature``);
   with ``"subset"``, from ``curvature_examples`` of each batch.
@@ -433,8 +442,9 @@ def build_optimizer(name: str, lr: float | None, task: Task,
         uses_kfac=True,
         description=f"kfac_jax.kfac(lr={lr:g}, momentum=0.9, " + ", ".join(
             f"{k}={v!r}" for k, v in settings.items()) + ")")
-  if name == "kfac_adaptive":
-    settings = dict(KFAC_ADAPTIVE_SETTINGS, **kfac_dtypes(inv_dtype))
+  if name == SWEPT_DAMPING:
+    settings = dict(KFAC_ADAPTIVE_SETTINGS, damping=lr,
+                    **kfac_dtypes(inv_dtype))
     if curvature == "subset":
       settings["factor_batch_size"] = curvature_examples
     adaptive = adaptive_config(min_damping)
@@ -715,7 +725,7 @@ class Race:
       optimizer = build_optimizer(name, lr, task, self.args.curvature,
                                   self.args.curvature_examples,
                                   self.args.min_damping, inv_dtype)
-      label = f"{task.name} {phase} {name} lr={format_lr(lr)} seed={seed}"
+      label = f"{task.name} {phase} {name} {format_lr(name, lr)} seed={seed}"
       record = train_run(task, optimizer, seed, budget, self.args.eval_every,
                          self.args.max_steps, not self.args.no_progress, label,
                          self.args.curvature_examples, self.args.curvature)
@@ -734,8 +744,9 @@ class Race:
     return record
 
 
-def format_lr(lr: float | None) -> str:
-  return "adaptive" if lr is None else f"{lr:.3g}"
+def format_lr(name: str, lr: float) -> str:
+  """``name``'s swept value as the tables and labels show it."""
+  return f"λ₀={lr:.3g}" if name == SWEPT_DAMPING else f"lr={lr:.3g}"
 
 
 def rounded(lr: float) -> float:
@@ -744,7 +755,8 @@ def rounded(lr: float) -> float:
 
 def sweep(task: Task, name: str, args: argparse.Namespace, race: Race,
           budget: float) -> tuple[float, dict[float, float]]:
-  """The best rate of ``center × LR_GRID``, and every rate's final metric.
+  """The best value of ``center × LR_GRID`` (``name``'s learning rate, or
+  λ₀), and every value's final metric.
 
   When the best rate is at an edge of the rates tried, the grid grows by one
   more factor of 3 past that edge, up to ``args.max_extensions`` times, so
@@ -785,9 +797,6 @@ def race_task(task: Task, args: argparse.Namespace, race: Race
                   budget)
   best_lr, sweeps = {}, {}
   for name in args.optimizers:
-    if name in NO_LEARNING_RATE:
-      best_lr[name] = None
-      continue
     if args.no_sweep:
       best_lr[name] = args.center.get(name, CENTERS[name])
       continue
@@ -829,7 +838,7 @@ def summary_table(result: dict[str, Any]) -> str:
   base_seconds = None
   if result["target_name"] is not None:
     base_seconds = median_reach(reach[result["target_name"]], 1)
-  header = ("| optimizer | lr | final " + task.metric + " (median; min–max) "
+  header = ("| optimizer | lr or λ₀ | final " + task.metric + " (median; min–max) "
             "| reached target | steps to target (median) | seconds to target "
             "(median) | "
             "× best baseline's seconds | ms/step | compile s |")
@@ -845,7 +854,7 @@ def summary_table(result: dict[str, Any]) -> str:
     spread = (f" ({min(values):.4g}–{max(values):.4g})" if len(values) > 1
               else "")
     lines.append(
-        f"| {name} | {format_lr(result['best_lr'][name])} | "
+        f"| {name} | {format_lr(name, result['best_lr'][name])} | "
         f"{np.median(values):.4g}{spread} | {len(hits)}/{len(runs)} | {steps} "
         f"| {'—' if seconds is None else f'{seconds:.0f}'} | {ratio} | "
         f"{np.median([r['ms_per_step'] for r in runs]):.0f} | "
@@ -856,7 +865,8 @@ def summary_table(result: dict[str, Any]) -> str:
 def sweep_table(result: dict[str, Any]) -> str:
   if not result["sweep"]:
     return "(no sweep)"
-  lines = ["| optimizer | learning rate: final metric | best |",
+  lines = ["| optimizer | learning rate (kfac_adaptive: λ₀): final metric "
+           "| best |",
            "|---|---|---:|"]
   for name, finals in result["sweep"].items():
     cells = ", ".join(f"{lr:g}: {value:.4g}" for lr, value in finals.items())
@@ -876,7 +886,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     color = f"C{i}"
     for j, run in enumerate(runs):
       points = [p for p in run["curve"] if math.isfinite(p["metric"])]
-      label = (f"{name} (lr {format_lr(result['best_lr'][name])})"
+      label = (f"{name} ({format_lr(name, result['best_lr'][name])})"
                if j == 0 else None)
       for ax, x in ((ax_step, "step"), (ax_time, "seconds")):
         ax.plot([p[x] for p in points], [p["metric"] for p in points],
@@ -909,13 +919,14 @@ def parse_centers(values: Sequence[str]) -> dict[str, float]:
   for value in values:
     name, _, lr = value.partition("=")
     if name not in CENTERS or not lr:
-      raise SystemExit(f"--center {value!r}: use NAME=LR with NAME in "
+      raise SystemExit(f"--center {value!r}: use NAME=VALUE (the learning "
+                       f"rate, kfac_adaptive's λ₀) with NAME in "
                        f"{tuple(CENTERS)}.")
     try:
       centers[name] = float(lr)
     except ValueError:
-      raise SystemExit(f"--center {value!r}: {lr!r} is not a learning "
-                       "rate.") from None
+      raise SystemExit(f"--center {value!r}: {lr!r} is not a "
+                       "number.") from None
   return centers
 
 
@@ -939,12 +950,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       "budget)")
   parser.add_argument("--no-sweep", action="store_true",
                       help="skip the sweep: every optimizer runs at its "
-                      "center rate")
+                      "center (learning rate, or kfac_adaptive's λ₀)")
   parser.add_argument("--max-extensions", type=int, default=2,
                       help="times the sweep may grow past a winning edge of "
                       "its grid")
   parser.add_argument("--center", nargs="*", default=[],
-                      help="override sweep centers, e.g. kfac=0.3 adam=1e-3")
+                      help="override sweep centers, e.g. kfac=0.3 adam=1e-3 "
+                      "kfac_adaptive=15 (its λ₀)")
   parser.add_argument("--eval-every", type=float, default=10.0,
                       help="training seconds between evaluations")
   parser.add_argument("--targets", nargs="*", type=float, default=[],

@@ -65,7 +65,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_common  # pylint: disable=g-import-not-at-top,wrong-import-position
 from bench_common import Contestant  # pylint: disable=g-import-not-at-top,wrong-import-position
-from convergence import KFAC_ADAPTIVE_SETTINGS  # pylint: disable=g-import-not-at-top,wrong-import-position
+from convergence import CENTERS, KFAC_ADAPTIVE_SETTINGS  # pylint: disable=g-import-not-at-top,wrong-import-position
 import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 ALL_MODELS = ("autoencoder", "resnet")
@@ -259,6 +259,7 @@ def make_tx(variant: str, args: argparse.Namespace, batch: int,
   method = kfac_method(variant)
   if method == "adaptive":
     settings = dict(KFAC_ADAPTIVE_SETTINGS,
+                    damping=CENTERS["kfac_adaptive"],
                     inv_update_steps=args.inv_update_steps,
                     factor_batch_size=curvature_examples(batch))
     return lib.scale_by_kfac(

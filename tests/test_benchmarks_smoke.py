@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -197,8 +198,10 @@ def test_convergence_smoke_and_resume(tmp_path):
   initial = kfac_run["curve"][0]["metric"]
   assert readout.startswith(f"| kfac, seed 0 | 0 (0) | 0, 0.0 | never | — | "
                             f"{initial:.4g} | "), readout
-  # The adaptive mode has no learning rate, and was not swept.
-  assert "| kfac_adaptive | adaptive |" in table.read_text()
+  # The adaptive mode has no learning rate: its swept setting is λ₀ (here
+  # unswept, at the center: kfac-jax's example's 150).
+  assert "| kfac_adaptive | λ₀=150 |" in table.read_text()
+  assert "damping=150.0" in runs[-1]["description"]
   assert "curvature 'gauss-newton'" in runs[-1]["description"]
   # Its λ, α, μ, ρ after each step: at the first step δ = 0, so μ = 0.
   trace = runs[-1]["trace"]
@@ -236,6 +239,36 @@ def test_convergence_smoke_and_resume(tmp_path):
   assert "factor_batch_size=4" in runs2[-1]["description"]
   assert runs2[-1]["min_damping"] == 1e-3
   assert "min_damping=0.001" in runs2[-1]["description"]
+
+
+def test_sweep_grid_of_learning_rates_and_adaptive_damping():
+  """The sweep tries center × (1/3, 1, 3) of each optimizer's swept value
+  (kfac_adaptive's λ₀ around kfac-jax's 150) and grows past a winning edge."""
+  import argparse  # pylint: disable=g-import-not-at-top
+  import convergence  # pylint: disable=g-import-not-at-top
+  task = convergence.Task(
+      name="toy", description="", metric="loss", higher_is_better=False,
+      data=(), batch_size=1, init=None, loss_fn=None, evaluate=None)
+
+  class Recorded:
+    """The sweep's runs: the final loss is |log10(value / best)|."""
+
+    def __init__(self, best):
+      self.best, self.tried = best, []
+
+    def run(self, phase, task, name, lr, seed, budget):
+      del phase, task, name, seed, budget
+      self.tried.append(lr)
+      return dict(final=abs(math.log10(lr / self.best)))
+
+  args = argparse.Namespace(center={}, max_extensions=2)
+  race = Recorded(best=15.0)
+  best, finals = convergence.sweep(task, "kfac_adaptive", args, race, 1.0)
+  assert race.tried == [50.0, 150.0, 450.0, 16.7, 5.57]
+  assert best == 16.7 and sorted(finals) == [5.57, 16.7, 50.0, 150.0, 450.0]
+  race = Recorded(best=1e-3)
+  assert convergence.sweep(task, "adam", args, race, 1.0)[0] == 1e-3
+  assert race.tried == [3.33e-4, 1e-3, 3e-3]
 
 
 def test_time_to_target_readouts():
