@@ -11,7 +11,7 @@ evaluated). The race has two phases:
    value with the best final metric wins. The swept setting is the learning
    rate, except for ``kfac_adaptive``, which has none: its initial damping
    λ₀ (``lr`` in the JSON and tables holds it).
-2. **Final.** Each optimizer's winning rate runs with every seed and the full
+2. **Final.** Each optimizer's winning value runs with every seed and the full
    budget.
 
 The target of a task is the best first-order optimizer's final metric (median
@@ -116,8 +116,7 @@ import shakespeare_transformer  # pylint: disable=g-import-not-at-top,wrong-impo
 OPTIMIZERS = ("sgd", "adam", "muon", "kron", "kfac", "kfac_adaptive")
 FIRST_ORDER = ("sgd", "adam", "muon", "kron")
 KFAC_OPTIMIZERS = ("kfac", "kfac_adaptive")
-# The optimizer whose swept setting is the initial damping λ₀ (it has no
-# learning rate), not a learning rate.
+# The optimizer without a learning rate: its sweep is over λ₀.
 SWEPT_DAMPING = "kfac_adaptive"
 # Each optimizer's customary learning rate (kfac_adaptive: λ₀, that of
 # KFAC_ADAPTIVE_SETTINGS, below); the sweep is center × LR_GRID.
@@ -838,10 +837,10 @@ def summary_table(result: dict[str, Any]) -> str:
   base_seconds = None
   if result["target_name"] is not None:
     base_seconds = median_reach(reach[result["target_name"]], 1)
-  header = ("| optimizer | lr or λ₀ | final " + task.metric + " (median; min–max) "
-            "| reached target | steps to target (median) | seconds to target "
-            "(median) | "
-            "× best baseline's seconds | ms/step | compile s |")
+  header = ("| optimizer | lr or λ₀ | final " + task.metric +
+            " (median; min–max) | reached target | steps to target (median) "
+            "| seconds to target (median) | × best baseline's seconds | "
+            "ms/step | compile s |")
   lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for name, runs in result["finals"].items():
     values = [r["final"] for r in runs]
