@@ -743,7 +743,7 @@ def edges(axis_type: AxisType) -> None:
 
       skipping = kfac_jax.scale_by_kfac(mesh_axes=("data", "model"),
                                         grad_worker_fraction=strategy,
-                                        skip_layers=[""])
+                                        skip_layers=[".*"])
       updates, state = jax.jit(lambda g, s, p, st, tx=skipping: tx.update(
           g, s, p, kfac_stats=st))(placed[1], skipping.init(placed[0]),
                                    placed[0], placed[2])

@@ -324,6 +324,51 @@ def test_an_unconstrained_entry_in_params_specs_names_no_axis():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
+def test_partition_specs_inside_multi_transform_keep_the_masked_nodes():
+  """K-FAC on part of the params (optax.multi_transform, Adam on the rest):
+  the accumulated gradients and Adam's moments are masked trees. With
+  accumulation_steps=2 no keyword arguments passed the state check; each
+  params-shaped part now gets the params' specs, MaskedNodes kept."""
+
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(3, name="head")(jnp.tanh(nn.Dense(5, name="body")(x)))
+
+  x = jnp.ones((8, 4))
+  params = Model().init(jax.random.key(0), x)["params"]
+  labels = {"body": {"kernel": "kfac", "bias": "kfac"},
+            "head": {"kernel": "adam", "bias": "adam"}}
+  specs = {"body": {"kernel": PartitionSpec(None, "data"),
+                    "bias": PartitionSpec("data")},
+           "head": {"kernel": PartitionSpec("data"), "bias": PartitionSpec()}}
+  mesh = jax.make_mesh((1,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  is_spec = lambda s: isinstance(s, PartitionSpec)
+  with jax.set_mesh(mesh):
+    tx = optax.multi_transform(
+        {"kfac": kfac_jax.kfac(0.1, accumulation_steps=2),
+         "adam": optax.adam(1e-3)}, labels)
+    state_specs = kfac_jax.get_opt_state_partition_specs(
+        params, tx=tx, skip_layers="head", accumulation_steps=2,
+        params_partition_specs=specs)
+    state = jax.jit(tx.init, out_shardings=jax.tree.map(
+        lambda s: jax.sharding.NamedSharding(mesh, s), state_specs,
+        is_leaf=is_spec))(params)
+    assert (jax.tree.structure(state_specs, is_leaf=is_spec) ==
+            jax.tree.structure(state))
+    kfac_specs = state_specs.inner_states["kfac"].inner_state[0]
+    gradients = kfac_specs.accumulator.gradients
+    assert gradients["body"] == specs["body"]
+    assert gradients["head"] == {"kernel": optax.MaskedNode(),
+                                 "bias": optax.MaskedNode()}
+    adam = state.inner_states["adam"].inner_state[0]
+    assert jax.tree.map(lambda a: a.sharding.spec, adam.mu["head"]) == (
+        specs["head"])
+    assert isinstance(adam.mu["body"]["kernel"], optax.MaskedNode)
+
+
 def test_partition_specs_of_the_kfac_alias_from_its_transformation():
   # chain_with could not express kfac()'s first-order part (an identity or
   # weight decay stage before SGD, MultiSteps under accumulation).

@@ -26,6 +26,7 @@ import kfac_jax
     (dict(inv_update_steps=-2), ValueError, "inv_update_steps must be a positive"),
     (dict(inv_update_steps=2.5), TypeError, "inv_update_steps must be an integer"),
     (dict(kl_clip=-1.0), ValueError, "kl_clip must be > 0"),
+    (dict(kl_clip=False), TypeError, "pass kl_clip=None to turn KL clipping off"),
     (dict(learning_rate=float("nan")), ValueError, "learning_rate must be >= 0"),
     (dict(learning_rate=-0.1), ValueError, "learning_rate must be >= 0"),
     (dict(damping="big"), TypeError, "damping must be a real number"),
@@ -33,6 +34,9 @@ import kfac_jax
     (dict(damping=optax.linear_schedule(-1.0, 1.0, 10)), ValueError, "step 0"),
     (dict(accumulation_steps=0), ValueError, "accumulation_steps"),
     (dict(skip_layers=["(unclosed"]), ValueError, "invalid regex"),
+    # "".split(",") of an empty setting: re.search matches it everywhere.
+    (dict(skip_layers=""), ValueError, "empty pattern '' matches every layer"),
+    (dict(skip_layers=["head", ""]), ValueError, "empty pattern"),
     (dict(layers=5), TypeError, "layers must be the table from "
      "kfac_jax.trace_layers"),
     (dict(layers={"dense": (3, 4)}), TypeError, "layers must be the table"),
@@ -82,6 +86,28 @@ def test_the_kfac_alias_refuses_momentum_of_one_or_more(momentum):
   with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\)"):
     kfac_jax.kfac(0.1, momentum=momentum)
   kfac_jax.kfac(0.1, momentum=0.99)
+
+
+def test_the_kfac_alias_checks_nesterov():
+  # Both were accepted: "yes" as true, and Nesterov silently dropped by
+  # optax.sgd without momentum.
+  with pytest.raises(TypeError, match="nesterov must be True or False"):
+    kfac_jax.kfac(0.1, nesterov="yes")
+  for momentum in (None, 0, 0.0):
+    with pytest.raises(ValueError, match="nesterov=True needs momentum > 0"):
+      kfac_jax.kfac(0.1, momentum=momentum, nesterov=True)
+  kfac_jax.kfac(0.1, momentum=0.9, nesterov=True)
+  kfac_jax.kfac(0.1, momentum=None)
+
+
+def test_partition_specs_take_scale_by_kfac_arguments_by_keyword():
+  # The second positional argument is chain_with: a learning rate there
+  # failed with "'float' object has no attribute 'init'".
+  with pytest.raises(TypeError, match="chain_with must be an optax.*by "
+                     "keyword"):
+    kfac_jax.get_opt_state_partition_specs({}, 0.1)
+  with pytest.raises(TypeError, match="tx must be an optax"):
+    kfac_jax.get_opt_state_partition_specs({}, tx=optax.sgd)
 
 
 def test_partition_specs_reject_a_float16_inv_dtype():
@@ -232,6 +258,35 @@ def test_untraced_kernel_is_skipped_with_one_warning():
   np.testing.assert_array_equal(updates["Einsum_0"]["kernel"],
                                 grads["Einsum_0"]["kernel"])
   assert list(state.factors) == ["Dense_0"]
+
+
+def test_stats_of_a_layer_the_table_lacks_name_the_table():
+  """A table traced from another loss (here one that never calls the model)
+  lacks a layer the gradients have: the error said the gradients lacked its
+  kernel. It names the table, and both suggested fixes work."""
+
+  class Head(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(3)(x)
+
+  model = Head()
+  x = jnp.ones((8, 4))
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x)**2)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  with pytest.warns(UserWarning):
+    stale_table = kfac_jax.trace_layers(lambda p: jnp.sum(x), params)
+    tx = kfac_jax.scale_by_kfac(layers=stale_table)
+    state = tx.init(params)
+  with pytest.raises(ValueError, match=r"'Dense_0'.*the gradients have its "
+                     r"kernel.*lack it.*trace_layers.*'\^Dense_0\$'"):
+    tx.update(grads, state, params, kfac_stats=stats)
+  for tx in [kfac_jax.scale_by_kfac(layers=kfac_jax.trace_layers(loss_fn,
+                                                                  params)),
+             kfac_jax.scale_by_kfac(skip_layers=["^Dense_0$"])]:
+    tx.update(grads, tx.init(params), params, kfac_stats=stats)
 
 
 def test_class_name_skip_without_a_table_says_to_skip_by_path():

@@ -186,6 +186,14 @@ def compile_patterns(skip_layers: Sequence[str] | str | None) -> tuple[re.Patter
       raise TypeError(
           f"skip_layers must hold regex strings, got {pattern!r} "
           f"({type(pattern).__name__}).")
+    if not pattern:
+      # ``"".split(",")`` of an empty setting gives [""], which re.search
+      # matches in every name: K-FAC would silently be off everywhere.
+      raise ValueError(
+          "skip_layers: the empty pattern '' matches every layer, which "
+          "would leave no layer preconditioned; drop it (an empty setting "
+          "split on ',' gives ['']), or pass '.*' to skip every layer on "
+          "purpose.")
     try:
       compiled.append(re.compile(pattern))
     except re.error as e:
@@ -332,19 +340,33 @@ def is_masked_layer(params: Any, path: tuple[str, ...]) -> bool:
   withholds a whole module (or more) as one placeholder: one on the path
   masks the layer too.
   """
-  node = params
+  nodes, reached = _nodes_on_path(params, path)
+  if any(_is_masked(node) for node in nodes):
+    return True
+  return reached and isinstance(nodes[-1], Mapping) and any(
+      _is_masked(nodes[-1].get(key)) for key in (KERNEL, EMBEDDING))
+
+
+def has_kernel(params: Any, path: tuple[str, ...]) -> bool:
+  """Whether ``params`` holds a kernel at the layer ``path``."""
+  nodes, reached = _nodes_on_path(params, path)
+  return reached and isinstance(nodes[-1], Mapping) and KERNEL in nodes[-1]
+
+
+def _nodes_on_path(params: Any, path: tuple[str, ...]) -> tuple[list[Any], bool]:
+  """The nodes from ``params`` down ``path`` (stopping at a masked node or
+  where the path leaves the tree), and whether the walk reached its end."""
+  nodes = [params]
   for key in path:
-    if _is_masked(node):
-      return True
-    if not isinstance(node, Mapping):
-      return False
+    node = nodes[-1]
+    if _is_masked(node) or not isinstance(node, Mapping):
+      return nodes, False
     # Layer names join the path's keys as strings; NNX lists key by int.
     keys = {str(k): k for k in node}
     if key not in keys:
-      return False
-    node = node[keys[key]]
-  return _is_masked(node) or isinstance(node, Mapping) and any(
-      _is_masked(node.get(key)) for key in (KERNEL, EMBEDDING))
+      return nodes, False
+    nodes.append(node[keys[key]])
+  return nodes, True
 
 
 def _warn_untraced_embedding(name: str, path: tuple[str, ...],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import numpy as np
 import optax
 
 from kfac_jax.transform.hyperparameters import (ScalarOrSchedule,
@@ -56,14 +57,20 @@ def kfac(learning_rate: ScalarOrSchedule,
     # From 1 on the momentum buffer grows geometrically: the run diverges.
     hyperparameter("momentum", momentum, lambda v: (0 <= v) & (v < 1),
                    "in [0, 1)")
-  # Built first: it validates kfac_kwargs (accumulation_steps included).
-  preconditioner = scale_by_kfac(learning_rate=learning_rate, damping=damping,
-                                 **kfac_kwargs)
   # Only a Python zero drops a stage: under optax.inject_hyperparams the
   # values are arrays (traced in a jitted update), and init and update must
   # build the same chain.
   is_zero = lambda value: value is None or (
       isinstance(value, numbers.Real) and value == 0)
+  if not isinstance(nesterov, (bool, np.bool_)):
+    raise TypeError(f"nesterov must be True or False; got {nesterov!r}.")
+  if nesterov and is_zero(momentum):
+    # optax.sgd drops Nesterov without momentum: the setting would be lost.
+    raise ValueError(f"nesterov=True needs momentum > 0; got momentum="
+                     f"{momentum!r}.")
+  # Built first: it validates kfac_kwargs (accumulation_steps included).
+  preconditioner = scale_by_kfac(learning_rate=learning_rate, damping=damping,
+                                 **kfac_kwargs)
   first_order = optax.chain(
       optax.identity() if is_zero(weight_decay) else
       optax.add_decayed_weights(weight_decay),

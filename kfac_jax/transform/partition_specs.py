@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -59,6 +60,15 @@ def get_opt_state_partition_specs(
       ``chain_with`` and ``tx`` both given; a K-FAC state in ``tx``'s that
       ``scale_by_kfac(**kwargs)`` would not make.
   """
+  for name, value in (("chain_with", chain_with), ("tx", tx)):
+    if value is not None and not isinstance(value,
+                                            optax.GradientTransformation):
+      # e.g. get_opt_state_partition_specs(params, 0.1): a learning rate
+      # meant for scale_by_kfac lands in chain_with.
+      raise TypeError(
+          f"get_opt_state_partition_specs: {name} must be an optax "
+          f"GradientTransformation; got {value!r}. Pass the scale_by_kfac "
+          "arguments by keyword (learning_rate=..., damping=...).")
   kfac_tx = scale_by_kfac(**kwargs)
   given_tx = tx is not None
   if not given_tx:
@@ -78,32 +88,73 @@ def get_opt_state_partition_specs(
 
   shapes = jax.eval_shape(tx.init, params)
   is_state = lambda node: isinstance(node, ScaleByKFACState)
-  expected = (scale_by_kfac_lib.shapes_and_dtypes(
-      jax.eval_shape(kfac_tx.init, params)) if given_tx else None)
+  # The params-shaped parts are left out of the comparison: in a chain that
+  # masks part of the params (optax.multi_transform) they are masked too.
+  comparable = lambda state: scale_by_kfac_lib.shapes_and_dtypes(
+      scale_by_kfac_lib.without_params_shaped(state))
+  expected = (comparable(jax.eval_shape(kfac_tx.init, params)) if given_tx
+              else None)
   for state in jax.tree.leaves(shapes, is_leaf=is_state):
-    if given_tx and is_state(state) and (
-        scale_by_kfac_lib.shapes_and_dtypes(state) != expected):
+    if given_tx and is_state(state) and comparable(state) != expected:
       raise ValueError(
           "get_opt_state_partition_specs: tx holds a K-FAC state that "
           "scale_by_kfac(**kwargs) would not make (another accumulation, "
           "adaptive mode, compute_method, dtype or layer set): pass the "
           "scale_by_kfac arguments tx was built with.")
-  params_structure = jax.tree.structure(params)
-  params_shapes = [leaf.shape for leaf in jax.tree.leaves(params)]
-
-  def params_like(node: Any) -> bool:
-    return (jax.tree.structure(node) == params_structure and
-            [leaf.shape for leaf in jax.tree.leaves(node)] == params_shapes)
+  specs_of = _params_specs_of(params, params_specs)
 
   def spec_of(node: Any) -> Any:
     if isinstance(node, ScaleByKFACState):
       return scale_by_kfac_lib.state_partition_specs(node, placement,
-                                                     params_specs)
-    if params_like(node):
-      return params_specs
-    return PartitionSpec()
+                                                     specs_of)
+    specs = specs_of(node)
+    return PartitionSpec() if specs is None else specs
 
   return jax.tree.map(
       spec_of, shapes,
       is_leaf=lambda node: isinstance(node, ScaleByKFACState) or (
-          node is not None and params_like(node)))
+          node is not None and specs_of(node) is not None))
+
+
+def _params_specs_of(params: Any, params_specs: Any
+                     ) -> Callable[[Any], Any | None]:
+  """``node -> its specs`` for nodes shaped like ``params``, else ``None``.
+
+  A params-shaped node (momentum, Adam moments, accumulated gradients) holds
+  an array of each params leaf's shape at the same path, or, in a chain that
+  withholds part of the params (``optax.masked``, ``multi_transform``), an
+  ``optax.MaskedNode`` in place of some of them (a whole module at once when
+  the mask is a prefix of the params); it gets each leaf's spec and keeps
+  the ``MaskedNode``s.
+  """
+  is_spec = lambda x: isinstance(x, PartitionSpec)
+  # One spec per array: a spec may stand for a node holding one array (an
+  # nnx.Param of nnx.state).
+  leaf_specs = jax.tree.map(
+      lambda spec, node: jax.tree.map(lambda _: spec, node), params_specs,
+      params, is_leaf=is_spec)
+  paths, _ = jax.tree_util.tree_flatten_with_path(params)
+  shapes = {path: leaf.shape for path, leaf in paths}
+  specs = dict(jax.tree_util.tree_flatten_with_path(leaf_specs,
+                                                    is_leaf=is_spec)[0])
+  is_masked = lambda x: isinstance(x, optax.MaskedNode)
+
+  def specs_of(node: Any) -> Any | None:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(
+        node, is_leaf=is_masked)
+    found, covered = [], 0
+    for path, leaf in leaves:
+      if is_masked(leaf):
+        found.append(leaf)
+        covered += sum(p[:len(path)] == path for p in shapes)
+      elif shapes.get(path) == getattr(leaf, "shape", None):
+        found.append(specs[path])
+        covered += 1
+      else:
+        return None
+    if covered != len(shapes) or len(found) == 0 or all(map(is_masked,
+                                                            found)):
+      return None
+    return jax.tree_util.tree_unflatten(treedef, found)
+
+  return specs_of

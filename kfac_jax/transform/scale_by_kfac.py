@@ -142,7 +142,8 @@ def scale_by_kfac(
     damping: λ in ``(A ⊗ G + λI)⁻¹``. Constant or schedule, > 0.
     factor_decay: d in ``F ← d·F + (1 − d)·F_batch``. Constant or schedule,
       in (0, 1].
-    kl_clip: KL-clipping bound, > 0; ``None`` turns clipping off.
+    kl_clip: KL-clipping bound κ. Constant or schedule, > 0; ``None``
+      turns clipping off.
     factor_update_steps: factors update when ``step % factor_update_steps ==
       0``. Positive integer or schedule.
     inv_update_steps: eigendecompositions (or inverses) are recomputed when
@@ -255,6 +256,9 @@ def scale_by_kfac(
   learning_rate_fn = hp.non_negative("learning_rate", learning_rate)
   damping_fn = hp.positive("damping", damping)
   factor_decay_fn = hp.decay("factor_decay", factor_decay)
+  if kl_clip is False:
+    raise TypeError("kl_clip=False: pass kl_clip=None to turn KL clipping "
+                    "off.")
   kl_clip_fn = None if kl_clip is None else hp.positive("kl_clip", kl_clip)
   factor_update_steps_fn = hp.positive_integer("factor_update_steps",
                                                factor_update_steps)
@@ -735,25 +739,40 @@ def guarded_decomposition(
                (when & ~damping_ok).astype(jnp.int32) * len(factors)))
 
 
+def without_params_shaped(state: ScaleByKFACState) -> ScaleByKFACState:
+  """``state`` without its params-shaped parts (accumulated gradients, the
+  previous update), which a chain (``optax.multi_transform``) masks."""
+  accumulator, model = state.accumulator, state.quadratic_model
+  return state._replace(
+      accumulator=None if accumulator is None else accumulator._replace(
+          gradients=None),
+      quadratic_model=None if model is None else model._replace(
+          previous_update=None))
+
+
 def state_partition_specs(state: ScaleByKFACState,
                           placement: placement_lib.Placement,
-                          params_specs: Any) -> ScaleByKFACState:
+                          params_specs_of: Callable[[Any], Any]
+                          ) -> ScaleByKFACState:
   """``PartitionSpec``s of a state (or of its ``eval_shape``).
 
   Factors and counters are replicated; the preconditioners are laid out by
-  ``placement``; accumulated gradients follow ``params_specs``.
+  ``placement``; the params-shaped parts (accumulated gradients, the
+  previous update) get ``params_specs_of(part)``.
   """
   replicated = lambda tree: jax.tree.map(lambda _: PartitionSpec(), tree)
   dims = factor_dims(state.factors)
   accumulator = state.accumulator
   if accumulator is not None:
     accumulator = AccumulatorState(
-        micro_step=PartitionSpec(), gradients=params_specs,
+        micro_step=PartitionSpec(),
+        gradients=params_specs_of(accumulator.gradients),
         factors=replicated(accumulator.factors))
   model = state.quadratic_model
   if model is not None:
     model = QuadraticModelState(
-        damping=PartitionSpec(), previous_update=params_specs,
+        damping=PartitionSpec(),
+        previous_update=params_specs_of(model.previous_update),
         step_sizes=PartitionSpec(), reduction_ratio=PartitionSpec())
   return ScaleByKFACState(
       count=PartitionSpec(),
@@ -1024,6 +1043,15 @@ def _check_stats(stats: Mapping[str, LayerStatistics] | None,
                                    skip) or layers_lib.is_masked_layer(
                                        gradients, path):
       continue
+    if layers_lib.has_kernel(gradients, path):
+      raise ValueError(
+          f"kfac_stats has layer {name!r} "
+          f"({layer_stats.signature.module_type}), and the gradients have "
+          "its kernel, but the optimizer's layers (the layers= table, or "
+          "those found in the params at init) lack it: trace the table from "
+          "the training loss (kfac_jax.trace_layers(loss_fn, params, ...)), "
+          f"or add {layers_lib.skip_pattern(name)!r} to skip_layers to leave "
+          "it to the chained optimizer.")
     raise ValueError(
         f"kfac_stats has layer {name!r} ({layer_stats.signature.module_type}) "
         "but the gradients have no kernel at that path. Pass the stats and "
