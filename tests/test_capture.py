@@ -261,6 +261,37 @@ def test_scanned_params_on_another_axis_are_refused_naming_the_layer():
       capture()
 
 
+def test_scanned_params_on_another_axis_are_refused_by_their_bias():
+  # Scanned 3 times over axis 1, the kernel (3, 3, 3, 4, 4) still reads as
+  # (3, 3, 4, 4) stacked on its leading axis; the bias (4, 3) does not. The
+  # error came later, telling to pass the layer table (which was passed).
+
+  class Body(nn.Module):
+
+    @nn.compact
+    def __call__(self, h, _):
+      return nn.Conv(4, (3, 3), name="conv")(h), None
+
+  class Scanned(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.scan(Body, variable_axes={"params": 1},
+                     split_rngs={"params": True}, length=3)(name="layers")(
+                         x, None)[0]
+
+  model = Scanned()
+  x = jnp.ones((2, 6, 6, 4))
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  assert params["layers"]["conv"]["kernel"].shape == (3, 3, 3, 4, 4)
+  loss_fn = lambda params: jnp.mean(model.apply({"params": params}, x)**2)
+  for capture in (lambda: kfac_jax.trace_layers(loss_fn, params),
+                  lambda: kfac_jax.value_grad_and_stats(loss_fn)(params)):
+    with pytest.raises(ValueError,
+                       match=r"'layers/conv'.*variable_axes=\{'params': 0\}"):
+      capture()
+
+
 def test_a_vmap_around_value_grad_and_stats_matches_each_model_alone():
   # Mapped outside, every model's probes are its own: no refusal, and each
   # model's statistics equal those of its own call.
@@ -332,6 +363,22 @@ def test_a_layer_in_a_loop_that_does_not_slice_its_params_is_refused(loop):
   np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
                grads, expected_grads)
+
+
+def test_a_root_layer_in_a_loop_or_a_reused_trace_is_refused():
+  # The model is the layer (its name ''): its marker held no hex digits and
+  # was never read, so both went unnoticed, the inputs summed as x₁ + x₂.
+  model = nn.Dense(3)
+  x = jnp.arange(16.0).reshape(4, 4) / 16
+  params = model.init(jax.random.key(0), x)["params"]
+  looped = _looped_loss("scan", model, x, jnp.ones((4, 3)))
+  with pytest.raises(ValueError, match="'' runs inside a loop"):
+    kfac_jax.value_grad_and_stats(looped)(params)
+  jitted_apply = jax.jit(model.apply)
+  twice = lambda params: jnp.sum(jitted_apply({"params": params}, x) *
+                                 jitted_apply({"params": params}, -x))
+  with pytest.raises(ValueError, match="trace jax reused"):
+    kfac_jax.value_grad_and_stats(twice)(params)
 
 
 def test_a_loop_of_one_step_is_no_loop():

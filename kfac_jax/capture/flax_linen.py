@@ -34,12 +34,12 @@ CAPTURED_MODULES: tuple[type[nn.Module], ...] = (nn.Dense, nn.DenseGeneral,
 PROBES = "__kfac_probes__"
 
 
-def _signature(module: nn.Module, inputs: jax.Array,
+def _signature(module: nn.Module, name: str, inputs: jax.Array,
                stack_ndim: int) -> LayerSignature | None:
   """What the capture records about a call; ``None`` for an unsupported one."""
   module_type = type(module).__name__
   if isinstance(module, nn.Conv):
-    return signatures.conv_signature(module_type, module, stack_ndim)
+    return signatures.conv_signature(module_type, module, name, stack_ndim)
   if isinstance(module, nn.Embed):
     return signatures.embed_signature(module_type, module.num_embeddings,
                                       stack_ndim)
@@ -164,16 +164,27 @@ class _ShapeRecorder:
           "collection (model.apply({'params': params}, ...)).")
     # Lifted transforms (nn.scan) slice leading kernel axes off inside.
     stack_ndim = len(kernel.shape) - len(inner_kernel.shape)
-    if stack_ndim < 0 or tuple(kernel.shape[stack_ndim:]) != tuple(
-        inner_kernel.shape):
+    # A slice on another axis can still leave the kernel's shape (a scan of
+    # length 3 over axis 1 of a (3, 3, 3, 4, 4) kernel), not the bias's.
+    bias = _lookup(self.params, path + ("bias",))
+    inner_bias = (module.get_variable("params", "bias")
+                  if bias is not None else None)
+    pairs = [(key, kernel, inner_kernel)] + (
+        [] if inner_bias is None else [("bias", bias, inner_bias)])
+    if stack_ndim < 0 or any(tuple(outer.shape[stack_ndim:]) != tuple(
+        inner.shape) for _, outer, inner in pairs):
+      outer_shapes = " and ".join(f"{entry} {tuple(outer.shape)}"
+                                  for entry, outer, _ in pairs)
+      inner_shapes = " and ".join(f"{entry} {tuple(inner.shape)}"
+                                  for entry, _, inner in pairs)
       raise ValueError(
           f"value_grad_and_stats: layer {name!r} ({type(module).__name__}) "
-          f"has {key} {tuple(kernel.shape)} in the params but "
-          f"{tuple(inner_kernel.shape)} where it runs: a lifted transform "
-          "(nn.scan, nn.vmap) slices it on an axis other than the leading "
-          "ones. Lift it with variable_axes={'params': 0}, or "
+          f"has {outer_shapes} in the params but {inner_shapes} where it "
+          "runs: a lifted transform (nn.scan, nn.vmap) slices it on an axis "
+          "other than the leading ones. Lift it with "
+          "variable_axes={'params': 0}, or "
           f"{probes_lib.skip_advice(name)}.")
-    signature = _signature(module, inputs, stack_ndim)
+    signature = _signature(module, name, inputs, stack_ndim)
     if signature is not None and (self.vmapped_apply or (
         signature.stack_ndim == 0 and
         probes_lib.trace_state() != self.top_trace and

@@ -71,11 +71,11 @@ PROBES = "kfac_probes"
 _is_graph_node = nnx.graph.is_graph_node
 
 
-def _signature(module: nnx.Module, module_type: str, inputs: jax.Array,
-               stack_ndim: int) -> LayerSignature | None:
+def _signature(module: nnx.Module, module_type: str, name: str,
+               inputs: jax.Array, stack_ndim: int) -> LayerSignature | None:
   """What the capture records about a call; ``None`` for an unsupported one."""
   if isinstance(module, nnx.Conv):
-    return signatures.conv_signature(module_type, module, stack_ndim)
+    return signatures.conv_signature(module_type, module, name, stack_ndim)
   if isinstance(module, nnx.Embed):
     return signatures.embed_signature(module_type, module.num_embeddings,
                                       stack_ndim)
@@ -212,7 +212,8 @@ def _captured_call(base: type[nnx.Module], module: nnx.Module,
     outputs = base.__call__(module, inputs, *args, **kwargs)
   stack_ndim = _stack_ndim(name, module, layer.kernel_shape,
                            tuple(getattr(module, layer.key).shape))
-  signature = _signature(module, type(module).__name__, inputs, stack_ndim)
+  signature = _signature(module, type(module).__name__, name, inputs,
+                         stack_ndim)
   if signature is None:
     return outputs
   kernel = getattr(module, layer.key).get_value()

@@ -331,7 +331,7 @@ class TraceCheck:
     """Records the loops around each marked call, and the layers with calls
     in a sub-jaxpr met twice (``reused``) or marked by another check."""
     for eqn in jaxpr.eqns:
-      for check, name in re.findall(r"__kfac_(\d+)_([0-9a-f]+)__",
+      for check, name in re.findall(r"__kfac_(\d+)_([0-9a-f]*)__",
                                     str(eqn.source_info.name_stack)):
         try:
           name = bytes.fromhex(name).decode()

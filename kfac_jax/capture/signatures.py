@@ -12,6 +12,7 @@ from typing import Any
 import jax
 from flax.linen import linear as flax_linear
 
+from kfac_jax.capture import probes as probes_lib
 from kfac_jax.capture.statistics import ConvGeometry, LayerSignature
 
 
@@ -27,9 +28,22 @@ def as_tuple(value: int | tuple[int, ...]) -> tuple[int, ...]:
   return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
-def conv_signature(module_type: str, module: Any,
+def conv_signature(module_type: str, module: Any, name: str,
                    stack_ndim: int = 0) -> LayerSignature:
-  """A convolution's call: its geometry as Flax applies it."""
+  """A convolution's call, layer ``name``: its geometry as Flax applies it.
+
+  Raises:
+    ValueError: the conv has a ``mask``, which the factors cannot express.
+  """
+  if getattr(module, "mask", None) is not None:
+    # Its masked kernel entries have no gradient, but A covers their input
+    # rows: the update moved them, and the live entries got the Schur
+    # complement of A, not the K-FAC of the layer as applied.
+    raise ValueError(
+        f"value_grad_and_stats: layer {name!r} ({module_type}) has a mask, "
+        "which K-FAC's Kronecker factors do not express (the update would "
+        "move the masked kernel entries); "
+        f"{probes_lib.skip_advice(name)}.")
   window = as_tuple(module.kernel_size)
   rank = len(window)
   padding = flax_linear.canonicalize_padding(module.padding, rank)

@@ -20,8 +20,11 @@ class InversePreconditioner(NamedTuple):
   """Damped factor inverses of one layer.
 
   Attributes:
-    activation_inverse: ``(A + λI)⁻¹``, ``[activation_dim, activation_dim]``.
-    gradient_inverse: ``(G + λI)⁻¹``, ``[gradient_dim, gradient_dim]``.
+    activation_inverse: ``(A + λI)⁻¹``, ``[activation_dim, activation_dim]``;
+      in the adaptive mode, of the π-split factor: ``(A/(π√λ) + I)⁻¹``
+      (``factored_damping_scaled``).
+    gradient_inverse: ``(G + λI)⁻¹``, ``[gradient_dim, gradient_dim]``; in
+      the adaptive mode ``(Gπ/√λ + I)⁻¹``.
   """
 
   activation_inverse: jax.Array
