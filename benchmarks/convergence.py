@@ -772,20 +772,38 @@ def sweep(task: Task, name: str, args: argparse.Namespace, race: Race,
         winner = lr
     return winner
 
-  def run(lr: float) -> None:
+  low, high = swept_range(name, args)
+
+  def run(lr: float) -> bool:
+    """Runs ``lr``; False (nothing run) outside the optimizer's range."""
+    if not low <= lr <= high:
+      return False
     finals[lr] = race.run("sweep", task, name, lr, 0, budget)["final"]
+    return True
 
   for multiple in LR_GRID:
     run(rounded(center * multiple))
   for _ in range(args.max_extensions):
     winner = best()
     if winner == min(finals):
-      run(rounded(winner / EXTENSION_FACTOR))
+      grew = run(rounded(winner / EXTENSION_FACTOR))
     elif winner == max(finals):
-      run(rounded(winner * EXTENSION_FACTOR))
+      grew = run(rounded(winner * EXTENSION_FACTOR))
     else:
       break
+    if not grew:
+      break  # the winning edge is the end of the range
   return best(), dict(sorted(finals.items()))
+
+
+def swept_range(name: str, args: argparse.Namespace) -> tuple[float, float]:
+  """The values ``name``'s sweep may try: λ₀ within kfac_adaptive's
+  [min_damping, max_damping] (``scale_by_kfac`` refuses others), any
+  positive learning rate."""
+  if name == SWEPT_DAMPING:
+    config = adaptive_config(args.min_damping)
+    return config.min_damping, config.max_damping
+  return 0.0, math.inf
 
 
 def race_task(task: Task, args: argparse.Namespace, race: Race
@@ -1018,6 +1036,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       raise SystemExit(f"--{flag.replace('_', '-')} must be > 0.")
   if args.min_damping is not None and not args.min_damping > 0:
     raise SystemExit("--min-damping must be > 0.")
+  for name, center in args.center.items():
+    low, high = swept_range(name, args)
+    if not (center > 0 and low <= center <= high):
+      raise SystemExit(f"--center {name}={center:g}: must be > 0"
+                       + (f" and within [{low:g}, {high:g}], the range of λ"
+                          if name == SWEPT_DAMPING else "") + ".")
   if args.resume is not None and not args.resume.is_file():
     raise SystemExit(f"--resume {args.resume}: no such file.")
   if args.curvature_examples < 1:

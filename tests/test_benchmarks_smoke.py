@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -159,6 +160,18 @@ def test_scaling_smoke(tmp_path):
       assert row["decomposition_share"] < 0.75, row
 
 
+def test_convergence_refuses_a_center_outside_the_swept_range():
+  for center, message in (("kfac_adaptive=2000", r"within \[0.0001, 1000\]"),
+                          ("kfac_adaptive=0", "must be > 0"),
+                          ("adam=-1e-3", "must be > 0")):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/convergence.py", "--center", center,
+         "--tasks", "cifar", "--smoke"], cwd=REPO, capture_output=True,
+        text=True, timeout=120)
+    assert result.returncode != 0
+    assert re.search(message, result.stderr), result.stderr[-1000:]
+
+
 def run_convergence(*args: str) -> subprocess.CompletedProcess[str]:
   result = subprocess.run(
       [sys.executable, "benchmarks/convergence.py", "--no-progress", *args],
@@ -261,7 +274,7 @@ def test_sweep_grid_of_learning_rates_and_adaptive_damping():
       self.tried.append(lr)
       return dict(final=abs(math.log10(lr / self.best)))
 
-  args = argparse.Namespace(center={}, max_extensions=2)
+  args = argparse.Namespace(center={}, max_extensions=2, min_damping=None)
   race = Recorded(best=15.0)
   best, finals = convergence.sweep(task, "kfac_adaptive", args, race, 1.0)
   assert race.tried == [50.0, 150.0, 450.0, 16.7, 5.57]
@@ -269,6 +282,15 @@ def test_sweep_grid_of_learning_rates_and_adaptive_damping():
   race = Recorded(best=1e-3)
   assert convergence.sweep(task, "adam", args, race, 1.0)[0] == 1e-3
   assert race.tried == [3.33e-4, 1e-3, 3e-3]
+  # λ₀ stays within [min_damping, max_damping] = [1e-4, 1000]: past 450
+  # the extension to 1350 made scale_by_kfac raise, ending the race.
+  race = Recorded(best=5000.0)
+  assert convergence.sweep(task, "kfac_adaptive", args, race, 1.0)[0] == 450
+  assert race.tried == [50.0, 150.0, 450.0]
+  args.center = {"kfac_adaptive": 500.0}
+  race = Recorded(best=100.0)
+  assert convergence.sweep(task, "kfac_adaptive", args, race, 1.0)[0] == 167
+  assert race.tried == [167.0, 500.0, 55.7]
 
 
 def test_time_to_target_readouts():

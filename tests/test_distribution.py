@@ -367,6 +367,18 @@ def test_partition_specs_inside_multi_transform_keep_the_masked_nodes():
     assert jax.tree.map(lambda a: a.sharding.spec, adam.mu["head"]) == (
         specs["head"])
     assert isinstance(adam.mu["body"]["kernel"], optax.MaskedNode)
+    # K-FAC given none of the params: its accumulated gradients are masked
+    # whole; their specs keep the MaskedNodes (not None).
+    tx = optax.multi_transform(
+        {"kfac": kfac_jax.scale_by_kfac(accumulation_steps=2,
+                                        skip_layers=".*"),
+         "adam": optax.adam(1e-3)}, {"body": "adam", "head": "adam"})
+    state_specs = kfac_jax.get_opt_state_partition_specs(
+        params, tx=tx, accumulation_steps=2, skip_layers=".*")
+    state = tx.init(params)
+    jax.tree.map(lambda spec, leaf: None, state_specs, state, is_leaf=is_spec)
+    assert (jax.tree.structure(state_specs, is_leaf=is_spec) ==
+            jax.tree.structure(state))
 
 
 def test_partition_specs_of_the_kfac_alias_from_its_transformation():

@@ -108,6 +108,15 @@ def test_partition_specs_take_scale_by_kfac_arguments_by_keyword():
     kfac_jax.get_opt_state_partition_specs({}, 0.1)
   with pytest.raises(TypeError, match="tx must be an optax"):
     kfac_jax.get_opt_state_partition_specs({}, tx=optax.sgd)
+  # optax.MultiSteps has init and update without being a
+  # GradientTransformation: the README's accumulation chain passes it.
+  params = {"kernel": jnp.ones((3, 2)), "bias": jnp.ones(2)}
+  rest = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+  specs = kfac_jax.get_opt_state_partition_specs(params, rest,
+                                                 accumulation_steps=2)
+  tx = optax.chain(kfac_jax.scale_by_kfac(accumulation_steps=2), rest)
+  assert jax.tree.structure(specs, is_leaf=lambda s: isinstance(
+      s, jax.sharding.PartitionSpec)) == jax.tree.structure(tx.init(params))
 
 
 def test_partition_specs_reject_a_float16_inv_dtype():

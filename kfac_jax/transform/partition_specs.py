@@ -61,14 +61,17 @@ def get_opt_state_partition_specs(
       ``scale_by_kfac(**kwargs)`` would not make.
   """
   for name, value in (("chain_with", chain_with), ("tx", tx)):
-    if value is not None and not isinstance(value,
-                                            optax.GradientTransformation):
+    # Duck-typed: optax.MultiSteps and other optax objects have init and
+    # update without being GradientTransformations.
+    if value is not None and not (callable(getattr(value, "init", None)) and
+                                  callable(getattr(value, "update", None))):
       # e.g. get_opt_state_partition_specs(params, 0.1): a learning rate
       # meant for scale_by_kfac lands in chain_with.
       raise TypeError(
           f"get_opt_state_partition_specs: {name} must be an optax "
-          f"GradientTransformation; got {value!r}. Pass the scale_by_kfac "
-          "arguments by keyword (learning_rate=..., damping=...).")
+          f"transformation (with init and update); got {value!r}. Pass the "
+          "scale_by_kfac arguments by keyword (learning_rate=..., "
+          "damping=...).")
   kfac_tx = scale_by_kfac(**kwargs)
   given_tx = tx is not None
   if not given_tx:

@@ -761,18 +761,25 @@ def state_partition_specs(state: ScaleByKFACState,
   previous update) get ``params_specs_of(part)``.
   """
   replicated = lambda tree: jax.tree.map(lambda _: PartitionSpec(), tree)
+
+  def params_shaped(part: Any) -> Any:
+    specs = params_specs_of(part)
+    # None: masked whole (K-FAC given none of the params in a
+    # multi_transform): the MaskedNodes, no arrays.
+    return replicated(part) if specs is None else specs
+
   dims = factor_dims(state.factors)
   accumulator = state.accumulator
   if accumulator is not None:
     accumulator = AccumulatorState(
         micro_step=PartitionSpec(),
-        gradients=params_specs_of(accumulator.gradients),
+        gradients=params_shaped(accumulator.gradients),
         factors=replicated(accumulator.factors))
   model = state.quadratic_model
   if model is not None:
     model = QuadraticModelState(
         damping=PartitionSpec(),
-        previous_update=params_specs_of(model.previous_update),
+        previous_update=params_shaped(model.previous_update),
         step_sizes=PartitionSpec(), reduction_ratio=PartitionSpec())
   return ScaleByKFACState(
       count=PartitionSpec(),
@@ -1049,7 +1056,7 @@ def _check_stats(stats: Mapping[str, LayerStatistics] | None,
           f"({layer_stats.signature.module_type}), and the gradients have "
           "its kernel, but the optimizer's layers (the layers= table, or "
           "those found in the params at init) lack it: trace the table from "
-          "the training loss (kfac_jax.trace_layers(loss_fn, params, ...)), "
+          "the training loss (kfac_jax.trace_layers), "
           f"or add {layers_lib.skip_pattern(name)!r} to skip_layers to leave "
           "it to the chained optimizer.")
     raise ValueError(
