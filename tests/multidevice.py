@@ -801,11 +801,87 @@ def stable_state(axis_type: AxisType) -> None:
               spec)
 
 
+def multi_transform_fsdp(axis_type: AxisType) -> None:
+  """K-FAC on part of the params inside ``optax.multi_transform`` (Adam on
+  the last layer), given the whole tree of FSDP specs: ``init`` and
+  ``update`` see the withheld layer as ``optax.MaskedNode``s (the full tree
+  was refused). Trains as one device does, the state as the helper's specs
+  say, the updates as the params'."""
+  params, loss_fn, (x, y) = conv_problem()
+  labels = {name: "adam" if name == "Dense_2" else "kfac" for name in params}
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
+  params_specs = jax.tree.map(
+      lambda p: PartitionSpec(*([None] * (p.ndim - 1)), "fsdp")
+      if p.ndim >= 2 and p.shape[-1] % 4 == 0 else PartitionSpec(), params)
+  named = lambda tree: jax.tree.map(
+      lambda s: NamedSharding(mesh, s), tree,
+      is_leaf=lambda s: isinstance(s, PartitionSpec))
+
+  def make_tx(**kwargs):
+    kfac = optax.chain(
+        kfac_jax.scale_by_kfac(damping=0.01, inv_update_steps=2,
+                               skip_layers="Dense_2", **kwargs),
+        optax.sgd(0.1, momentum=0.9))
+    return optax.multi_transform({"kfac": kfac, "adam": optax.adam(1e-3)},
+                                 labels)
+
+  def run(tx, params, state, place=lambda b: b):
+    @jax.jit
+    def step(params, state, x, y):
+      _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+      updates, state = tx.update(grads, state, params, kfac_stats=stats)
+      return optax.apply_updates(params, updates), state, updates
+
+    all_updates = []
+    for i in range(STEPS):
+      params, state, updates = step(params, state, place(x[i]), place(y[i]))
+      all_updates.append(jax.block_until_ready(updates))
+    return all_updates, state
+
+  tx = make_tx()
+  reference, _ = run(tx, params, tx.init(params))
+  kwargs = dict(mesh_axes=("data", "fsdp"), params_partition_specs=params_specs)
+  with jax.set_mesh(mesh):
+    tx = make_tx(**kwargs)
+    specs = kfac_jax.get_opt_state_partition_specs(params, tx=tx,
+                                                   skip_layers="Dense_2",
+                                                   damping=0.01,
+                                                   inv_update_steps=2,
+                                                   **kwargs)
+    sharded_params = jax.device_put(params, named(params_specs))
+    state = jax.jit(tx.init, out_shardings=named(specs))(sharded_params)
+    got, state = run(tx, sharded_params, state,
+                     lambda b: jax.device_put(
+                         b, NamedSharding(mesh, PartitionSpec("data"))))
+  for step, (a, b) in enumerate(zip(got, reference)):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_allclose(np.asarray(u), np.asarray(v), **TOLERANCE,
+                                 err_msg=f"updates of step {step}")
+  # K-FAC's layers (Adam's update is placed as XLA likes).
+  kfac_layers = [name for name, label in labels.items() if label == "kfac"]
+  for update, spec in zip(
+      jax.tree.leaves([got[-1][name] for name in kfac_layers]),
+      jax.tree.leaves([params_specs[name] for name in kfac_layers],
+                      is_leaf=lambda s: isinstance(s, PartitionSpec))):
+    assert update.sharding.is_equivalent_to(NamedSharding(mesh, spec),
+                                            update.ndim), (update.sharding,
+                                                           spec)
+  kfac_state = state.inner_states["kfac"].inner_state[0]
+  kfac_specs = specs.inner_states["kfac"].inner_state[0]
+  for leaf, spec in zip(jax.tree.leaves(kfac_state.preconditioners),
+                        jax.tree.leaves(kfac_specs.preconditioners,
+                                        is_leaf=lambda s: isinstance(
+                                            s, PartitionSpec))):
+    assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec),
+                                          leaf.ndim), (leaf.sharding, spec)
+
+
 PROGRAMS = {f.__name__: f for f in (adaptive, equality, fsdp, local_fsdp,
                                     row_parallel,
                                     mixed, division, specs, checkpoint, blocks,
                                     gradient_from_stats, edges,
-                                    restored_layout, stable_state)}
+                                    restored_layout, stable_state,
+                                    multi_transform_fsdp)}
 
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()

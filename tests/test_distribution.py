@@ -77,6 +77,13 @@ def test_fsdp_kernels_without_mesh_axes_keep_the_state_specs():
 
 
 @pytest.mark.multidevice
+def test_fsdp_specs_given_to_kfac_inside_multi_transform_equal_one_device():
+  # Auto axes, as the fsdp program. The full tree of specs was refused: init
+  # and update see the layers withheld from K-FAC as optax.MaskedNodes.
+  run_on_eight_devices("multi_transform_fsdp", "Auto")
+
+
+@pytest.mark.multidevice
 def test_a_step_jitted_with_the_specs_reruns_on_its_own_state():
   # Auto axes: on Explicit ones jax returns every leaf with full-rank specs.
   run_on_eight_devices("stable_state", "Auto")
@@ -379,6 +386,29 @@ def test_partition_specs_inside_multi_transform_keep_the_masked_nodes():
     jax.tree.map(lambda spec, leaf: None, state_specs, state, is_leaf=is_spec)
     assert (jax.tree.structure(state_specs, is_leaf=is_spec) ==
             jax.tree.structure(state))
+
+
+def test_params_with_none_leaves_get_partition_specs():
+  # A None in the params (no array) made the helper's default all-None specs
+  # miscount: "must have the structure of the params".
+  model = nn.Dense(4)
+  x = jnp.ones((8, 3))
+  params = {**model.init(jax.random.key(0), x)["params"], "unused": None}
+  specs = kfac_jax.get_opt_state_partition_specs(
+      params, chain_with=optax.sgd(0.1, momentum=0.9))
+  state = optax.chain(kfac_jax.scale_by_kfac(),
+                      optax.sgd(0.1, momentum=0.9)).init(params)
+  is_spec = lambda s: isinstance(s, PartitionSpec)
+  assert (jax.tree.structure(specs, is_leaf=is_spec) ==
+          jax.tree.structure(state))
+  assert specs[1][0].trace["unused"] is None
+  mesh = jax.make_mesh((1,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(mesh):
+    given = {"kernel": PartitionSpec(None, "data"), "bias": None,
+             "unused": None}
+    tx = kfac_jax.scale_by_kfac(params_partition_specs=given)
+    tx.init(params)
 
 
 def test_partition_specs_of_the_kfac_alias_from_its_transformation():

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
+import optax
 
 from kfac_jax import finite
 from kfac_jax.distribution import layout as layout_lib
@@ -406,14 +407,15 @@ def check_params_specs(params: Any, params_specs: Any) -> Any:
 
   A spec stands for one array: a leaf of ``params``, or a node holding one
   array (an ``nnx.Param`` of ``nnx.state``, as ``nnx.Optimizer`` hands
-  ``init``, where ``update`` gets the bare arrays).
+  ``init``, where ``update`` gets the bare arrays). Where ``params`` hold no
+  array (an ``optax.MaskedNode``, ``None``) the result holds that node.
   """
   is_spec = lambda x: isinstance(x, PartitionSpec) or x is None
-  specs = jax.tree.map(lambda s: PartitionSpec() if s is None else s,
-                       params_specs, is_leaf=is_spec)
+  specs = _specs_of_held(params_specs, params)
+  is_partition_spec = lambda x: isinstance(x, PartitionSpec)
   try:
     arrays = jax.tree.map(lambda _, node: len(jax.tree.leaves(node)), specs,
-                          params, is_leaf=is_spec)
+                          params, is_leaf=is_partition_spec)
   except ValueError:
     arrays = None
   if arrays is None or any(count != 1 for count in jax.tree.leaves(arrays)):
@@ -425,7 +427,7 @@ def check_params_specs(params: Any, params_specs: Any) -> Any:
   mesh = jax.sharding.get_abstract_mesh()
   for (path, leaf), spec in zip(
       jax.tree_util.tree_flatten_with_path(params)[0],
-      jax.tree.leaves(specs, is_leaf=is_spec)):
+      jax.tree.leaves(specs, is_leaf=is_partition_spec)):
     if len(spec) > jnp.ndim(leaf):
       raise ValueError(
           f"params_partition_specs at {jax.tree_util.keystr(path)}: {spec} "
@@ -437,6 +439,32 @@ def check_params_specs(params: Any, params_specs: Any) -> Any:
           f"names {missing}, not axes of the mesh, whose axes are "
           f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}.")
   return specs
+
+
+def _specs_of_held(params_specs: Any, params: Any) -> Any:
+  """``params_specs`` with ``None`` specs as ``P()``, and the params' own
+  empty node where they hold none: ``optax.MaskedNode`` where a chain
+  withholds them (``optax.multi_transform``, ``optax.masked``; a whole
+  module at once when the mask is a prefix), or ``None``.
+
+  Specs and params are walked a level at a time; where their structures part,
+  the specs are left as given for ``check_params_specs`` to report.
+  """
+  if params is None or isinstance(params, optax.MaskedNode):
+    return params
+  if params_specs is None:
+    return PartitionSpec()
+  if isinstance(params_specs, PartitionSpec):
+    return params_specs
+  children = lambda tree: jax.tree_util.tree_flatten(
+      tree, is_leaf=lambda node: node is not tree)
+  spec_children, spec_def = children(params_specs)
+  param_children, param_def = children(params)
+  if spec_def != param_def:
+    return params_specs
+  return jax.tree_util.tree_unflatten(spec_def, [
+      _specs_of_held(spec, node)
+      for spec, node in zip(spec_children, param_children)])
 
 
 def precondition_in_place(method: Method, preconditioner: Preconditioner,

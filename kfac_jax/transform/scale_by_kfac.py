@@ -189,7 +189,9 @@ def scale_by_kfac(
       ``dA³ + dG³``, ``"memory"`` by ``dA² + dG²`` (greedy, largest first).
     params_partition_specs: ``PartitionSpec`` tree of the params (FSDP or
       tensor parallel); the updates and the accumulated gradients are
-      constrained to it. ``None``: as the incoming gradients.
+      constrained to it. Inside ``optax.multi_transform`` the full tree:
+      the specs of params withheld from K-FAC (``optax.MaskedNode``) are
+      passed over. ``None``: as the incoming gradients.
     layers: the layer table from ``kfac_jax.trace_layers(loss_fn, params,
       ...)``, needed for scanned layers, grouped convolutions and
       ``DenseGeneral``, whose structure the params alone do not tell. With it,
