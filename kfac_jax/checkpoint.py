@@ -134,8 +134,13 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
       missing and the extra ones); an array has another shape than the saved
       one (the message lists them); Orbax's own ValueError when the rest of
       the structure disagrees.
+    FileNotFoundError: ``directory`` does not exist.
   """
   directory = os.path.abspath(directory)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(
+        f"checkpoint.restore: no checkpoint directory at {directory!r} (the "
+        "path given to checkpoint.save).")
   with ocp.StandardCheckpointer() as checkpointer:
     saved = checkpointer.metadata(directory).item_metadata.tree
   # Saved arrays the target leaves out: only preconditioners (read partially).
@@ -251,10 +256,18 @@ def recompute_preconditioners(
                              inv_dtype, mesh_axes, grad_worker_fraction,
                              assignment_strategy)
 
+  if adaptive is not None:
+    AdaptiveConfig.check(adaptive)
+
   @jax.jit
   def decompose_all(state: ScaleByKFACState) -> ScaleByKFACState:
     dims = factor_dims(state.factors)
     is_adaptive = state.quadratic_model is not None
+    if adaptive is not None and not is_adaptive:
+      raise ValueError(
+          "recompute_preconditioners(adaptive=...): the state is not the "
+          "adaptive mode's (no quadratic_model); drop adaptive, and pass the "
+          "damping it was trained with.")
     if not is_adaptive:
       damping = damping_fn(state.count)
     elif adaptive is None:

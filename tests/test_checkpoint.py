@@ -194,6 +194,29 @@ def test_recompute_validates_its_configuration():
     checkpoint.recompute_preconditioners({}, 1e-3, compute_method="svd")
   with pytest.raises(ValueError, match="inv_dtype must be a floating"):
     checkpoint.recompute_preconditioners({}, 1e-3, inv_dtype=jnp.int8)
+  # "no" was taken as True, None as False (refused only at the next update).
+  for flag in ("no", None):
+    with pytest.raises(TypeError, match="compute_eigenvalue_outer_product "
+                       "must be True or False"):
+      checkpoint.recompute_preconditioners(
+          {}, 1e-3, compute_eigenvalue_outer_product=flag)
+  with pytest.raises(TypeError, match="AdaptiveConfig"):
+    checkpoint.recompute_preconditioners({}, 1e-3, adaptive=0.95)
+  # An adaptive config for a state of the plain mode was silently ignored.
+  params, _, _ = make_training()
+  state = kfac_jax.scale_by_kfac().init(params)
+  with pytest.raises(ValueError, match="not the adaptive mode's"):
+    checkpoint.recompute_preconditioners(
+        state, DAMPING, adaptive=kfac_jax.AdaptiveConfig())
+
+
+def test_restore_from_a_missing_directory_names_it(tmp_path):
+  # Raised AttributeError: 'NoneType' object has no attribute 'tree'.
+  params, _, _ = make_training()
+  target = jax.eval_shape(kfac_jax.scale_by_kfac().init, params)
+  with pytest.raises(FileNotFoundError, match="no checkpoint directory at "
+                     ".*missing"):
+    checkpoint.restore(tmp_path / "missing", target)
 
 
 def test_a_tree_without_a_kfac_state_is_refused_where_it_would_do_nothing(

@@ -182,7 +182,7 @@ def test_factored_layers_do_not_read_their_dense_gradients():
 
 
 def test_bad_configurations_raise():
-  with pytest.raises(TypeError, match="gradient_from_stats must be a bool"):
+  with pytest.raises(TypeError, match="gradient_from_stats must be True or False"):
     kfac_jax.scale_by_kfac(gradient_from_stats="yes")
   with pytest.raises(ValueError, match="accumulation_steps=2"):
     kfac_jax.scale_by_kfac(gradient_from_stats=True, accumulation_steps=2)

@@ -439,6 +439,11 @@ def test_incompatible_settings_are_rejected(kwargs, error, match):
     (dict(min_damping=1e-50), "min_damping=1e-50 is below float32"),
     # inf in float32: λ reached it and every later update was zero.
     (dict(max_damping=1e39), "max_damping=1e\\+39 is past float32"),
+    (dict(max_damping=float("nan")), "max_damping must be finite"),
+    # ω = decay^interval was 1 in float32: λ never moved.
+    (dict(damping_adaptation_decay=1 - 1e-9), "rounds to 1 in float32"),
+    # Failed in the first jitted update, naming no field.
+    (dict(damping_adaptation_interval=2**40), "interval must fit in int32"),
 ])
 def test_invalid_adaptive_config(config, match):
   with pytest.raises(ValueError, match=match):
@@ -456,6 +461,34 @@ def test_adaptive_config_of_the_wrong_type_names_the_field(config):
                            adaptive=kfac_jax.AdaptiveConfig(**config))
 
 
+def test_adaptive_config_class_instead_of_an_instance_says_so():
+  with pytest.raises(TypeError, match=r"pass an instance, AdaptiveConfig\(\)"):
+    kfac_jax.scale_by_kfac(kl_clip=None, adaptive=kfac_jax.AdaptiveConfig)
+
+
+def test_adaptive_config_of_numpy_and_jax_scalars_trains_as_python_numbers():
+  # 0-d arrays were refused ("must be a real number", "positive integer").
+  params, batch, split, loss_fn = sigmoid_problem()
+  python = dict(min_damping=1e-3, max_damping=100.0,
+                damping_adaptation_decay=0.5, damping_adaptation_interval=2,
+                use_momentum=True)
+  arrays = dict(min_damping=jnp.asarray(1e-3), max_damping=np.asarray(100.0),
+                damping_adaptation_decay=np.float32(0.5),
+                damping_adaptation_interval=np.asarray(2),
+                use_momentum=jnp.asarray(True))
+  runs = [run_steps(adaptive_tx(**config), params, batch, split, loss_fn, 4)
+          for config in (python, arrays)]
+  for (_, state, history), (_, other_state, other_history) in zip(
+      runs[:1], runs[1:]):
+    assert float(state.quadratic_model.damping) != 1.0  # it adapted
+    np.testing.assert_allclose(float(other_state.quadratic_model.damping),
+                               float(state.quadratic_model.damping),
+                               rtol=1e-6)
+    for step, other_step in zip(history, other_history):
+      for a, b in zip(jax.tree.leaves(step[2]), jax.tree.leaves(other_step[2])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_state_of_another_configuration_is_refused():
   params, batch, split, loss_fn = sigmoid_problem()
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, *batch)
@@ -467,8 +500,19 @@ def test_state_of_another_configuration_is_refused():
       (plain, adaptive.init(params), "has the quadratic_model"),
       (accumulating, plain.init(params), "lacks the accumulator"),
       (plain, accumulating.init(params), "has the accumulator")):
+    extra = dict(split_loss=split) if tx is adaptive else {}
     with pytest.raises(ValueError, match=match):
-      tx.update(grads, state, params, kfac_stats=stats, split_loss=split)
+      tx.update(grads, state, params, kfac_stats=stats, **extra)
+
+
+def test_split_loss_given_to_a_transformation_built_without_adaptive():
+  # It was silently ignored: the user likely meant the adaptive mode.
+  params, batch, split, loss_fn = sigmoid_problem()
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, *batch)
+  tx = kfac_jax.scale_by_kfac(kl_clip=None)
+  with pytest.raises(ValueError, match="split_loss.*without adaptive"):
+    tx.update(grads, tx.init(params), params, kfac_stats=stats,
+              split_loss=split)
 
 
 def test_update_without_split_loss_says_what_to_pass():

@@ -117,3 +117,20 @@ def test_activation_factors_do_not_depend_on_the_surrogate():
 def test_outputs_without_an_output_axis_are_rejected():
   with pytest.raises(ValueError, match="output axis"):
     kfac_jax.sampled_curvature.squared_error(jnp.zeros([]), jax.random.key(0))
+
+
+@pytest.mark.parametrize("fn", ["sigmoid_cross_entropy",
+                                "softmax_cross_entropy", "squared_error"])
+def test_integer_outputs_and_a_key_that_is_not_one_are_named(fn):
+  # Integer logits gave a surrogate of 0 (no statistics); an int seed or a
+  # batch of keys failed inside jax.random, naming no argument.
+  curvature = getattr(kfac_jax.sampled_curvature, fn)
+  key = jax.random.key(0)
+  with pytest.raises(TypeError, match=f"{fn}: the outputs must be floating"):
+    curvature(jnp.ones((4, 3), jnp.int32), key)
+  for bad_key in (0, None, jax.random.split(key, 4)):
+    with pytest.raises(TypeError, match=f"{fn}: key must be one JAX PRNG key"):
+      curvature(jnp.ones((4, 3)), bad_key)
+  # Raw uint32 keys (jax.random.PRNGKey) are keys too.
+  assert np.isfinite(float(curvature(jnp.ones((4, 3)),
+                                     jax.random.PRNGKey(0))))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import flax.linen as nn
@@ -57,10 +58,81 @@ import kfac_jax
     # Without 64-bit mode jax stored float32, with a generic warning.
     (dict(factor_dtype=jnp.float64), ValueError, "factor_dtype=float64 needs 64-bit mode"),
     (dict(inv_dtype="float64"), ValueError, "inv_dtype=float64 needs 64-bit mode"),
+    # Said "must be >= 0 (as float32)" of a positive value past float32.
+    (dict(learning_rate=1e39), ValueError, "learning_rate=1e\\+39 does not fit in float32"),
+    (dict(damping=float("inf")), ValueError, "damping must be > 0.*and finite; got inf"),
+    (dict(inv_update_steps=2**40), ValueError, "does not fit in int32"),
+    (dict(inv_update_steps=optax.piecewise_constant_schedule(10, {5: 2.0})),
+     TypeError, "optax's schedules return floats"),
+    # Accepted at construction; init then asked for a mesh.
+    (dict(mesh_axes=""), TypeError, "non-empty names"),
+    (dict(mesh_axes=("data", "")), TypeError, "non-empty names"),
+    (dict(compute_eigenvalue_outer_product="no"), TypeError,
+     "compute_eigenvalue_outer_product must be True or False"),
+    (dict(precondition_embeddings=1), TypeError,
+     "precondition_embeddings must be True or False"),
 ])
 def test_bad_configuration(kwargs, error, match):
   with pytest.raises(error, match=match):
     kfac_jax.scale_by_kfac(**kwargs)
+
+
+def test_numpy_and_jax_scalars_stand_for_their_values():
+  # 0-d arrays of flags and of the fraction were refused ("must be a bool",
+  # "a fraction in (0, 1]; got Array(0.5)").
+  model = nn.Dense(3)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 4)), jnp.float32)
+  params = model.init(jax.random.key(0), x)["params"]
+  loss_fn = lambda p: jnp.mean(model.apply({"params": p}, x)**2)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+
+  def updates(**kwargs):
+    tx = kfac_jax.scale_by_kfac(damping=0.1, **kwargs)
+    state = tx.init(params)
+    for _ in range(2):
+      out, state = tx.update(grads, state, params, kfac_stats=stats)
+    return out
+
+  for python, arrays in [
+      (dict(compute_eigenvalue_outer_product=False),
+       dict(compute_eigenvalue_outer_product=jnp.asarray(False))),
+      (dict(precondition_embeddings=False),
+       dict(precondition_embeddings=np.bool_(False))),
+      (dict(mesh_axes="data", grad_worker_fraction=0.5),
+       dict(mesh_axes="data", grad_worker_fraction=jnp.asarray(0.5)))]:
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+      jax.tree.map(np.testing.assert_array_equal, updates(**arrays),
+                   updates(**python))
+  with pytest.raises(TypeError, match="nesterov must be True or False"):
+    kfac_jax.kfac(0.1, momentum=0.9, nesterov=jnp.asarray(2))
+  kfac_jax.kfac(0.1, momentum=0.9, nesterov=jnp.asarray(True))
+
+
+def test_capture_arguments_are_checked_when_built():
+  model = nn.Dense(3)
+  x = jnp.ones((4, 2))
+  params = model.init(jax.random.key(0), x)["params"]
+  with pytest.raises(TypeError, match="fun must be the loss function"):
+    kfac_jax.value_grad_and_stats(None)
+  with pytest.raises(TypeError, match="fun must be the loss function"):
+    kfac_jax.trace_layers(None, params)
+  with pytest.raises(TypeError, match="has_aux must be True or False"):
+    kfac_jax.value_grad_and_stats(lambda p: 0.0, has_aux="yes")
+  # As jax.grad: the gradient of an integer loss came out all zeros.
+  argmax = lambda p: jnp.argmax(model.apply({"params": p}, x))
+  with pytest.raises(TypeError, match="floating-point scalar; got dtype int32"):
+    kfac_jax.value_grad_and_stats(argmax)(params)
+
+
+def test_a_skip_pattern_that_matches_no_module_warns():
+  model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
+  x = jnp.ones((3, 5))
+  params = model.init(jax.random.key(0), x)["params"]
+  with pytest.warns(UserWarning, match="'layers_9' matches no module path"):
+    kfac_jax.scale_by_kfac(skip_layers=["layers_1", "layers_9"]).init(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    kfac_jax.scale_by_kfac(skip_layers=["layers_1$", "^layers"]).init(params)
 
 
 def test_tree_map_params_gets_a_clear_error():
@@ -352,13 +424,20 @@ def test_class_name_skip_without_a_table_says_to_skip_by_path():
   with pytest.raises(ValueError, match="'features'.*class.*skip it by path"):
     tx.update(grads, tx.init(params), params, kfac_stats=stats)
   table = kfac_jax.trace_layers(loss_fn, params, skip_layers=skip)
-  for tx in [kfac_jax.scale_by_kfac(skip_layers=skip + ["^features$"]),
-             kfac_jax.scale_by_kfac(skip_layers=skip, layers=table)]:
-    # The table tells the class-skipped layer from an unknown module: no
-    # warning (it warned that the layer was not captured).
-    with warnings.catch_warnings():
-      warnings.simplefilter("error")
+  for tx, warned in [
+      (kfac_jax.scale_by_kfac(skip_layers=skip + ["^features$"]),
+       # Without a table the class pattern skips nothing here: it says so.
+       [r"'\^Conv\$' matches no module path.*class names need the layer "
+        "table"]),
+      # The table tells the class-skipped layer from an unknown module: no
+      # warning (it warned that the layer was not captured).
+      (kfac_jax.scale_by_kfac(skip_layers=skip, layers=table), [])]:
+    with warnings.catch_warnings(record=True) as record:
+      warnings.simplefilter("always")
       state = tx.init(params)
+    assert len(record) == len(warned), [str(w.message) for w in record]
+    for w, pattern in zip(record, warned):
+      assert re.search(pattern, str(w.message)), str(w.message)
     updates, _ = tx.update(grads, state, params, kfac_stats=stats)
     # The skipped layer's gradient passes through as it is.
     jax.tree.map(np.testing.assert_array_equal, updates["features"],

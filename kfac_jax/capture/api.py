@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from flax import nnx
 
 from kfac_jax.capture import flax_linen
@@ -57,6 +58,11 @@ def value_grad_and_stats(
     axes of a scanned layer.
   """
 
+  _check_callable(fun, "value_grad_and_stats")
+  if not isinstance(has_aux, (bool, np.bool_)):
+    raise TypeError(
+        f"value_grad_and_stats: has_aux must be True or False; got "
+        f"{has_aux!r}.")
   skip = compile_patterns(skip_layers)
 
   def value_grads_and_stats(params_or_model: Any, *args: Any, **kwargs: Any):
@@ -91,5 +97,12 @@ def trace_layers(fun: Callable[..., Any], params_or_model: Any, *args: Any,
     ``scale_by_kfac`` given the same ``skip_layers`` leave the layers skipped
     by class name without a warning).
   """
+  _check_callable(fun, "trace_layers")
   return _front_end(params_or_model).trace_layers(
       fun, compile_patterns(skip_layers), params_or_model, *args, **kwargs)
+
+
+def _check_callable(fun: Any, caller: str) -> None:
+  if not callable(fun):
+    raise TypeError(f"{caller}: fun must be the loss function (a callable); "
+                    f"got {fun!r}.")

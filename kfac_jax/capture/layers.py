@@ -325,6 +325,36 @@ def find_layers(params: Any,
   return layers
 
 
+def warn_unmatched_skips(params: Any, skip: Sequence[re.Pattern[str]],
+                         table: LayerTable | None) -> None:
+  """Warns once per ``skip`` pattern that matches no module path of
+  ``params`` (nor, with a table, a layer's class name): it skips nothing,
+  likely a typo."""
+  names: set[str] = set()
+
+  def visit(node: Any, path: tuple[str, ...]) -> None:
+    if _is_masked(node) or isinstance(node, Mapping):
+      names.add(layer_name(path))
+    if isinstance(node, Mapping):
+      for key, child in node.items():
+        visit(child, path + (key,))
+
+  visit(params, ())
+  classes = set() if table is None else {
+      layer.module_type or "" for layer in table.values()} | set(
+          getattr(table, "skipped_classes", {}).values())
+  modules = sorted(names - {""})
+  for pattern in skip:
+    if not matches_any((pattern,), *names, *classes):
+      warnings.warn(
+          f"skip_layers pattern {pattern.pattern!r} matches no module path of "
+          f"the params{' nor a class name of the layer table' if table else ''}"
+          f", so it skips nothing. Patterns are searched (re.search) in paths "
+          f"such as {modules[:3]}" + (
+              "" if table else "; class names need the layer table, "
+              "layers=kfac_jax.trace_layers(...)") + ".", stacklevel=4)
+
+
 def _is_masked(leaf: Any) -> bool:
   """Whether ``leaf`` stands for a parameter the chain withholds
   (``optax.MaskedNode`` in ``optax.masked``/``multi_transform``)."""

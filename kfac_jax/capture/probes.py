@@ -444,3 +444,8 @@ def check_scalar(loss_shape: Any, caller: str) -> None:
     raise ValueError(
         f"{caller}: the function must return a scalar loss, got shape "
         f"{getattr(loss_shape, 'shape', type(loss_shape).__name__)}.")
+  # As jax.grad: an integer loss has no gradient (it would come out zero).
+  if not jnp.issubdtype(loss_shape.dtype, jnp.floating):
+    raise TypeError(
+        f"{caller}: the loss must be a real floating-point scalar; got dtype "
+        f"{loss_shape.dtype}.")

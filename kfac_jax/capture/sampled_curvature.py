@@ -39,11 +39,27 @@ import jax
 import jax.numpy as jnp
 
 
+def _check(outputs: jax.Array, key: jax.Array, caller: str) -> None:
+  """Outputs ``[..., outputs]`` of a real floating dtype and one PRNG key."""
+  if not jnp.issubdtype(jnp.result_type(outputs), jnp.floating):
+    raise TypeError(
+        f"sampled_curvature.{caller}: the outputs must be floating-point "
+        f"(the network's logits); got dtype {jnp.result_type(outputs)}.")
+  if jnp.ndim(outputs) < 1:
+    raise ValueError(f"sampled_curvature.{caller}: outputs need an output "
+                     "axis (the last); got a scalar.")
+  dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+  typed = dtype is not None and jax.dtypes.issubdtype(dtype,
+                                                      jax.dtypes.prng_key)
+  raw = dtype == jnp.uint32 and shape == (2,)  # jax.random.PRNGKey(seed)
+  if not ((typed and shape == ()) or raw):
+    raise TypeError(
+        f"sampled_curvature.{caller}: key must be one JAX PRNG key "
+        f"(jax.random.key(seed), a fresh one each step); got {key!r}.")
+
+
 def _surrogate(outputs: jax.Array, cotangents: jax.Array) -> jax.Array:
   """``Σ stop_gradient(u) ⊙ f / N``, float32, ``N`` = examples of ``outputs``."""
-  if outputs.ndim < 1:
-    raise ValueError("sampled_curvature: outputs need an output axis (the "
-                     f"last); got a scalar of shape {outputs.shape}.")
   examples = math.prod(outputs.shape[:-1])
   cotangents = jax.lax.stop_gradient(cotangents).astype(outputs.dtype)
   return jnp.sum(cotangents * outputs, dtype=jnp.float32) / examples
@@ -60,6 +76,7 @@ def sigmoid_cross_entropy(logits: jax.Array, key: jax.Array) -> jax.Array:
     logits: ``[..., outputs]``.
     key: a JAX PRNG key (a fresh one each step).
   """
+  _check(logits, key, 'sigmoid_cross_entropy')
   probabilities = jax.nn.sigmoid(logits.astype(jnp.float32))
   signs = jax.random.rademacher(key, logits.shape, jnp.float32)
   return _surrogate(logits,
@@ -77,6 +94,7 @@ def softmax_cross_entropy(logits: jax.Array, key: jax.Array) -> jax.Array:
     logits: ``[..., classes]``.
     key: a JAX PRNG key (a fresh one each step).
   """
+  _check(logits, key, 'softmax_cross_entropy')
   logits32 = logits.astype(jnp.float32)
   sampled = jax.random.categorical(key, logits32)
   probabilities = jax.nn.softmax(logits32)
@@ -91,5 +109,6 @@ def squared_error(outputs: jax.Array, key: jax.Array) -> jax.Array:
     outputs: ``[..., outputs]``.
     key: a JAX PRNG key (a fresh one each step).
   """
+  _check(outputs, key, 'squared_error')
   return _surrogate(outputs,
                     jax.random.rademacher(key, outputs.shape, jnp.float32))

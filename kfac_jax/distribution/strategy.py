@@ -18,6 +18,7 @@ import numbers
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 from kfac_jax.enum_args import parse_enum
 
@@ -64,10 +65,12 @@ def make_config(mesh_axes: str | Sequence[str] | None,
     return None
   axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
   if (not isinstance(axes, Sequence) or not axes or
-      not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes)):
+      not all(isinstance(a, str) and a for a in axes) or
+      len(set(axes)) != len(axes)):
     raise TypeError(
         "mesh_axes must be a mesh axis name or a non-empty sequence of "
-        f"distinct names (e.g. ('data', 'fsdp')); got {mesh_axes!r}.")
+        f"distinct non-empty names (e.g. ('data', 'fsdp')); got "
+        f"{mesh_axes!r}.")
   return DistributionConfig(mesh_axes=tuple(axes),
                             grad_worker_fraction=fraction,
                             assignment=assignment)
@@ -107,6 +110,9 @@ def group_size(config: DistributionConfig, mesh: jax.sharding.AbstractMesh | jax
 def _parse_fraction(value: object) -> DistributedStrategy | float:
   if isinstance(value, (DistributedStrategy, str)):
     return parse_enum(DistributedStrategy, "grad_worker_fraction", value)
+  if isinstance(value, (np.ndarray, jax.Array)) and value.shape == () and (
+      np.issubdtype(value.dtype, np.floating)):
+    value = value.item()  # A 0-d array stands for its number.
   if (isinstance(value, numbers.Real) and not isinstance(value, bool) and
       0 < float(value) <= 1):  # NaN fails both comparisons.
     return float(value)

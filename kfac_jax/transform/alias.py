@@ -5,11 +5,11 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-import numpy as np
 import optax
 
 from kfac_jax.transform.hyperparameters import (ScalarOrSchedule,
                                                 hyperparameter, non_negative,
+                                                static_bool,
                                                 static_positive_integer)
 from kfac_jax.transform.scale_by_kfac import DEFAULT_DAMPING, scale_by_kfac
 
@@ -62,8 +62,7 @@ def kfac(learning_rate: ScalarOrSchedule,
   # build the same chain.
   is_zero = lambda value: value is None or (
       isinstance(value, numbers.Real) and value == 0)
-  if not isinstance(nesterov, (bool, np.bool_)):
-    raise TypeError(f"nesterov must be True or False; got {nesterov!r}.")
+  nesterov = static_bool("nesterov", nesterov)
   if nesterov and is_zero(momentum):
     # optax.sgd drops Nesterov without momentum: the setting would be lost.
     raise ValueError(f"nesterov=True needs momentum > 0; got momentum="

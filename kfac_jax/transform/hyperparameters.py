@@ -110,9 +110,13 @@ def hyperparameter(name: str,
              not jnp.issubdtype(dtype, jnp.complexfloating))
   if shape != () or not kind_ok:
     expected = "an integer scalar" if integer else "a real scalar"
+    advice = ""
+    if integer and callable(value) and jnp.issubdtype(dtype, jnp.floating):
+      advice = (" optax's schedules return floats: pass lambda count: "
+                "jnp.round(schedule(count)).astype(jnp.int32).")
     raise TypeError(
         f"{name} must be {expected}; got {sample!r}{source} with shape "
-        f"{shape} and dtype {dtype}.")
+        f"{shape} and dtype {dtype}.{advice}")
   # The predicates are jnp expressions: they check Python floats here and
   # traced values at each step (`all_valid`).
   runtime_check = None if integer else (
@@ -128,7 +132,14 @@ def hyperparameter(name: str,
     with np.errstate(over="ignore", under="ignore"):
       scalar = np.float32(scalar).item()
     representable = np.isfinite(scalar)
-  if not representable or not bool(is_valid(scalar)):
+  if not representable:
+    if not np.isfinite(float(given)):
+      raise ValueError(f"{name} must be {requirement} and finite; got "
+                       f"{given!r}{source}.")
+    raise ValueError(
+        f"{name}={given!r}{source} does not fit in "
+        f"{'int32' if integer else 'float32'}, the type update uses.")
+  if not bool(is_valid(scalar)):
     raise ValueError(
         f"{name} must be {requirement} (as {'int32' if integer else 'float32'}); "
         f"got {given!r}{source}.")
@@ -180,6 +191,20 @@ def static_positive_integer(name: str, value: object) -> int:
   if integer < 1:
     raise ValueError(f"{name} must be a positive integer; got {value!r}.")
   return integer
+
+
+def static_bool(name: str, value: object) -> bool:
+  """A Python-side flag: a bool, NumPy bool or concrete 0-d bool array."""
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+        f"{name} changes the program and cannot be traced; with "
+        f"optax.inject_hyperparams, pass static_args=({name!r},).")
+  if isinstance(value, (bool, np.bool_)) or (
+      isinstance(value, (np.ndarray, jax.Array)) and value.shape == () and
+      value.dtype == np.bool_):
+    return bool(value)
+  raise TypeError(f"{name} must be True or False; got {value!r} "
+                  f"({type(value).__name__}).")
 
 
 def positive(name: str, value: ScalarOrSchedule) -> Hyperparameter:

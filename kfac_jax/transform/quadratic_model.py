@@ -33,6 +33,7 @@ import optax
 
 from kfac_jax import finite
 from kfac_jax.factors.batch import tree_inner_products
+from kfac_jax.transform import hyperparameters as hp
 
 # Below this determinant (relative to the diagonal's product) the 2×2 system
 # is treated as singular: δ is (nearly) parallel to Δ, or δ = 0 at step 0.
@@ -96,14 +97,22 @@ class AdaptiveConfig(NamedTuple):
   def check(self) -> AdaptiveConfig:
     """Raises a clear error on an invalid setting; returns ``self``."""
     if not isinstance(self, AdaptiveConfig):
+      advice = (" (the class itself: pass an instance, AdaptiveConfig())"
+                if self is AdaptiveConfig else "")
       raise TypeError(f"adaptive must be a kfac_jax.AdaptiveConfig; got "
-                      f"{type(self).__name__}.")
+                      f"{type(self).__name__}{advice}.")
     for name in ("min_damping", "max_damping", "damping_adaptation_decay"):
       value = getattr(self, name)
+      if isinstance(value, (np.ndarray, jax.Array)) and value.shape == ():
+        value = value.item()  # A 0-d array stands for its number.
       if isinstance(value, (bool, np.bool_)) or not isinstance(
           value, (numbers.Real, np.floating, np.integer)):
         raise TypeError(f"AdaptiveConfig.{name} must be a real number; got "
-                        f"{value!r} ({type(value).__name__}).")
+                        f"{getattr(self, name)!r} "
+                        f"({type(getattr(self, name)).__name__}).")
+      if not np.isfinite(value):
+        raise ValueError(f"AdaptiveConfig.{name} must be finite; got "
+                         f"{value!r}.")
     # λ is float32 in the state: a floor that is 0 (or subnormal, which XLA
     # may flush to 0) there would let λ reach 0, from which the rule's λ/ω
     # can never grow back.
@@ -113,7 +122,9 @@ class AdaptiveConfig(NamedTuple):
           f"AdaptiveConfig.min_damping={self.min_damping!r} is below "
           f"float32's smallest normal number, {float(tiny):.3g} (λ is "
           "float32): λ could reach 0 and stay there.")
-    if not np.isfinite(np.float32(self.max_damping)):
+    with np.errstate(over="ignore"):
+      max_damping = np.float32(self.max_damping)
+    if not np.isfinite(max_damping):
       raise ValueError(
           f"AdaptiveConfig.max_damping={self.max_damping!r} is past float32's "
           f"largest value, {float(np.finfo(np.float32).max):.3g} (λ is "
@@ -126,15 +137,23 @@ class AdaptiveConfig(NamedTuple):
     if not 0 < self.damping_adaptation_decay < 1:
       raise ValueError("AdaptiveConfig.damping_adaptation_decay must be in "
                        f"(0, 1); got {self.damping_adaptation_decay!r}.")
-    interval = self.damping_adaptation_interval
-    if isinstance(interval, bool) or not isinstance(
-        interval, (int, np.integer)) or interval < 1:
-      raise ValueError("AdaptiveConfig.damping_adaptation_interval must be a "
-                       f"positive integer; got {interval!r}.")
+    interval = hp.static_positive_integer(
+        "AdaptiveConfig.damping_adaptation_interval",
+        self.damping_adaptation_interval)
+    if interval > np.iinfo(np.int32).max:
+      raise ValueError(
+          "AdaptiveConfig.damping_adaptation_interval must fit in int32 (the "
+          f"step count's type); got {interval}.")
+    # λ is float32: an ω = decay^interval that rounds to 1 there never moves
+    # it.
+    if np.float32(float(self.damping_adaptation_decay)**interval) == 1:
+      raise ValueError(
+          "AdaptiveConfig: ω = damping_adaptation_decay^"
+          "damping_adaptation_interval = "
+          f"{float(self.damping_adaptation_decay)!r}^{interval} rounds to 1 in "
+          "float32 (λ's type), so λ would never change; use a smaller decay.")
     for name in ("use_momentum", "include_damping_in_quadratic_change"):
-      if not isinstance(getattr(self, name), (bool, np.bool_)):
-        raise TypeError(f"AdaptiveConfig.{name} must be a bool; got "
-                        f"{getattr(self, name)!r}.")
+      hp.static_bool(f"AdaptiveConfig.{name}", getattr(self, name))
     return self
 
 

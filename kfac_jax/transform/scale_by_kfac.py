@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
-import numpy as np
 import optax
 
 from kfac_jax.capture import layers as layers_lib
@@ -269,10 +268,6 @@ def scale_by_kfac(
   method = ComputeMethod.parse(compute_method)
   accumulation_steps = hp.static_positive_integer("accumulation_steps",
                                                   accumulation_steps)
-  if not isinstance(compute_eigenvalue_outer_product, (bool, np.bool_)):
-    raise TypeError(
-        "compute_eigenvalue_outer_product must be a bool; got "
-        f"{compute_eigenvalue_outer_product!r}.")
   skip = layers_lib.compile_patterns(skip_layers)
   if layers is not None and not (isinstance(layers, Mapping) and all(
       isinstance(layer, LayerInfo) for layer in layers.values())):
@@ -306,9 +301,8 @@ def scale_by_kfac(
           "lies outside the range the rule keeps λ in, AdaptiveConfig's "
           f"[min_damping={adaptive.min_damping!r}, "
           f"max_damping={adaptive.max_damping!r}].")
-  if not isinstance(precondition_embeddings, (bool, np.bool_)):
-    raise TypeError("precondition_embeddings must be a bool; got "
-                    f"{precondition_embeddings!r}.")
+  precondition_embeddings = hp.static_bool("precondition_embeddings",
+                                           precondition_embeddings)
   if precondition_embeddings and table is None:
     raise ValueError(
         "precondition_embeddings=True needs the layer table: "
@@ -335,9 +329,8 @@ def scale_by_kfac(
   if factor_batch_size is not None:
     factor_batch_size = hp.static_positive_integer("factor_batch_size",
                                                    factor_batch_size)
-  if not isinstance(gradient_from_stats, (bool, np.bool_)):
-    raise TypeError("gradient_from_stats must be a bool; got "
-                    f"{gradient_from_stats!r}.")
+  gradient_from_stats = hp.static_bool("gradient_from_stats",
+                                       gradient_from_stats)
   if gradient_from_stats and accumulation_steps != 1:
     raise ValueError(
         "scale_by_kfac(gradient_from_stats=True) reads each step's gradient "
@@ -392,6 +385,7 @@ def scale_by_kfac(
     if params_partition_specs is not None:
       placement_lib.check_params_specs(params, params_partition_specs)
     layers = find_layers(params, warn_untraced=True)
+    layers_lib.warn_unmatched_skips(params, skip, table)
     factors = {}
     for layer in layers.values():
       kernel = layers_lib.get_layer_params(params, layer)[layer.kernel_key]
@@ -548,6 +542,12 @@ def scale_by_kfac(
     _check_no_variables(updates)
     if adaptive is not None:
       _check_split_loss(split_loss, params)
+    elif split_loss is not None:
+      # Likely meant for the adaptive mode, which this transformation is not.
+      raise ValueError(
+          "update got split_loss, which only scale_by_kfac(adaptive="
+          "kfac_jax.AdaptiveConfig(...)) reads; this one was built without "
+          "adaptive. Pass adaptive=... to scale_by_kfac, or drop split_loss.")
     layers = find_layers(updates)
     sharded = {}
     if params_partition_specs is not None:
@@ -659,7 +659,9 @@ def make_placement(
   method = make_method(
       use_eigen=ComputeMethod.parse(compute_method) is ComputeMethod.EIGEN,
       dtype=hp.preconditioner_dtype("inv_dtype", inv_dtype),
-      precompute_damped_inverse=compute_eigenvalue_outer_product,
+      precompute_damped_inverse=hp.static_bool(
+          "compute_eigenvalue_outer_product",
+          compute_eigenvalue_outer_product),
       decomposition_batch_size=decomposition_batch_size)
   distribution = strategy.make_config(mesh_axes, grad_worker_fraction,
                                       assignment_strategy)
