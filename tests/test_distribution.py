@@ -331,6 +331,40 @@ def test_an_unconstrained_entry_in_params_specs_names_no_axis():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
+def test_a_rejected_decomposition_on_a_mesh_keeps_the_layers_row():
+  """The mesh placement's form of test_numerics'
+  test_non_finite_decomposition_keeps_the_previous_one: a layer whose
+  decomposition fails keeps its packed preconditioner, not the identity."""
+  model = TwoLayers()
+  x = jax.random.normal(jax.random.key(0), (8, 4))
+  params = model.init(jax.random.key(1), x)["params"]
+  loss_fn = lambda p: jnp.mean(model.apply({"params": p}, x)**2)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  kwargs = dict(damping=0.01, compute_method="inverse", kl_clip=None,
+                mesh_axes="devices")
+  with jax.set_mesh(jax.make_mesh((1,), ("devices",))):
+    tx = kfac_jax.scale_by_kfac(**kwargs)
+    _, state = tx.update(grads, tx.init(params), params, kfac_stats=stats)
+    previous = np.asarray(state.preconditioners.rows)
+    assert not np.allclose(previous, np.asarray(
+        tx.init(params).preconditioners.rows))
+    # Indefinite beyond the damping (finite, so not restarted): Cholesky
+    # fails; no factor update replaces it.
+    broken = dict(state.factors)
+    broken["Dense_0"] = broken["Dense_0"]._replace(
+        activation_factor=-1e3 * jnp.eye(6, dtype=jnp.float32))
+    frozen = kfac_jax.scale_by_kfac(factor_update_steps=1000, **kwargs)
+    updates, state = frozen.update(
+        grads, state._replace(factors=broken, count=jnp.int32(1)), params,
+        kfac_stats=stats)
+  assert int(state.rejected_decompositions) == 1
+  # The other layer decomposes its unchanged factors again: the same row
+  # throughout.
+  np.testing.assert_allclose(np.asarray(state.preconditioners.rows), previous,
+                             rtol=1e-6, atol=1e-7)
+  assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
+
+
 def test_partition_specs_inside_multi_transform_keep_the_masked_nodes():
   """K-FAC on part of the params (optax.multi_transform, Adam on the rest):
   the accumulated gradients and Adam's moments are masked trees. With

@@ -120,9 +120,47 @@ def test_corrupted_factors_restart(compute_method):
   # The corrupted factor restarts from the identity at the next
   # decomposition (every step here): the decomposition, the update and the
   # state stay finite.
-  updates, state = step(params, state._replace(factors=corrupted), *sample())
+  x, y = sample()
+  updates, state = step(params, state._replace(factors=corrupted), x, y)
   assert _all_finite(updates) and _all_finite(state)
   assert int(state.rejected_decompositions) == 0
+  # Restarted, then averaged with this batch: 0.95·I + 0.05·E[a aᵀ], a = [x; 1]
+  # (Dense_0's input is the data).
+  inputs = np.concatenate([x, np.ones((len(x), 1))], axis=1).astype(np.float64)
+  expected = 0.95 * np.eye(5) + 0.05 * inputs.T @ inputs / len(x)
+  np.testing.assert_allclose(state.factors["Dense_0"].activation_factor,
+                             expected, rtol=1e-5, atol=1e-6)
+  # Its uncorrupted partner G averages on as before.
+  assert not np.allclose(state.factors["Dense_0"].gradient_factor,
+                         0.95 * np.eye(8), atol=1e-3)
+
+
+def test_bad_batches_off_factor_steps_are_not_counted_as_skipped():
+  # Only a factor step's batch enters the factors: a bad one elsewhere skips
+  # nothing, so skipped_factor_updates counts factor steps alone.
+  params, sample, loss_fn = _problem()
+  tx = kfac_jax.scale_by_kfac(damping=1e-2, factor_update_steps=2)
+
+  @jax.jit
+  def step(params, state, x, y):
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+    return tx.update(grads, state, params, kfac_stats=stats)[1]
+
+  state = tx.init(params)
+  for t, poisoned in enumerate([False, True, False, True, True]):
+    x, y = sample()
+    if poisoned:
+      x[0, 0] = np.nan
+    if t == 3:  # A corrupted factor makes step 3 restart it off a factor step.
+      factors = dict(state.factors)
+      factors["Dense_1"] = factors["Dense_1"]._replace(
+          gradient_factor=factors["Dense_1"].gradient_factor.at[0, 0].set(
+              np.inf))
+      state = state._replace(factors=factors)
+    state = step(params, state, x, y)
+  # Steps 1 and 3 are off factor steps; step 4 is a factor step.
+  assert int(state.skipped_factor_updates) == 1
+  assert _all_finite(state)
 
 
 class WideRegressor(nn.Module):

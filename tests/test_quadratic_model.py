@@ -154,7 +154,9 @@ def test_zero_previous_update_falls_back_to_the_learning_rate_alone():
   np.testing.assert_allclose(np.asarray(coefficients), [1.0, 0.0])
 
 
+# Martens & Grosse: λω when ρ > ¾, λ/ω when ρ < ¼; the bounds keep λ.
 @pytest.mark.parametrize("ratio, factor", [(0.9, 0.5), (0.5, 1.0), (0.1, 2.0),
+                                           (0.75, 1.0), (0.25, 1.0),
                                            (np.nan, 2.0)])
 def test_levenberg_marquardt_rule(ratio, factor):
   config = kfac_jax.AdaptiveConfig(damping_adaptation_decay=0.5**0.5,
@@ -545,6 +547,43 @@ def test_factored_damping_splits_lambda_by_the_trace_ratio():
       np.linalg.inv(activation + pi * np.sqrt(damping) * np.eye(5)) @ grad @
       np.linalg.inv(gradient + np.sqrt(damping) / pi * np.eye(3)))
   np.testing.assert_allclose(result, expected, rtol=1e-4)
+
+
+def test_inverse_direction_keeps_its_scale_against_unregistered_params():
+  """Adaptive inverse method: the direction is ``(A + π√λI)⁻¹ ∇ (G +
+  √λ/π I)⁻¹`` on a registered layer beside the raw ``∇`` of a skipped one,
+  so ``v = αΔ`` is one multiple of both. Without the ``/λ`` that undoes
+  ``factored_damping_scaled``'s factor the registered part came out λ times
+  too large (invisible when every parameter is registered: α absorbs it)."""
+  params, batch, split, loss_fn = sigmoid_problem()
+  damping = 10.0
+  tx = kfac_jax.scale_by_kfac(
+      damping=damping, kl_clip=None, compute_method="inverse",
+      skip_layers="Dense_1",
+      adaptive=kfac_jax.AdaptiveConfig(use_momentum=False))
+  _, _, history = run_steps(tx, params, batch, split, loss_fn, 2)
+  _, _, updates, grads, _ = history[0]
+  factors = history[1][1].factors["Dense_0"]
+  activation = np.asarray(factors.activation_factor, np.float64)
+  gradient = np.asarray(factors.gradient_factor, np.float64)
+  pi = np.sqrt((np.trace(activation) / len(activation)) /
+               (np.trace(gradient) / len(gradient)))
+  root = np.sqrt(damping)
+  layer_gradient = np.concatenate(
+      [grads["Dense_0"]["kernel"], grads["Dense_0"]["bias"][None]])
+  layer_direction = (
+      np.linalg.inv(activation + pi * root * np.eye(len(activation))) @
+      layer_gradient @
+      np.linalg.inv(gradient + root / pi * np.eye(len(gradient))))
+  direction = np.concatenate([layer_direction.ravel(), flat64(
+      grads["Dense_1"])])
+  update = np.concatenate([np.concatenate(
+      [updates["Dense_0"]["kernel"], updates["Dense_0"]["bias"][None]]
+  ).ravel(), flat64(updates["Dense_1"])])
+  alpha = (update @ direction) / (direction @ direction)
+  assert alpha < 0
+  np.testing.assert_allclose(update, alpha * direction, rtol=1e-3,
+                             atol=1e-4 * np.abs(update).max())
 
 
 def test_factored_damping_of_far_apart_traces_does_not_overflow():

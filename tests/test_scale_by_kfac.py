@@ -157,6 +157,13 @@ def test_accumulation(kind):
                   inv_update_steps=2)
 
 
+def test_accumulation_with_factor_updates_every_other_step():
+  # The micro-batches' factor sums follow the optimizer step's count: summed
+  # on factor steps only, zeros blended in otherwise.
+  run_and_compare("mlp", True, steps=4, accumulation_steps=2,
+                  factor_update_steps=2, inv_update_steps=2)
+
+
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 def test_accumulation_steps_equal_one_step_on_the_concatenated_batch(kind):
   # G was the mean of the micro-batches' G: k² times the concatenated
@@ -413,8 +420,10 @@ def test_layers_masked_out_by_the_chain_are_left_alone(wrap, labels_as):
                            skip_layers=["^Dense_1$"])
   expected, _ = skipping.update(grads, skipping.init(params), params,
                                 kfac_stats=stats)
-  # One jitted, the other not: float32 rounding apart.
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5),
+  # One jitted, the other not: float32 rounding apart (2.2e-5 relative in
+  # one entry with --xla_cpu_multi_thread_eigen=false, a reduction order).
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=1e-4, atol=1e-6 * np.abs(b).max()),
                updates["Dense_0"], expected["Dense_0"])
   head = (optax.adam(1e-3).update(grads["Dense_1"], optax.adam(1e-3).init(
       params["Dense_1"]))[0] if wrap == "multi_transform" else
