@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import flax.linen as nn
 from flax import nnx
 import jax
@@ -9,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec
 
 import kfac_jax
 from kfac_jax.factors.batch import batch_factors
@@ -172,6 +175,35 @@ def test_a_list_layer_withheld_by_multi_transform_goes_to_adam():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
                nnx.state(model.blocks[1], nnx.Param),
                optax.apply_updates(before, adam_step))
+
+
+def test_full_params_specs_inside_multi_transform_under_nnx_optimizer():
+  # nnx.Optimizer hands init Param(MaskedNode()) for the params withheld
+  # from K-FAC; the full tree of specs was refused ("must have the structure
+  # of the params").
+  x, target = _data()
+  labels = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: "adam" if path[0].key == "heads" else "kfac", params)
+  params = nnx.pure(nnx.state(NnxModel(nnx.Rngs(0)), nnx.Param))
+  specs = jax.tree.map(lambda p: PartitionSpec(), params)
+  mesh = jax.make_mesh((1,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  updated = []
+  for kwargs in ({}, dict(params_partition_specs=specs)):
+    with jax.set_mesh(mesh):
+      model = NnxModel(nnx.Rngs(0))
+      table = kfac_jax.trace_layers(_nnx_loss, model, x, target,
+                                    skip_layers="^heads$")
+      optimizer = nnx.Optimizer(model, optax.multi_transform(
+          {"kfac": kfac_jax.scale_by_kfac(damping=0.01, skip_layers="^heads$",
+                                          layers=table, **kwargs),
+           "adam": optax.adam(1e-3)}, labels), wrt=nnx.Param)
+      _, grads, stats = kfac_jax.value_grad_and_stats(
+          _nnx_loss, skip_layers="^heads$")(model, x, target)
+      optimizer.update(model, grads, kfac_stats=stats)
+      updated.append(nnx.state(model, nnx.Param))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6,
+                                                       atol=1e-7), *updated)
 
 
 def test_gradient_from_stats_through_nnx_matches_the_dense_linen_path():
@@ -783,7 +815,10 @@ def test_layers_frozen_by_the_optimizers_wrt_filter_go_in_skip_layers():
   with pytest.raises(ValueError, match=r"\['hidden'\].*skip_layers"):
     optimizer_of(NnxModel(nnx.Rngs(0)), None)
   model = NnxModel(nnx.Rngs(0))
-  optimizer = optimizer_of(model, ["^hidden$"])
+  # The pattern names a layer the params lack: no "skips nothing" warning.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    optimizer = optimizer_of(model, ["^hidden$"])
   frozen = nnx.state(model, nnx.PathContains("hidden"))
   _, grads, stats = kfac_jax.value_grad_and_stats(
       _nnx_loss, skip_layers=["^hidden$"])(model, x, target)

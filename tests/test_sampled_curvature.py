@@ -131,6 +131,9 @@ def test_integer_outputs_and_a_key_that_is_not_one_are_named(fn):
   for bad_key in (0, None, jax.random.split(key, 4)):
     with pytest.raises(TypeError, match=f"{fn}: key must be one JAX PRNG key"):
       curvature(jnp.ones((4, 3)), bad_key)
-  # Raw uint32 keys (jax.random.PRNGKey) are keys too.
+  # Raw uint32 keys (jax.random.PRNGKey) are keys too, [4] ones for rbg.
   assert np.isfinite(float(curvature(jnp.ones((4, 3)),
                                      jax.random.PRNGKey(0))))
+  with jax.default_prng_impl("unsafe_rbg"):
+    assert np.isfinite(float(curvature(jnp.ones((4, 3)),
+                                       jax.random.PRNGKey(0))))

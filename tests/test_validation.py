@@ -60,6 +60,8 @@ import kfac_jax
     (dict(inv_dtype="float64"), ValueError, "inv_dtype=float64 needs 64-bit mode"),
     # Said "must be >= 0 (as float32)" of a positive value past float32.
     (dict(learning_rate=1e39), ValueError, "learning_rate=1e\\+39 does not fit in float32"),
+    # Out of range and past float32: the range is what to fix.
+    (dict(learning_rate=-1e39), ValueError, "learning_rate must be >= 0"),
     (dict(damping=float("inf")), ValueError, "damping must be > 0.*and finite; got inf"),
     (dict(inv_update_steps=2**40), ValueError, "does not fit in int32"),
     (dict(inv_update_steps=optax.piecewise_constant_schedule(10, {5: 2.0})),
@@ -108,6 +110,30 @@ def test_numpy_and_jax_scalars_stand_for_their_values():
   kfac_jax.kfac(0.1, momentum=0.9, nesterov=jnp.asarray(True))
 
 
+def test_traced_static_arguments_name_the_static_arg_to_give():
+  # optax.inject_hyperparams hands numeric arguments as arrays: traced in a
+  # jitted update, where grad_worker_fraction failed in .item() and an
+  # AdaptiveConfig field named itself (not a static_args name).
+  model = nn.Dense(3)
+  x = jnp.ones((4, 2))
+  params = model.init(jax.random.key(0), x)["params"]
+  _, grads, stats = kfac_jax.value_grad_and_stats(
+      lambda p: jnp.mean(model.apply({"params": p}, x)**2))(params)
+  with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+    tx = optax.inject_hyperparams(
+        kfac_jax.scale_by_kfac, static_args=("accumulation_steps",))(
+            mesh_axes="data", grad_worker_fraction=0.5)
+    state = tx.init(params)
+    with pytest.raises(TypeError, match=r"static_args=\('grad_worker_fraction',"
+                       r"\)"):
+      jax.jit(lambda g, s: tx.update(g, s, params, kfac_stats=stats))(grads,
+                                                                      state)
+  with pytest.raises(TypeError, match=r"AdaptiveConfig.use_momentum.*"
+                     r"static_args=\('adaptive',\)"):
+    jax.jit(lambda flag: kfac_jax.AdaptiveConfig(use_momentum=flag).check())(
+        jnp.asarray(True))
+
+
 def test_capture_arguments_are_checked_when_built():
   model = nn.Dense(3)
   x = jnp.ones((4, 2))
@@ -118,6 +144,7 @@ def test_capture_arguments_are_checked_when_built():
     kfac_jax.trace_layers(None, params)
   with pytest.raises(TypeError, match="has_aux must be True or False"):
     kfac_jax.value_grad_and_stats(lambda p: 0.0, has_aux="yes")
+  kfac_jax.value_grad_and_stats(lambda p: 0.0, has_aux=jnp.asarray(False))
   # As jax.grad: the gradient of an integer loss came out all zeros.
   argmax = lambda p: jnp.argmax(model.apply({"params": p}, x))
   with pytest.raises(TypeError, match="floating-point scalar; got dtype int32"):

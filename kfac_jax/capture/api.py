@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 from flax import nnx
 
 from kfac_jax.capture import flax_linen
 from kfac_jax.capture import flax_nnx
 from kfac_jax.capture.layers import TracedLayers, compile_patterns
 from kfac_jax.capture.statistics import LayerStatistics
+from kfac_jax.static_args import static_bool
 
 
 def _front_end(params_or_model: Any):
@@ -59,10 +59,7 @@ def value_grad_and_stats(
   """
 
   _check_callable(fun, "value_grad_and_stats")
-  if not isinstance(has_aux, (bool, np.bool_)):
-    raise TypeError(
-        f"value_grad_and_stats: has_aux must be True or False; got "
-        f"{has_aux!r}.")
+  has_aux = static_bool("value_grad_and_stats: has_aux", has_aux)
   skip = compile_patterns(skip_layers)
 
   def value_grads_and_stats(params_or_model: Any, *args: Any, **kwargs: Any):

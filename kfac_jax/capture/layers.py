@@ -325,34 +325,41 @@ def find_layers(params: Any,
   return layers
 
 
-def warn_unmatched_skips(params: Any, skip: Sequence[re.Pattern[str]],
-                         table: LayerTable | None) -> None:
+def warn_unmatched_skips(params: Any,
+                         skip: Sequence[re.Pattern[str]]) -> None:
   """Warns once per ``skip`` pattern that matches no module path of
-  ``params`` (nor, with a table, a layer's class name): it skips nothing,
-  likely a typo."""
+  ``params``: it skips nothing, likely a typo (or a class name, which needs
+  the layer table).
+
+  Called without a table only: with one, a pattern may name a layer that
+  ``trace_layers`` left out and the params lack (frozen by ``nnx.Optimizer``'s
+  ``wrt``), as the table's error advises. Params the chain withholds in part
+  (an ``optax.MaskedNode`` for a module hides the paths below it) get no
+  warning either.
+  """
   names: set[str] = set()
+  withheld = False
 
   def visit(node: Any, path: tuple[str, ...]) -> None:
-    if _is_masked(node) or isinstance(node, Mapping):
+    nonlocal withheld
+    if _is_masked(node):
+      withheld = True
+    elif isinstance(node, Mapping):
       names.add(layer_name(path))
-    if isinstance(node, Mapping):
       for key, child in node.items():
         visit(child, path + (key,))
 
   visit(params, ())
-  classes = set() if table is None else {
-      layer.module_type or "" for layer in table.values()} | set(
-          getattr(table, "skipped_classes", {}).values())
+  if withheld:
+    return
   modules = sorted(names - {""})
   for pattern in skip:
-    if not matches_any((pattern,), *names, *classes):
+    if not matches_any((pattern,), *names):
       warnings.warn(
           f"skip_layers pattern {pattern.pattern!r} matches no module path of "
-          f"the params{' nor a class name of the layer table' if table else ''}"
-          f", so it skips nothing. Patterns are searched (re.search) in paths "
-          f"such as {modules[:3]}" + (
-              "" if table else "; class names need the layer table, "
-              "layers=kfac_jax.trace_layers(...)") + ".", stacklevel=4)
+          "the params, so it skips nothing. Patterns are searched (re.search) "
+          f"in paths such as {modules[:3]}; class names need the layer table, "
+          "layers=kfac_jax.trace_layers(...).", stacklevel=3)
 
 
 def _is_masked(leaf: Any) -> bool:

@@ -51,7 +51,8 @@ def _check(outputs: jax.Array, key: jax.Array, caller: str) -> None:
   dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
   typed = dtype is not None and jax.dtypes.issubdtype(dtype,
                                                       jax.dtypes.prng_key)
-  raw = dtype == jnp.uint32 and shape == (2,)  # jax.random.PRNGKey(seed)
+  # jax.random.PRNGKey(seed): uint32 [2] for threefry, [4] for rbg.
+  raw = dtype == jnp.uint32 and shape is not None and len(shape) == 1
   if not ((typed and shape == ()) or raw):
     raise TypeError(
         f"sampled_curvature.{caller}: key must be one JAX PRNG key "

@@ -443,14 +443,18 @@ def check_params_specs(params: Any, params_specs: Any) -> Any:
 
 def _specs_of_held(params_specs: Any, params: Any) -> Any:
   """``params_specs`` with ``None`` specs as ``P()``, and the params' own
-  empty node where they hold none: ``optax.MaskedNode`` where a chain
+  node where they hold no array: ``optax.MaskedNode``s where a chain
   withholds them (``optax.multi_transform``, ``optax.masked``; a whole
-  module at once when the mask is a prefix), or ``None``.
+  module at once when the mask is a prefix; ``nnx.Optimizer`` wraps each
+  in its ``nnx.Param``), or ``None``.
 
   Specs and params are walked a level at a time; where their structures part,
   the specs are left as given for ``check_params_specs`` to report.
   """
-  if params is None or isinstance(params, optax.MaskedNode):
+  is_masked = lambda node: isinstance(node, optax.MaskedNode)
+  held = jax.tree.leaves(params, is_leaf=is_masked)
+  # nnx.Optimizer wraps them: Param(MaskedNode()).
+  if params is None or (held and all(map(is_masked, held))):
     return params
   if params_specs is None:
     return PartitionSpec()

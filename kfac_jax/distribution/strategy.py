@@ -18,9 +18,8 @@ import numbers
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 
-from kfac_jax.enum_args import parse_enum
+from kfac_jax.static_args import parse_enum, static_scalar
 
 
 class DistributedStrategy(enum.Enum):
@@ -110,9 +109,7 @@ def group_size(config: DistributionConfig, mesh: jax.sharding.AbstractMesh | jax
 def _parse_fraction(value: object) -> DistributedStrategy | float:
   if isinstance(value, (DistributedStrategy, str)):
     return parse_enum(DistributedStrategy, "grad_worker_fraction", value)
-  if isinstance(value, (np.ndarray, jax.Array)) and value.shape == () and (
-      np.issubdtype(value.dtype, np.floating)):
-    value = value.item()  # A 0-d array stands for its number.
+  value = static_scalar("grad_worker_fraction", value)
   if (isinstance(value, numbers.Real) and not isinstance(value, bool) and
       0 < float(value) <= 1):  # NaN fails both comparisons.
     return float(value)

@@ -7,10 +7,9 @@ from typing import Any
 
 import optax
 
+from kfac_jax.static_args import static_bool, static_positive_integer
 from kfac_jax.transform.hyperparameters import (ScalarOrSchedule,
-                                                hyperparameter, non_negative,
-                                                static_bool,
-                                                static_positive_integer)
+                                                hyperparameter, non_negative)
 from kfac_jax.transform.scale_by_kfac import DEFAULT_DAMPING, scale_by_kfac
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import numbers
-import operator
 from collections.abc import Callable
 from typing import Union
 
@@ -23,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax.enum_args import parse_enum
+from kfac_jax.static_args import parse_enum
 
 Schedule = Callable[[jax.Array], jax.typing.ArrayLike]
 ScalarOrSchedule = Union[float, int, Schedule]
@@ -132,14 +131,14 @@ def hyperparameter(name: str,
     with np.errstate(over="ignore", under="ignore"):
       scalar = np.float32(scalar).item()
     representable = np.isfinite(scalar)
-  if not representable:
-    if not np.isfinite(float(given)):
-      raise ValueError(f"{name} must be {requirement} and finite; got "
-                       f"{given!r}{source}.")
+  if not np.isfinite(float(given)):
+    raise ValueError(f"{name} must be {requirement} and finite; got "
+                     f"{given!r}{source}.")
+  if bool(is_valid(given)) and not representable:
     raise ValueError(
         f"{name}={given!r}{source} does not fit in "
         f"{'int32' if integer else 'float32'}, the type update uses.")
-  if not bool(is_valid(scalar)):
+  if not representable or not bool(is_valid(scalar)):
     raise ValueError(
         f"{name} must be {requirement} (as {'int32' if integer else 'float32'}); "
         f"got {given!r}{source}.")
@@ -172,39 +171,6 @@ def _call_schedule(name: str, schedule: Schedule) -> jax.typing.ArrayLike:
         "jax can trace (use jnp.where, not Python if, on the step); calling it "
         f"failed with {type(e).__name__}: {e}") from e
   return sample
-
-
-def static_positive_integer(name: str, value: object) -> int:
-  """A Python-side positive integer (NumPy integers accepted, bools not)."""
-  if isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be a positive integer; got {value!r}.")
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(
-        f"{name} fixes the shape of the program and cannot be traced; with "
-        f"optax.inject_hyperparams, pass static_args=({name!r},).")
-  try:
-    integer = operator.index(value)
-  except TypeError as e:
-    raise TypeError(
-        f"{name} must be a positive integer; got {value!r} "
-        f"({type(value).__name__}).") from e
-  if integer < 1:
-    raise ValueError(f"{name} must be a positive integer; got {value!r}.")
-  return integer
-
-
-def static_bool(name: str, value: object) -> bool:
-  """A Python-side flag: a bool, NumPy bool or concrete 0-d bool array."""
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(
-        f"{name} changes the program and cannot be traced; with "
-        f"optax.inject_hyperparams, pass static_args=({name!r},).")
-  if isinstance(value, (bool, np.bool_)) or (
-      isinstance(value, (np.ndarray, jax.Array)) and value.shape == () and
-      value.dtype == np.bool_):
-    return bool(value)
-  raise TypeError(f"{name} must be True or False; got {value!r} "
-                  f"({type(value).__name__}).")
 
 
 def positive(name: str, value: ScalarOrSchedule) -> Hyperparameter:

@@ -32,8 +32,8 @@ import numpy as np
 import optax
 
 from kfac_jax import finite
+from kfac_jax import static_args
 from kfac_jax.factors.batch import tree_inner_products
-from kfac_jax.transform import hyperparameters as hp
 
 # Below this determinant (relative to the diagonal's product) the 2×2 system
 # is treated as singular: δ is (nearly) parallel to Δ, or δ = 0 at step 0.
@@ -102,9 +102,8 @@ class AdaptiveConfig(NamedTuple):
       raise TypeError(f"adaptive must be a kfac_jax.AdaptiveConfig; got "
                       f"{type(self).__name__}{advice}.")
     for name in ("min_damping", "max_damping", "damping_adaptation_decay"):
-      value = getattr(self, name)
-      if isinstance(value, (np.ndarray, jax.Array)) and value.shape == ():
-        value = value.item()  # A 0-d array stands for its number.
+      value = static_args.static_scalar(f"AdaptiveConfig.{name}",
+                                        getattr(self, name), "adaptive")
       if isinstance(value, (bool, np.bool_)) or not isinstance(
           value, (numbers.Real, np.floating, np.integer)):
         raise TypeError(f"AdaptiveConfig.{name} must be a real number; got "
@@ -137,9 +136,9 @@ class AdaptiveConfig(NamedTuple):
     if not 0 < self.damping_adaptation_decay < 1:
       raise ValueError("AdaptiveConfig.damping_adaptation_decay must be in "
                        f"(0, 1); got {self.damping_adaptation_decay!r}.")
-    interval = hp.static_positive_integer(
+    interval = static_args.static_positive_integer(
         "AdaptiveConfig.damping_adaptation_interval",
-        self.damping_adaptation_interval)
+        self.damping_adaptation_interval, "adaptive")
     if interval > np.iinfo(np.int32).max:
       raise ValueError(
           "AdaptiveConfig.damping_adaptation_interval must fit in int32 (the "
@@ -153,7 +152,8 @@ class AdaptiveConfig(NamedTuple):
           f"{float(self.damping_adaptation_decay)!r}^{interval} rounds to 1 in "
           "float32 (λ's type), so λ would never change; use a smaller decay.")
     for name in ("use_momentum", "include_damping_in_quadratic_change"):
-      hp.static_bool(f"AdaptiveConfig.{name}", getattr(self, name))
+      static_args.static_bool(f"AdaptiveConfig.{name}", getattr(self, name),
+                              "adaptive")
     return self
 
 
