@@ -381,6 +381,24 @@ def test_a_root_layer_in_a_loop_or_a_reused_trace_is_refused():
     kfac_jax.value_grad_and_stats(twice)(params)
 
 
+def test_a_loss_calling_a_layer_more_often_than_in_the_shape_pass():
+  # The capture traces the loss twice (shapes, then values): a Python-side
+  # change between the traces gave an IndexError.
+  model, x, y, params = _two_dense_setup()
+  traces = []
+
+  def drifting(params):
+    traces.append(None)
+    out = model.apply({"params": params}, x)
+    if len(traces) > 1:
+      out = out + model.apply({"params": params}, x)
+    return 0.5 * jnp.sum((out - y)**2)
+
+  with pytest.raises(ValueError, match="called more often than in the shape "
+                     "pass"):
+    kfac_jax.value_grad_and_stats(drifting)(params)
+
+
 def test_a_loop_of_one_step_is_no_loop():
   model, x, y, params = _two_dense_setup()
   looped = lambda params: jax.lax.scan(

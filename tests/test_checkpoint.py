@@ -152,6 +152,44 @@ def test_left_out_preconditioners_are_recomputed_from_the_factors(
       train(step, params, opt_state, iter(later), 2))
 
 
+def test_a_full_save_restores_onto_a_target_without_preconditioners(
+    tmp_path):
+  # Restoring onto preconditioners=None (another device count or strategy
+  # next) reads only the factors; recomputing gives back the saved ones.
+  params, tx, step = make_training(inv_update_steps=1)
+  params, opt_state = train(step, params, tx.init(params), batches(), 2)
+  checkpoint.save(tmp_path / "ckpt", opt_state)
+  target = jax.eval_shape(lambda: opt_state)
+  target = (target[0]._replace(preconditioners=None),) + tuple(target[1:])
+  restored = checkpoint.restore(tmp_path / "ckpt", target)
+  assert restored[0].preconditioners is None
+  assert_bit_exact(restored[0].factors, opt_state[0].factors)
+  assert_bit_exact(restored[1:], opt_state[1:])
+  recomputed = checkpoint.recompute_preconditioners(restored, DAMPING)
+  for a, b in zip(jax.tree.leaves(recomputed[0].preconditioners),
+                  jax.tree.leaves(opt_state[0].preconditioners)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_recompute_reads_a_damping_schedule_at_the_states_count():
+  params, _, _ = make_training()
+  tx = kfac_jax.scale_by_kfac(damping=DAMPING)
+  state = tx.init(params)
+  _, grads, stats = kfac_jax.value_grad_and_stats(
+      lambda p: loss_fn(MLP(), p, *next(batches())))(params)
+  for _ in range(3):
+    _, state = tx.update(grads, state, params, kfac_stats=stats)
+  state = state._replace(preconditioners=None)
+  schedule = lambda step: jnp.where(step < 3, 1.0, 1e-3)
+  at_count = checkpoint.recompute_preconditioners(state, schedule)
+  constant = checkpoint.recompute_preconditioners(state, 1e-3)
+  at_start = checkpoint.recompute_preconditioners(state, 1.0)
+  assert_bit_exact(at_count.preconditioners, constant.preconditioners)
+  assert not all(np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(at_count.preconditioners),
+      jax.tree.leaves(at_start.preconditioners)))
+
+
 def test_recomputed_at_a_count_where_the_damping_schedule_is_bad():
   # update rejects the decompositions at such a count; recompute used the
   # bad λ (a negative one: mixed-sign preconditioners, uphill steps).

@@ -216,9 +216,14 @@ def test_mesh_axes_without_a_mesh_is_a_clear_error():
 
 
 @pytest.mark.parametrize("use_eigen", [True, False])
-def test_layout_packs_disjoint_segments_and_round_trips(use_eigen):
+@pytest.mark.parametrize("dims", [
+    {"a": (5, 3), "b": (4, 4), "c": (2, 6), "d": (7, 1), "e": (3, 3)},
+    # Devices 1 and 2 (of groups 0 and 1) together outweigh every group: a
+    # row sized over any two neighbours was too long.
+    {"l0": (27, 62), "l1": (57, 34), "l2": (8, 2), "l3": (12, 52),
+     "l4": (1, 64), "l5": (43, 32)}])
+def test_layout_packs_disjoint_segments_and_round_trips(use_eigen, dims):
   method = make_method(use_eigen, jnp.float32, precompute_damped_inverse=True)
-  dims = {"a": (5, 3), "b": (4, 4), "c": (2, 6), "d": (7, 1), "e": (3, 3)}
   plan = layout_lib.make_layout(dims, method.init, 4, 2,
                                 strategy_lib.AssignmentStrategy.MEMORY)
   for device in range(4):
@@ -329,6 +334,35 @@ def test_an_unconstrained_entry_in_params_specs_names_no_axis():
     updates, _ = tx.update(grads, tx.init(params), params, kfac_stats=stats)
   for got, want in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("compute_method", ["eigen", "inverse"])
+def test_bfloat16_preconditioners_on_a_mesh_are_packed_in_bfloat16(
+    compute_method):
+  # Rows of the storage dtype: float32 rows would double the memory that
+  # inv_dtype=bfloat16 is for (the local placement's arrays are bf16).
+  model = TwoLayers()
+  x = jax.random.normal(jax.random.key(0), (8, 4))
+  params = model.init(jax.random.key(1), x)["params"]
+  loss_fn = lambda p: jnp.mean(model.apply({"params": p}, x)**2)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  kwargs = dict(damping=0.01, compute_method=compute_method,
+                inv_dtype=jnp.bfloat16)
+  local = kfac_jax.scale_by_kfac(**kwargs)
+  local_state = local.update(grads, local.init(params), params,
+                             kfac_stats=stats)[1]
+  assert {x.dtype for x in jax.tree.leaves(local_state.preconditioners)} == {
+      jnp.dtype(jnp.bfloat16)}
+  with jax.set_mesh(jax.make_mesh((1,), ("devices",))):
+    tx = kfac_jax.scale_by_kfac(mesh_axes="devices", **kwargs)
+    state = tx.update(grads, tx.init(params), params, kfac_stats=stats)[1]
+    specs = kfac_jax.get_opt_state_partition_specs(params, mesh_axes="devices",
+                                                   **kwargs)
+  assert state.preconditioners.rows.dtype == jnp.bfloat16
+  assert specs.preconditioners.rows == PartitionSpec(("devices",))
+  # One device: the row is the local preconditioners packed in layout order.
+  assert state.preconditioners.rows.size == sum(
+      x.size for x in jax.tree.leaves(local_state.preconditioners))
 
 
 def test_a_rejected_decomposition_on_a_mesh_keeps_the_layers_row():

@@ -245,6 +245,13 @@ def test_schedules_that_go_out_of_range_later_leave_the_state_as_it_was():
                             steps=2)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
                state.preconditioners, two_steps.preconditioners)
+  # +inf passes `λ > 0`: refused as non-finite, not decomposed into zeros.
+  updates, state = _run_steps(kfac_jax.scale_by_kfac(
+      damping=bad_from_2(DAMPING, float("inf")), **base))
+  assert all(not np.any(u) for u in jax.tree.leaves(updates[2:]))
+  assert int(state.rejected_decompositions) == 2 * 2
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               state.preconditioners, two_steps.preconditioners)
 
   for bad in (float("nan"), 1.5):
     _, state = _run_steps(kfac_jax.scale_by_kfac(

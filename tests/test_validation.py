@@ -31,6 +31,8 @@ import kfac_jax
     (dict(learning_rate=float("nan")), ValueError, "learning_rate must be >= 0"),
     (dict(learning_rate=-0.1), ValueError, "learning_rate must be >= 0"),
     (dict(damping="big"), TypeError, "damping must be a real number"),
+    (dict(damping=True), TypeError, "damping must be a real number"),
+    (dict(kl_clip=lambda step: True), TypeError, "kl_clip must be a real number"),
     (dict(damping=lambda step: jnp.ones(2)), TypeError, r"damping must be a real scalar.*step 0"),
     (dict(damping=optax.linear_schedule(-1.0, 1.0, 10)), ValueError, "step 0"),
     (dict(accumulation_steps=0), ValueError, "accumulation_steps"),

@@ -63,7 +63,8 @@ class Hyperparameter:
     value = self.value(count) if callable(self.value) else self.value
     value = jnp.asarray(value, jnp.int32 if self.integer else jnp.float32)
     if self.integer and not self.checked:
-      # `count % 0` is `count`: a schedule reaching 0 stopped updates.
+      # `count % 0` is 0 in jnp (every step) but `count` in lax.rem (never
+      # again): an interval below 1 counts as 1 rather than either.
       value = jnp.maximum(value, 1)
     return value
 
