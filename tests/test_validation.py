@@ -157,11 +157,20 @@ def test_a_skip_pattern_that_matches_no_module_warns():
   model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
   x = jnp.ones((3, 5))
   params = model.init(jax.random.key(0), x)["params"]
+  _, grads, stats = kfac_jax.value_grad_and_stats(
+      lambda p: jnp.sum(model.apply({"params": p}, x)**2))(params)
+
+  def update(skip):
+    tx = kfac_jax.scale_by_kfac(skip_layers=skip)
+    return tx.update(grads, tx.init(params), params, kfac_stats=stats)[0]
+
   with pytest.warns(UserWarning, match="'layers_9' matches no module path"):
-    kfac_jax.scale_by_kfac(skip_layers=["layers_1", "layers_9"]).init(params)
+    update(["layers_1", "layers_9"])
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    kfac_jax.scale_by_kfac(skip_layers=["layers_1$", "^layers"]).init(params)
+    # Paths, prefixes, and the captured layers' class (Dense: it skips both).
+    updates = update(["layers_1$", "^layers", "^Dense$"])
+  jax.tree.map(np.testing.assert_array_equal, updates, grads)
 
 
 def test_tree_map_params_gets_a_clear_error():
@@ -455,19 +464,20 @@ def test_class_name_skip_without_a_table_says_to_skip_by_path():
   table = kfac_jax.trace_layers(loss_fn, params, skip_layers=skip)
   for tx, warned in [
       (kfac_jax.scale_by_kfac(skip_layers=skip + ["^features$"]),
-       # Without a table the class pattern skips nothing here: it says so.
-       [r"'\^Conv\$' matches no module path.*class names need the layer "
-        "table"]),
+       # Without a table the class pattern skips nothing here (the capture
+       # left the Conv out): it says so.
+       [r"'\^Conv\$' matches no module path of the params nor a class "
+        "name"]),
       # The table tells the class-skipped layer from an unknown module: no
       # warning (it warned that the layer was not captured).
       (kfac_jax.scale_by_kfac(skip_layers=skip, layers=table), [])]:
     with warnings.catch_warnings(record=True) as record:
       warnings.simplefilter("always")
       state = tx.init(params)
+      updates, _ = tx.update(grads, state, params, kfac_stats=stats)
     assert len(record) == len(warned), [str(w.message) for w in record]
     for w, pattern in zip(record, warned):
       assert re.search(pattern, str(w.message)), str(w.message)
-    updates, _ = tx.update(grads, state, params, kfac_stats=stats)
     # The skipped layer's gradient passes through as it is.
     jax.tree.map(np.testing.assert_array_equal, updates["features"],
                  grads["features"])

@@ -36,7 +36,7 @@ import dataclasses
 import math
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 KERNEL = "kernel"
@@ -325,17 +325,17 @@ def find_layers(params: Any,
   return layers
 
 
-def warn_unmatched_skips(params: Any,
-                         skip: Sequence[re.Pattern[str]]) -> None:
+def warn_unmatched_skips(params: Any, skip: Sequence[re.Pattern[str]],
+                         class_names: Collection[str]) -> None:
   """Warns once per ``skip`` pattern that matches no module path of
-  ``params``: it skips nothing, likely a typo (or a class name, which needs
-  the layer table).
+  ``params`` nor any of ``class_names`` (the captured layers' Flax
+  classes): it skips nothing, likely a typo.
 
-  Called without a table only: with one, a pattern may name a layer that
-  ``trace_layers`` left out and the params lack (frozen by ``nnx.Optimizer``'s
-  ``wrt``), as the table's error advises. Params the chain withholds in part
-  (an ``optax.MaskedNode`` for a module hides the paths below it) get no
-  warning either.
+  Called without a layer table only: with one, a pattern may name a layer
+  that ``trace_layers`` left out and the params lack (frozen by
+  ``nnx.Optimizer``'s ``wrt``), as the table's error advises. Params the
+  chain withholds in part (an ``optax.MaskedNode`` for a module hides the
+  paths below it) get no warning either.
   """
   names: set[str] = set()
   withheld = False
@@ -354,12 +354,12 @@ def warn_unmatched_skips(params: Any,
     return
   modules = sorted(names - {""})
   for pattern in skip:
-    if not matches_any((pattern,), *names):
+    if not matches_any((pattern,), *names, *class_names):
       warnings.warn(
           f"skip_layers pattern {pattern.pattern!r} matches no module path of "
-          "the params, so it skips nothing. Patterns are searched (re.search) "
-          f"in paths such as {modules[:3]}; class names need the layer table, "
-          "layers=kfac_jax.trace_layers(...).", stacklevel=3)
+          "the params nor a class name of the captured layers, so it skips "
+          "nothing. Patterns are searched (re.search) in paths such as "
+          f"{modules[:3]}.", stacklevel=3)
 
 
 def _is_masked(leaf: Any) -> bool:

@@ -386,8 +386,6 @@ def scale_by_kfac(
     if params_partition_specs is not None:
       placement_lib.check_params_specs(params, params_partition_specs)
     layers = find_layers(params, warn_untraced=True)
-    if table is None:
-      layers_lib.warn_unmatched_skips(params, skip)
     factors = {}
     for layer in layers.values():
       kernel = layers_lib.get_layer_params(params, layer)[layer.kernel_key]
@@ -566,6 +564,10 @@ def scale_by_kfac(
     _check_preconditioners(state.preconditioners, jax.eval_shape(
         lambda: placement.init(layers_lib.blocks_of(layers))))
     active = _check_stats(kfac_stats, layers, skip, updates)
+    if table is None:
+      layers_lib.warn_unmatched_skips(
+          updates, skip, {s.signature.module_type or ""
+                          for s in kfac_stats.values()})
 
     def stats_factors() -> dict[str, LayerFactors]:
       blocks = {}
