@@ -400,6 +400,35 @@ def test_unregistered_gradients_pass_through_and_skip_layers():
       assert same == (name not in preconditioned), (skip, layers, name)
 
 
+def test_a_skipped_module_leaves_every_layer_under_it():
+  # An anchored pattern naming a parent module matches none of its layers'
+  # own paths: the modules above each layer are tested too.
+  class Encoder(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return jnp.tanh(nn.Dense(4)(jnp.tanh(nn.Dense(6)(x))))
+
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(3, name="head")(Encoder(name="encoder")(x))
+
+  model = Model()
+  x = jnp.ones((4, 5))
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  _, grads, stats = kfac_jax.value_grad_and_stats(
+      lambda p: jnp.sum(model.apply({"params": p}, x)**2))(params)
+  tx = kfac_jax.scale_by_kfac(skip_layers=["^encoder$"])
+  state = tx.init(params)
+  assert sorted(state.factors) == ["head"]
+  updates, _ = tx.update(grads, state, params, kfac_stats=stats)
+  jax.tree.map(np.testing.assert_array_equal, updates["encoder"],
+               grads["encoder"])
+  assert not np.array_equal(updates["head"]["kernel"], grads["head"]["kernel"])
+
+
 @pytest.mark.parametrize("labels_as", ["leaves", "prefix"])
 @pytest.mark.parametrize("wrap", ["multi_transform", "masked"])
 def test_layers_masked_out_by_the_chain_are_left_alone(wrap, labels_as):
