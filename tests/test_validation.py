@@ -173,6 +173,38 @@ def test_a_skip_pattern_that_matches_no_module_warns():
   jax.tree.map(np.testing.assert_array_equal, updates, grads)
 
 
+def test_a_bias_that_does_not_fit_its_kernel_is_refused():
+  params = {"d": {"kernel": jnp.ones((5, 3)), "bias": jnp.ones(4)}}
+  with pytest.raises(ValueError, match="bias"):
+    kfac_jax.scale_by_kfac().init(params)
+
+
+def test_a_table_traced_with_a_bias_refuses_params_without_one():
+  x = jnp.ones((2, 5))
+  with_bias = nn.Dense(3)
+  table = kfac_jax.trace_layers(
+      lambda p: jnp.sum(with_bias.apply({"params": p}, x)),
+      with_bias.init(jax.random.key(0), x)["params"])
+  without = nn.Dense(3, use_bias=False).init(jax.random.key(0), x)["params"]
+  with pytest.raises(ValueError, match="Trace the table from the same params"):
+    kfac_jax.scale_by_kfac(layers=table).init(without)
+
+
+def test_a_class_name_skip_with_a_table_leaves_no_layer():
+  # The table traced without the skip knows each layer's class: the same
+  # state as when trace_layers got the skip too.
+  model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
+  x = jnp.ones((3, 5))
+  params = model.init(jax.random.key(0), x)["params"]
+  loss = lambda p: jnp.sum(model.apply({"params": p}, x)**2)
+  table = kfac_jax.trace_layers(loss, params)
+  assert sorted(kfac_jax.scale_by_kfac(layers=table).init(params).factors) == [
+      "layers_0", "layers_1"]
+  state = kfac_jax.scale_by_kfac(skip_layers=["Dense"], layers=table).init(
+      params)
+  assert not state.factors
+
+
 def test_tree_map_params_gets_a_clear_error():
   # Failed with "Dict key mismatch" deep in optax: init on a placeholder
   # finds no layers.
