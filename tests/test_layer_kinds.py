@@ -296,6 +296,25 @@ def test_scanned_model_matches_unrolled(remat):
           rtol=1e-4, atol=1e-6)
 
 
+def test_a_scanned_model_in_a_loop_of_its_own_length_is_refused():
+  """nn.scan over 3 stacked layers, applied in a lax.scan over 3
+  micro-batches that closes over the params: the loop matches the stack
+  axis's length, but that axis is the inner scan's, so the outer loop slices
+  nothing and would sum the micro-batches' probes."""
+  rng = np.random.default_rng(10)
+  micro_batches = jnp.asarray(rng.normal(size=(3, 4, 6, 4)), jnp.float32)
+  model = Scanned()
+  params = model.init(jax.random.PRNGKey(0), micro_batches[0])["params"]
+
+  def loss_fn(params):
+    def one(total, x):
+      return total + jnp.sum(model.apply({"params": params}, x)**2), None
+    return jax.lax.scan(one, 0.0, micro_batches)[0]
+
+  with pytest.raises(ValueError, match="runs inside a loop of 3 steps"):
+    kfac_jax.value_grad_and_stats(loss_fn)(params)
+
+
 def _train_step(loss_fn, tx, params, state):
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
   updates, state = tx.update(grads, state, params, kfac_stats=stats)
@@ -402,6 +421,44 @@ def test_embeddings_pass_through_unless_requested():
                              rtol=1e-3, atol=1e-4 * np.abs(expected["embed"]).max())
   with pytest.raises(ValueError, match="precondition_embeddings.*trace_layers"):
     kfac_jax.scale_by_kfac(precondition_embeddings=True)
+
+
+@pytest.mark.parametrize("labels_as", ["leaves", "prefix"])
+def test_an_embedding_withheld_by_the_chain_is_left_alone(labels_as):
+  """precondition_embeddings inside optax.multi_transform, Adam on the
+  Embed's table (labelled per leaf, or per module): the Dense layer is
+  preconditioned as without the embedding, the table gets Adam's update."""
+  model = EmbedThenDense()
+  rng = np.random.default_rng(8)
+  tokens = jnp.asarray(rng.integers(0, 7, size=(5, 6)), jnp.int32)
+  params = model.init(jax.random.PRNGKey(0), tokens)["params"]
+  weights = rng.uniform(0.5, 1.5, size=(5, 6, 3)).astype(np.float32)
+  loss_fn = lambda p: _squared_weighted_loss(model.apply({"params": p}, tokens),
+                                             weights)
+  table = kfac_jax.trace_layers(loss_fn, params)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  labels = {"embed": ({"embedding": "adam"} if labels_as == "leaves" else
+                      "adam"),
+            "dense": {"kernel": "kfac", "bias": "kfac"}}
+  kfac = kfac_jax.scale_by_kfac(damping=DAMPING, factor_decay=DECAY,
+                                kl_clip=None, layers=table,
+                                precondition_embeddings=True)
+  tx = optax.multi_transform({"kfac": kfac, "adam": optax.adam(1e-3)}, labels)
+  state = tx.init(params)
+  updates, _ = tx.update(grads, state, params, kfac_stats=stats)
+  assert list(state.inner_states["kfac"].inner_state.factors) == ["dense"]
+  alone = kfac_jax.scale_by_kfac(damping=DAMPING, factor_decay=DECAY,
+                                 kl_clip=None, layers=table)
+  expected, _ = alone.update(grads, alone.init(params), params,
+                             kfac_stats=stats)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                       atol=1e-7),
+               updates["dense"], expected["dense"])
+  adam = optax.adam(1e-3)
+  np.testing.assert_allclose(
+      updates["embed"]["embedding"],
+      adam.update(grads["embed"], adam.init(params["embed"]))[0]["embedding"],
+      rtol=1e-6)
 
 
 class TiedEmbedding(nn.Module):

@@ -400,22 +400,26 @@ def test_unregistered_gradients_pass_through_and_skip_layers():
       assert same == (name not in preconditioned), (skip, layers, name)
 
 
+class Encoder(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return jnp.tanh(nn.Dense(4)(jnp.tanh(nn.Dense(6)(x))))
+
+
+class EncoderThenHead(nn.Module):
+  """Layers under a parent module (``encoder/Dense_0``, ``encoder/Dense_1``)
+  and one at the top (``head``)."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3, name="head")(Encoder(name="encoder")(x))
+
+
 def test_a_skipped_module_leaves_every_layer_under_it():
   # An anchored pattern naming a parent module matches none of its layers'
   # own paths: the modules above each layer are tested too.
-  class Encoder(nn.Module):
-
-    @nn.compact
-    def __call__(self, x):
-      return jnp.tanh(nn.Dense(4)(jnp.tanh(nn.Dense(6)(x))))
-
-  class Model(nn.Module):
-
-    @nn.compact
-    def __call__(self, x):
-      return nn.Dense(3, name="head")(Encoder(name="encoder")(x))
-
-  model = Model()
+  model = EncoderThenHead()
   x = jnp.ones((4, 5))
   params = model.init(jax.random.PRNGKey(0), x)["params"]
   _, grads, stats = kfac_jax.value_grad_and_stats(
@@ -427,6 +431,33 @@ def test_a_skipped_module_leaves_every_layer_under_it():
   jax.tree.map(np.testing.assert_array_equal, updates["encoder"],
                grads["encoder"])
   assert not np.array_equal(updates["head"]["kernel"], grads["head"]["kernel"])
+
+
+def test_a_table_with_a_parent_module_withheld_by_the_chain():
+  """The layer table has encoder/Dense_0 and encoder/Dense_1; Adam gets the
+  whole encoder, labelled as one module (one optax.MaskedNode in K-FAC's
+  params): not layers the params lack, and the head is preconditioned as
+  when K-FAC skips the encoder."""
+  model = EncoderThenHead()
+  x = jnp.asarray(np.random.default_rng(9).normal(size=(4, 5)), jnp.float32)
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x)**2)
+  table = kfac_jax.trace_layers(loss_fn, params)
+  assert sorted(table) == ["encoder/Dense_0", "encoder/Dense_1", "head"]
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  kfac = kfac_jax.scale_by_kfac(damping=DAMPING, kl_clip=None, layers=table)
+  tx = optax.multi_transform({"kfac": kfac, "adam": optax.adam(1e-3)},
+                             {"encoder": "adam", "head": "kfac"})
+  state = tx.init(params)
+  assert list(state.inner_states["kfac"].inner_state.factors) == ["head"]
+  updates, _ = tx.update(grads, state, params, kfac_stats=stats)
+  skipping = kfac_jax.scale_by_kfac(damping=DAMPING, kl_clip=None,
+                                    layers=table, skip_layers=["^encoder/"])
+  expected, _ = skipping.update(grads, skipping.init(params), params,
+                                kfac_stats=stats)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                       atol=1e-7),
+               updates["head"], expected["head"])
 
 
 @pytest.mark.parametrize("labels_as", ["leaves", "prefix"])

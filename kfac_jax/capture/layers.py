@@ -371,17 +371,19 @@ def _is_masked(leaf: Any) -> bool:
 
 def is_masked_layer(params: Any, path: tuple[str, ...]) -> bool:
   """Whether the layer at ``path`` is masked out of ``params`` (its kernel
-  or embedding table withheld by the chain).
+  withheld by the chain).
 
   optax takes mask and label trees that are prefixes of the params, and then
   withholds a whole module (or more) as one placeholder: one on the path
-  masks the layer too.
+  masks the layer too. (``update`` asks only about Dense/Conv stats: Embed
+  stats are layers only through ``find_layers``, which sees a withheld
+  table itself.)
   """
   nodes, reached = _nodes_on_path(params, path)
   if any(_is_masked(node) for node in nodes):
     return True
-  return reached and isinstance(nodes[-1], Mapping) and any(
-      _is_masked(nodes[-1].get(key)) for key in (KERNEL, EMBEDDING))
+  return reached and isinstance(nodes[-1], Mapping) and _is_masked(
+      nodes[-1].get(KERNEL))
 
 
 def has_kernel(params: Any, path: tuple[str, ...]) -> bool:
