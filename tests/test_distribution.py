@@ -399,11 +399,14 @@ def test_a_rejected_decomposition_on_a_mesh_keeps_the_layers_row():
   assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
 
 
-def test_partition_specs_inside_multi_transform_keep_the_masked_nodes():
+@pytest.mark.parametrize("labels_as", ["leaves", "prefix"])
+def test_partition_specs_inside_multi_transform_keep_the_masked_nodes(
+    labels_as):
   """K-FAC on part of the params (optax.multi_transform, Adam on the rest):
   the accumulated gradients and Adam's moments are masked trees. With
   accumulation_steps=2 no keyword arguments passed the state check; each
-  params-shaped part now gets the params' specs, MaskedNodes kept."""
+  params-shaped part now gets the params' specs, MaskedNodes kept (one per
+  leaf, or one for a whole module when the labels are a prefix)."""
 
   class Model(nn.Module):
 
@@ -415,6 +418,8 @@ def test_partition_specs_inside_multi_transform_keep_the_masked_nodes():
   params = Model().init(jax.random.key(0), x)["params"]
   labels = {"body": {"kernel": "kfac", "bias": "kfac"},
             "head": {"kernel": "adam", "bias": "adam"}}
+  if labels_as == "prefix":
+    labels = {"body": "kfac", "head": "adam"}
   specs = {"body": {"kernel": PartitionSpec(None, "data"),
                     "bias": PartitionSpec("data")},
            "head": {"kernel": PartitionSpec("data"), "bias": PartitionSpec()}}
@@ -436,12 +441,13 @@ def test_partition_specs_inside_multi_transform_keep_the_masked_nodes():
     kfac_specs = state_specs.inner_states["kfac"].inner_state[0]
     gradients = kfac_specs.accumulator.gradients
     assert gradients["body"] == specs["body"]
-    assert gradients["head"] == {"kernel": optax.MaskedNode(),
-                                 "bias": optax.MaskedNode()}
+    masked = jax.tree.map(lambda _: optax.MaskedNode(), labels["head"])
+    assert gradients["head"] == masked
     adam = state.inner_states["adam"].inner_state[0]
     assert jax.tree.map(lambda a: a.sharding.spec, adam.mu["head"]) == (
         specs["head"])
-    assert isinstance(adam.mu["body"]["kernel"], optax.MaskedNode)
+    assert jax.tree.structure(adam.mu["body"]) == jax.tree.structure(
+        jax.tree.map(lambda _: optax.MaskedNode(), labels["body"]))
     # K-FAC given none of the params: its accumulated gradients are masked
     # whole; their specs keep the MaskedNodes (not None).
     tx = optax.multi_transform(
