@@ -62,11 +62,14 @@ def inner_products(arrays: Sequence[jax.Array],
   """``[Σ arrays[i] ⊙ arrays[j] for (i, j) in pairs]`` over every axis, float32.
 
   ``arrays`` share one shape; the result is ``[len(pairs)]``. Several pairs
-  make one variadic reduction, so each array is read once however many pairs
-  use it. (A ``dot_general`` per pair reads both operands every time, and on
-  XLA:CPU runs single-threaded once fused with the sum over leaves: the
-  adaptive mode's ten inner products of the autoencoder's 2.8M parameters
-  took 17 ms that way, 2 ms as one pass.) One pair stays a ``dot_general``:
+  make variadic reductions (each row's sums, then theirs), so each array is
+  read once however many pairs use it. (A ``dot_general`` per pair reads
+  both operands every time, and on XLA:CPU runs single-threaded once fused
+  with the sum over leaves: the adaptive mode's ten inner products of the
+  autoencoder's 2.8M parameters took 17 ms that way, 2 ms in one pass.) On
+  a mesh, a leaf sharded on another axis than its first exchanges its row
+  sums (``rows`` floats per device and pair) where one sum would do: small
+  beside the leaf itself. One pair stays a ``dot_general``:
   it reads the same two arrays, and is one kernel where XLA:CPU compiles a
   large reduction as a windowed tree reduction and a reduce (KL clipping's
   inner product on every step). Not ``jnp.vdot``: flattening a sharded
@@ -89,8 +92,9 @@ def inner_products(arrays: Sequence[jax.Array],
   if len(axes) > 1:
     # Rows first, then their sums: XLA:CPU runs a reduction to a scalar on
     # one thread, one that keeps the leading axis on all of them (the race
-    # step's inner products: ~1.4x faster on two cores), and summing row
-    # sums is ~25x more accurate than one running sum over 2.8M terms.
+    # step's inner products: ~1.4x faster on two cores), and for leaves with
+    # a long leading axis summing row sums is far more accurate (the
+    # autoencoder's 2.8M parameters: 9e-6 relative error, against 2.6e-4).
     products = lax.reduce(products, zeros, add, axes[1:])
   return jnp.stack(lax.reduce(products, zeros, add, axes[:1]))
 

@@ -100,8 +100,12 @@ def sandwich(left: jax.Array, gradient: jax.Array | FactoredGradient,
         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     gradient_side = matmul(gradient.gradient_rows, right)
     return contract_rows(cast(activation_side), cast(gradient_side))
-  left_product = matmul(left, reshard(cast(gradient), 0))
-  return matmul(reshard(cast(left_product), 1), right)
+  # Each product is pinned where it was computed (sharded as the operand it
+  # came from) before ``reshard`` moves it: unpinned, XLA computes the
+  # product from a gathered gradient instead, to come out as the next
+  # product wants it.
+  left_product = reshard(matmul(left, reshard(cast(gradient), 0)), 0)
+  return reshard(matmul(reshard(cast(left_product), 1), right), 1)
 
 
 def to_matrix(layer_grads: Mapping[str, jax.Array], layer: LayerInfo,
