@@ -375,17 +375,24 @@ class EmbedThenDense(nn.Module):
     return nn.Dense(3, name="dense")(nn.Embed(7, 4, name="embed")(tokens))
 
 
-def test_embeddings_pass_through_unless_requested():
+def _embed_then_dense_problem(seed: int):
+  """``EmbedThenDense`` on random tokens under ``_squared_weighted_loss``:
+  (params, tokens, weights, layer table, grads, stats)."""
   model = EmbedThenDense()
-  rng = np.random.default_rng(4)
+  rng = np.random.default_rng(seed)
   tokens = jnp.asarray(rng.integers(0, 7, size=(5, 6)), jnp.int32)
   params = model.init(jax.random.PRNGKey(0), tokens)["params"]
   weights = rng.uniform(0.5, 1.5, size=(5, 6, 3)).astype(np.float32)
   loss_fn = lambda p: _squared_weighted_loss(model.apply({"params": p}, tokens),
                                              weights)
   table = kfac_jax.trace_layers(loss_fn, params)
-  assert table["embed"].kernel_key == "embedding"
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  return params, tokens, weights, table, grads, stats
+
+
+def test_embeddings_pass_through_unless_requested():
+  params, tokens, weights, table, grads, stats = _embed_then_dense_problem(4)
+  assert table["embed"].kernel_key == "embedding"
   np.testing.assert_array_equal(stats["embed"].inputs[0], tokens)
 
   # Default: the embedding table goes to the chained optimizer untouched.
@@ -428,15 +435,7 @@ def test_an_embedding_withheld_by_the_chain_is_left_alone(labels_as):
   """precondition_embeddings inside optax.multi_transform, Adam on the
   Embed's table (labelled per leaf, or per module): the Dense layer is
   preconditioned as without the embedding, the table gets Adam's update."""
-  model = EmbedThenDense()
-  rng = np.random.default_rng(8)
-  tokens = jnp.asarray(rng.integers(0, 7, size=(5, 6)), jnp.int32)
-  params = model.init(jax.random.PRNGKey(0), tokens)["params"]
-  weights = rng.uniform(0.5, 1.5, size=(5, 6, 3)).astype(np.float32)
-  loss_fn = lambda p: _squared_weighted_loss(model.apply({"params": p}, tokens),
-                                             weights)
-  table = kfac_jax.trace_layers(loss_fn, params)
-  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  params, _, _, table, grads, stats = _embed_then_dense_problem(8)
   labels = {"embed": ({"embedding": "adam"} if labels_as == "leaves" else
                       "adam"),
             "dense": {"kernel": "kfac", "bias": "kfac"}}
