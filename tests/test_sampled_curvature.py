@@ -47,6 +47,14 @@ def test_cotangent_covariance_is_the_per_example_hessian(name):
   np.testing.assert_allclose(covariance, np.asarray(hessians), atol=0.03)
 
 
+def test_sequence_outputs_average_over_every_leading_axis():
+  # Outputs [batch, time, vocab] are batch·time examples, as a loss that
+  # means over both axes counts them: each Rademacher cotangent is ±1/(B·T).
+  gradient = jax.grad(kfac_jax.sampled_curvature.squared_error)(
+      jnp.zeros((2, 3, 4), jnp.float32), jax.random.key(0))
+  np.testing.assert_allclose(np.abs(np.asarray(gradient)), 1 / 6, rtol=1e-6)
+
+
 def test_sigmoid_curvature_propagation_diagonal_is_exact():
   u = sampled_cotangents(CASES["sigmoid"][0], LOGITS)[:50]
   p = jax.nn.sigmoid(LOGITS)

@@ -271,9 +271,11 @@ def test_schedules_that_go_out_of_range_later_leave_the_state_as_it_was():
                                                        atol=1e-8),
                updates, reference_updates)
 
-  # A NaN learning rate (KL clipping reads it): no K-FAC step either.
+  # A NaN learning rate (KL clipping reads it): no K-FAC step either, also
+  # beside a schedule that stays in range (every one must be).
   updates, _ = _run_steps(kfac_jax.scale_by_kfac(
-      damping=DAMPING, learning_rate=bad_from_2(0.1, float("nan"))))
+      damping=lambda step: jnp.float32(DAMPING),
+      learning_rate=bad_from_2(0.1, float("nan"))))
   assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
   assert all(not np.any(u) for u in jax.tree.leaves(updates[3]))
   assert any(np.any(u) for u in jax.tree.leaves(updates[1]))
@@ -340,6 +342,84 @@ def test_zero_learning_rate_clips_nothing():
                   jax.tree.leaves(updates[None])):
     assert np.all(np.isfinite(a))
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_kl_bound_that_is_not_reached_leaves_the_update_unscaled():
+  """ν = min(1, √(kl_clip / |vg|)): a bound far above |vg| scales by 1, the
+  update of kl_clip=None (never enlarged)."""
+  params, batches, loss_fn, _ = make_problem("mlp", True)
+  x, y = next(batches)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+  updates = {}
+  for kl_clip in (1e6, None):
+    tx = kfac_jax.scale_by_kfac(learning_rate=LEARNING_RATE, damping=DAMPING,
+                                kl_clip=kl_clip)
+    updates[kl_clip], _ = tx.update(grads, tx.init(params), params,
+                                    kfac_stats=stats)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               updates[1e6], updates[None])
+
+
+def _gradient_matrix(layer) -> np.ndarray:
+  """``[kernel; bias]`` of a Dense layer's params or gradient, float64."""
+  return np.concatenate([np.asarray(layer["kernel"], np.float64),
+                         np.asarray(layer["bias"], np.float64)[None]])
+
+
+@pytest.mark.parametrize("outer_product", [True, False])
+def test_eigen_damping_between_decompositions(outer_product):
+  """With compute_eigenvalue_outer_product the scale 1/(d_A d_Gᵀ + λ) is
+  computed at the decomposition and keeps that step's λ; without, each step
+  divides by its own λ. Against Q_A[(Q_Aᵀ∇Q_G)/(d_A d_Gᵀ + λ)]Q_Gᵀ in
+  float64 from the state's eigenbases."""
+  params, batches, loss_fn, _ = make_problem("mlp", True)
+  decomposition_damping, later_damping = 1e-2, 1.0
+  tx = kfac_jax.scale_by_kfac(
+      damping=lambda step: jnp.where(step == 0, decomposition_damping,
+                                     later_damping),
+      kl_clip=None, inv_update_steps=2,
+      compute_eigenvalue_outer_product=outer_product)
+  x, y = next(batches)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+  _, state = tx.update(grads, tx.init(params), params, kfac_stats=stats)
+  updates, state = tx.update(grads, state, params, kfac_stats=stats)
+  damping = decomposition_damping if outer_product else later_damping
+  for name, preconditioner in state.preconditioners.items():
+    q_a, d_a, q_g, d_g = (np.asarray(a, np.float64) for a in (
+        preconditioner.activation_eigenvectors,
+        preconditioner.activation_eigenvalues,
+        preconditioner.gradient_eigenvectors,
+        preconditioner.gradient_eigenvalues))
+    rotated = q_a.T @ _gradient_matrix(grads[name]) @ q_g
+    expected = q_a @ (rotated / (np.outer(d_a, d_g) + damping)) @ q_g.T
+    np.testing.assert_allclose(_gradient_matrix(updates[name]), expected,
+                               rtol=1e-4, atol=1e-6 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("compute_method, outer_product, scale", [
+    ("inverse", False, 1.0), ("eigen", True, 1.0),
+    ("eigen", False, 1 / (1 + DAMPING))])
+def test_the_preconditioner_before_the_first_decomposition(
+    compute_method, outer_product, scale):
+  """What ``init`` holds until the first decomposition (a step that is not
+  one, here count 1 of 10; or a rejected first one): identity factors. The
+  inverse method and the eigen method's precomputed scale hold them
+  undamped (λ enters at the decomposition), so ∇ passes unchanged; the
+  eigen method without it divides by d_A d_Gᵀ + λ = 1 + λ."""
+  params, batches, loss_fn, _ = make_problem("mlp", True)
+  tx = kfac_jax.scale_by_kfac(damping=DAMPING, kl_clip=None,
+                              inv_update_steps=10,
+                              compute_method=compute_method,
+                              compute_eigenvalue_outer_product=outer_product)
+  x, y = next(batches)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+  state = tx.init(params)
+  updates, _ = tx.update(grads, state._replace(count=jnp.ones_like(
+      state.count)), params, kfac_stats=stats)
+  for name in stats:
+    np.testing.assert_allclose(_gradient_matrix(updates[name]),
+                               scale * _gradient_matrix(grads[name]),
+                               rtol=1e-6)
 
 
 def test_dense_layer_equals_explicit_kronecker_solve():
