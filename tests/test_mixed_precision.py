@@ -311,3 +311,37 @@ def test_bf16_inv_dtype_changes_the_step_by_rounding_only(compute_method):
     assert p16[name]["kernel"].dtype == jnp.float32
     error = np.linalg.norm(update16 - update32) / np.linalg.norm(update32)
     assert 1e-4 < error <= 4 * BF16_ROUNDOFF, (name, error)
+
+
+def test_float64_kernels_get_float64_factors_by_default():
+  """``factor_dtype=None``: float32, or the kernel's dtype if wider. A float64
+  model's running factors are float64 (init and after an update, whose
+  value is checked against the dense covariance of the inputs; the batch
+  factors themselves are float32 by design, ``batch.covariance``)."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(8, 3)), jnp.float64)
+    y = jnp.asarray(rng.normal(size=(8, 2)), jnp.float64)
+
+    class Net(nn.Module):
+      @nn.compact
+      def __call__(self, v):
+        return nn.Dense(2, param_dtype=jnp.float64, dtype=jnp.float64)(v)
+
+    model = Net()
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    assert params["Dense_0"]["kernel"].dtype == jnp.float64
+    loss_fn = lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+    tx = kfac_jax.scale_by_kfac(factor_decay=0.5, kl_clip=None)
+    state = tx.init(params)
+    assert state.factors["Dense_0"].activation_factor.dtype == jnp.float64
+    assert state.factors["Dense_0"].gradient_factor.dtype == jnp.float64
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+    _, state = tx.update(grads, state, params, kfac_stats=stats)
+    rows = np.concatenate([np.asarray(x), np.ones((8, 1))], axis=1)
+    expected = 0.5 * np.eye(4) + 0.5 * rows.T @ rows / 8
+    factors = state.factors["Dense_0"]
+    assert factors.activation_factor.dtype == jnp.float64
+    assert factors.gradient_factor.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(factors.activation_factor),
+                               expected, rtol=1e-5, atol=1e-7)

@@ -689,3 +689,102 @@ def test_a_malformed_split_loss_is_named(piece, malformed):
   with pytest.raises(ValueError,
                      match=f"SplitLoss.{piece} must return a floating scalar"):
     run_steps(adaptive_tx(), params, batch, malformed(split), loss_fn, 1)
+
+
+def _numpy_forward(params, x, y):
+  """``sigmoid_problem``'s model in float64 numpy: (x, hidden, logits, y)."""
+  f64 = lambda a: np.asarray(a, np.float64)
+  x, y = f64(x), f64(y)
+  pre = x @ f64(params["Dense_0"]["kernel"]) + f64(params["Dense_0"]["bias"])
+  hidden = np.tanh(pre)
+  logits = (hidden @ f64(params["Dense_1"]["kernel"]) +
+            f64(params["Dense_1"]["bias"]))
+  return x, hidden, logits, y
+
+
+def test_adaptive_running_gradient_factor_is_on_the_fishers_scale():
+  """Through ``scale_by_kfac(adaptive=...)``: after one step the output
+  layer's running ``G = d·I + (1 − d)·(1/N) Σ ∇ℓᵢ∇ℓᵢᵀ`` (closed form, the
+  per-example sigmoid residuals), not KAISA's ``1/N²`` of it; ``A`` is the
+  plain covariance of ``[hidden, 1]``."""
+  params, batch, split, loss_fn = sigmoid_problem()
+  decay = 0.5
+  tx = kfac_jax.scale_by_kfac(damping=1e-2, kl_clip=None, factor_decay=decay,
+                              adaptive=kfac_jax.AdaptiveConfig())
+  state = tx.init(params)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, *batch)
+  _, state = tx.update(grads, state, params, kfac_stats=stats,
+                       split_loss=split)
+  x, hidden, logits, y = _numpy_forward(params, *batch)
+  n = len(x)
+  residual = 1 / (1 + np.exp(-logits)) - y  # ∇ℓᵢ w.r.t. the logits
+  g_expected = decay * np.eye(3) + (1 - decay) * residual.T @ residual / n
+  a_rows = np.concatenate([hidden, np.ones((n, 1))], axis=1)
+  a_expected = decay * np.eye(7) + (1 - decay) * a_rows.T @ a_rows / n
+  factors = state.factors["Dense_1"]
+  np.testing.assert_allclose(np.asarray(factors.gradient_factor, np.float64),
+                             g_expected, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(factors.activation_factor, np.float64),
+                             a_expected, rtol=1e-4, atol=1e-6)
+
+
+def test_factored_damping_of_a_zero_gradient_factor_uses_pi_one():
+  """Documented: a zero factor gets π = 1 (not 0 or ∞), so with G = 0 the
+  result is ``(A/√λ, 0)`` whatever A's trace (closed form)."""
+  activation = np.diag([2.0, 6.0])  # mean diagonal 4: π would be 2 with G's 1
+  for g_zero, a_zero in ((True, False), (False, True)):
+    a = np.zeros((2, 2)) if a_zero else activation
+    g = np.zeros((3, 3)) if g_zero else 5 * np.eye(3)
+    scaled = inverse_lib.factored_damping_scaled(
+        LayerFactors(jnp.asarray(a, jnp.float32), jnp.asarray(g, jnp.float32)),
+        jnp.float32(9.0))
+    np.testing.assert_allclose(np.asarray(scaled.activation_factor), a / 3,
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(scaled.gradient_factor), g / 3,
+                               rtol=1e-6)
+
+
+def test_a_nearly_singular_step_size_system_falls_back_to_alpha_alone():
+  """δ almost parallel to Δ: det/(Q₀₀Q₁₁) ≈ 2.4e-7 is below the singular
+  tolerance, so μ = 0 and α = −g₀/Q₀₀ (closed form) rather than the
+  ill-conditioned 2×2 solve's huge pair."""
+  eps = float(np.finfo(np.float32).eps) * 2  # 1 + eps is exact in float32
+  curvature = jnp.asarray([[1.0, 1.0], [1.0, 1.0 + eps]], jnp.float32)
+  coefficients = quadratic_model.solve_step_sizes(
+      curvature, jnp.zeros((2, 2), jnp.float32),
+      jnp.asarray([-1.0, 0.5], jnp.float32), jnp.float32(0.0),
+      use_momentum=True)
+  np.testing.assert_allclose(np.asarray(coefficients), [1.0, 0.0], atol=1e-6)
+  # A well-conditioned system still gets the exact 2×2 solution.
+  curvature = jnp.asarray([[2.0, 0.5], [0.5, 1.0]], jnp.float32)
+  g = np.array([-1.0, 0.5])
+  coefficients = quadratic_model.solve_step_sizes(
+      curvature, jnp.zeros((2, 2), jnp.float32), jnp.asarray(g, jnp.float32),
+      jnp.float32(0.0), use_momentum=True)
+  np.testing.assert_allclose(np.asarray(coefficients),
+                             -np.linalg.solve(np.asarray(curvature), g),
+                             rtol=1e-5)
+
+
+def test_a_rejected_step_records_zero_step_sizes():
+  """Docstring of ``step``: a non-finite result emits a zero update; the
+  state's ``[α, μ]`` are then those of that update, zeros. A restored NaN δ
+  leaves α finite (the singular 2×2 system falls back to α alone) while
+  the step is rejected: α must not be recorded."""
+  params, batch, split, loss_fn = sigmoid_problem()
+  tx = kfac_jax.scale_by_kfac(damping=1.0, kl_clip=None,
+                              adaptive=kfac_jax.AdaptiveConfig())
+  state = tx.init(params)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, *batch)
+  _, state = tx.update(grads, state, params, kfac_stats=stats,
+                       split_loss=split)
+  assert np.asarray(state.quadratic_model.step_sizes)[0] != 0
+  model = state.quadratic_model
+  state = state._replace(quadratic_model=model._replace(
+      previous_update=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan),
+                                   model.previous_update)))
+  updates, state = tx.update(grads, state, params, kfac_stats=stats,
+                             split_loss=split)
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+  np.testing.assert_array_equal(np.asarray(state.quadratic_model.step_sizes),
+                                [0.0, 0.0])
