@@ -26,9 +26,10 @@ from kfac_jax.capture.layers import BIAS, LayerInfo
 from kfac_jax.factors.batch import contract_rows
 
 # ``(x [dA, dG], axis) -> x``: called on a gradient-shaped operand before a
-# product that contracts ``axis`` (0: Q_Aᵀ·x or A⁻¹·x; 1: x·Q_G or x·G⁻¹).
-# With a sharded kernel it moves the sharding off that axis, so the products
-# stay local and no device holds the whole gradient.
+# product that contracts ``axis`` (0: Q_Aᵀ·x or A⁻¹·x; 1: x·Q_G or x·G⁻¹),
+# and on that product's result with the same ``axis`` (where it was
+# computed). With a sharded kernel it moves the sharding off that axis, so
+# the products stay local and no device holds the whole gradient.
 Reshard = Callable[[jax.Array, int], jax.Array]
 
 
@@ -85,8 +86,8 @@ def sandwich(left: jax.Array, gradient: jax.Array | FactoredGradient,
   accumulated in float32. A ``FactoredGradient`` is multiplied as
   ``(a leftᵀ)ᵀ (g right)``, never forming ``∇`` (``factored_is_cheaper``
   says when that pays). ``reshard`` (dense ``∇`` only) is applied to each
-  ``[dA, dG]`` operand before a product contracting its ``axis`` (see
-  ``Reshard``).
+  ``[dA, dG]`` operand before a product contracting its ``axis``, and to
+  the product after it with the same ``axis`` (see ``Reshard``).
   """
   dtype = product_dtype(left.dtype, right.dtype)
   cast = lambda x: x.astype(dtype)
