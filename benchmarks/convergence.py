@@ -472,6 +472,32 @@ def curvature_batch(batch: Sequence[Any], examples: int) -> tuple[Any, ...]:
   return tuple(a[:examples] for a in batch)
 
 
+def curvature_shared_loss(loss_fn: Callable[..., jax.Array],
+                          examples: int) -> Callable[..., jax.Array]:
+  """``loss_fn`` on a batch of ``N`` as ``(M/N)·loss(head) + (1 − M/N)·loss(rest)``.
+
+  The same objective for a ``loss_fn`` that is a mean over the batch's
+  examples plus terms that do not depend on the batch (every task's is), with
+  the head the ``M = examples`` of ``curvature_batch`` (a batch of at most
+  ``M`` is passed whole). Computed so, the gradient's forward pass over the
+  head is the one the curvature capture and the quadratic model run on the
+  same parameters and examples, and XLA's common-subexpression elimination
+  runs it once: one forward pass over ``M`` examples less a step
+  (``race_flops.py``, *all, the gradient split*).
+  """
+
+  def loss(params, *batch):
+    size = batch[0].shape[0]
+    if examples >= size:
+      return loss_fn(params, *batch)
+    head_weight = examples / size
+    return (head_weight * loss_fn(params, *curvature_batch(batch, examples)) +
+            (1 - head_weight) * loss_fn(params,
+                                        *(a[examples:] for a in batch)))
+
+  return loss
+
+
 def train_run(task: Task, optimizer: common.Optimizer, seed: int,
               budget: float, eval_every: float, max_steps: int | None,
               progress: bool, label: str,
@@ -500,9 +526,14 @@ def train_run(task: Task, optimizer: common.Optimizer, seed: int,
         p, *curvature_batch(b, examples))
   else:
     curvature_fn = None
+  # The gradient's forward pass over the curvature examples is shared with
+  # the curvature pass (the whole-batch capture of the other settings is
+  # not: its layers would be captured twice).
+  loss_fn = (curvature_shared_loss(task.loss_fn, examples)
+             if optimizer.separate_curvature else task.loss_fn)
   start = time.perf_counter()
   compiled = common.make_train_step(
-      task.loss_fn, optimizer, split_loss=split_loss,
+      loss_fn, optimizer, split_loss=split_loss,
       curvature_fn=curvature_fn).lower(
           params, opt_state, None, jax.random.key(seed), *example).compile()
   compile_seconds = time.perf_counter() - start

@@ -126,7 +126,9 @@ def test_race_flops_match_the_shapes_and_share_a_forward_pass(tmp_path):
   Each piece within 2 % of its count from the layer shapes (XLA also counts
   the elementwise work), and the capture and the quadratic model jitted
   together cost one forward pass over the curvature examples (``2·M·W``,
-  1.415 GFLOP) less than apart.
+  1.415 GFLOP) less than apart, and so do all three with the gradient's loss
+  split at the curvature examples (``convergence.curvature_shared_loss``)
+  against the gradient apart.
   """
   result = subprocess.run(
       [sys.executable, "benchmarks/race_flops.py", "--no-progress", "--out",
@@ -143,6 +145,11 @@ def test_race_flops_match_the_shapes_and_share_a_forward_pass(tmp_path):
   forward = 2 * counts["curvature_examples"] * weights
   shared = (xla["capture"] + xla["quadratic_model"] -
             xla["capture_and_quadratic_model"])
+  assert abs(shared / forward - 1) < 0.05, (shared, forward)
+  # With the gradient's loss split at the curvature examples, its forward
+  # pass over them is shared too.
+  shared = (xla["gradient"] + xla["capture_and_quadratic_model"] -
+            xla["all_gradient_split"])
   assert abs(shared / forward - 1) < 0.05, (shared, forward)
 
 
@@ -310,6 +317,37 @@ def test_time_to_target_readouts():
   assert convergence.metric_at(run, 10.0) == 6.0
   assert convergence.median_reach([(4, 40.0), None, (2, 20.0)], 1) == 40.0
   assert convergence.median_reach([(4, 40.0), None, None], 1) is None
+
+
+def test_curvature_shared_loss_is_the_same_objective():
+  """Split at the curvature examples, a mean loss plus a regulariser keeps
+  its value and gradient (against the loss on the whole batch), every array
+  of the batch is cut at the same example, and a batch no larger than the
+  curvature examples is passed whole."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import convergence  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(12, 3)).astype(np.float32)
+  y = rng.normal(size=(12, 2)).astype(np.float32)
+  weights = rng.normal(size=(3, 2)).astype(np.float32)
+
+  def loss_fn(w, x, y):
+    return (((x @ w - y) ** 2).sum(-1).mean() + 0.1 * (w ** 2).sum())
+
+  for examples in (1, 5, 11, 12, 40):
+    split = convergence.curvature_shared_loss(loss_fn, examples)
+    value, grad = jax.value_and_grad(split)(weights, x, y)
+    expected_value, expected_grad = jax.value_and_grad(loss_fn)(weights, x, y)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-6)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-6)
+  # Were y cut elsewhere than x (or the head weighed by anything but
+  # its share), a per-example loss would change.
+  calls = []
+  convergence.curvature_shared_loss(
+      lambda w, x, y: calls.append((x.shape, y.shape)) or 0.0, 5)(
+          weights, x, y)
+  assert calls == [((5, 3), (5, 2)), ((7, 3), (7, 2))]
 
 
 def test_deepmind_scripts_refuse_this_kfac_jax(tmp_path):
