@@ -58,7 +58,10 @@ batch's capture (``--curvature subset``, the default:
 ``scale_by_kfac(factor_batch_size=...)``, the empirical Fisher, no extra
 pass), from all of it (``batch``), from the loss on the curvature examples
 (``empirical``) or from a ``kfac_jax.sampled_curvature`` surrogate on them
-(``gauss-newton``, kfac-jax's default estimator). ``subset`` is the default
+(``gauss-newton``, kfac-jax's default estimator); with these two the
+gradient's loss is split at the curvature examples
+(``curvature_shared_loss``) so that their forward pass runs once.
+``subset`` is the default
 because it costs no extra pass on any task; on the autoencoder
 ``gauss-newton`` reaches the targets in fewer steps at the same step time
 (``benchmarks/README.md``, *Gauss-Newton factors at the 1e-4 floor*).
