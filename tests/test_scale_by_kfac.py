@@ -626,17 +626,20 @@ def test_inject_hyperparams_equals_building_with_the_values():
 
 
 # A NumPy integer as well: the alias once wrapped SGD in MultiSteps only for
-# a Python int, so SGD stepped on every micro-batch.
-@pytest.mark.parametrize("steps_type", [int, np.int64])
-def test_kfac_alias_with_accumulation_matches_manual_chain(steps_type):
+# a Python int, so SGD stepped on every micro-batch. Nesterov reaches SGD.
+@pytest.mark.parametrize("steps_type,nesterov",
+                         [(int, False), (np.int64, False), (int, True)])
+def test_kfac_alias_with_accumulation_matches_manual_chain(steps_type,
+                                                           nesterov):
   params, batches, loss_fn, _ = make_problem("mlp", True)
-  micro = [next(batches) for _ in range(4)]
+  micro = [next(batches) for _ in range(6)]
   kwargs = dict(damping=DAMPING, inv_update_steps=2, accumulation_steps=2)
   alias = kfac_jax.kfac(LEARNING_RATE, momentum=0.9, weight_decay=1e-3,
+                        nesterov=nesterov,
                         **{**kwargs, "accumulation_steps": steps_type(2)})
   plain = kfac_jax.scale_by_kfac(learning_rate=LEARNING_RATE, **kwargs)
   sgd = optax.chain(optax.add_decayed_weights(1e-3),
-                    optax.sgd(LEARNING_RATE, momentum=0.9))
+                    optax.sgd(LEARNING_RATE, momentum=0.9, nesterov=nesterov))
 
   def run_alias(params):
     state = alias.init(params)

@@ -222,12 +222,26 @@ def test_the_kfac_alias_refuses_the_adaptive_mode():
     kfac_jax.kfac(0.1, kl_clip=None, adaptive=kfac_jax.AdaptiveConfig())
 
 
-@pytest.mark.parametrize("momentum", [1.0, 1.5])
-def test_the_kfac_alias_refuses_momentum_of_one_or_more(momentum):
-  # Accepted before: the momentum buffer grows without bound.
+# From 1 on the momentum buffer grows without bound; below 0 it flips sign
+# every step.
+@pytest.mark.parametrize("momentum", [1.0, 1.5, -0.1])
+def test_the_kfac_alias_refuses_momentum_outside_zero_to_one(momentum):
   with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\)"):
     kfac_jax.kfac(0.1, momentum=momentum)
   kfac_jax.kfac(0.1, momentum=0.99)
+  kfac_jax.kfac(0.1, momentum=0.0)
+
+
+def test_the_kfac_alias_checks_weight_decay_and_momentum_kinds():
+  # optax.sgd takes a number for momentum, and the alias's add_decayed_weights
+  # stage is dropped or kept by the value: schedules are refused by name.
+  for name in ("weight_decay", "momentum"):
+    with pytest.raises(TypeError, match=f"{name} must be a number, not a "
+                       "schedule"):
+      kfac_jax.kfac(0.1, **{name: lambda count: 0.5})
+  with pytest.raises(ValueError, match="weight_decay must be >= 0"):
+    kfac_jax.kfac(0.1, weight_decay=-1e-4)
+  kfac_jax.kfac(0.1, weight_decay=1e-4)
 
 
 def test_the_kfac_alias_checks_nesterov():
