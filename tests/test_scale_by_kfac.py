@@ -633,13 +633,17 @@ def test_kfac_alias_with_accumulation_matches_manual_chain(steps_type,
                                                            nesterov):
   params, batches, loss_fn, _ = make_problem("mlp", True)
   micro = [next(batches) for _ in range(6)]
-  kwargs = dict(damping=DAMPING, inv_update_steps=2, accumulation_steps=2)
-  alias = kfac_jax.kfac(LEARNING_RATE, momentum=0.9, weight_decay=1e-3,
+  # A KL bound that binds, so the learning rate K-FAC gets shows (and one
+  # other than scale_by_kfac's default).
+  learning_rate = 0.05
+  kwargs = dict(damping=DAMPING, inv_update_steps=2, accumulation_steps=2,
+                kl_clip=1e-5)
+  alias = kfac_jax.kfac(learning_rate, momentum=0.9, weight_decay=1e-3,
                         nesterov=nesterov,
                         **{**kwargs, "accumulation_steps": steps_type(2)})
-  plain = kfac_jax.scale_by_kfac(learning_rate=LEARNING_RATE, **kwargs)
+  plain = kfac_jax.scale_by_kfac(learning_rate=learning_rate, **kwargs)
   sgd = optax.chain(optax.add_decayed_weights(1e-3),
-                    optax.sgd(LEARNING_RATE, momentum=0.9, nesterov=nesterov))
+                    optax.sgd(learning_rate, momentum=0.9, nesterov=nesterov))
 
   def run_alias(params):
     state = alias.init(params)
