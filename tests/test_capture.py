@@ -317,6 +317,65 @@ def test_a_vmap_around_value_grad_and_stats_matches_each_model_alone():
                                    atol=1e-7)
 
 
+def test_a_vmap_around_value_grad_and_stats_over_params_and_data():
+  # Params and data both mapped (each model its own batch): not a vmap over
+  # broadcast params, so nothing is refused, and each model's statistics
+  # are those of its own call on its own batch.
+  model, x0, y0, params0 = _two_dense_setup(0)
+  _, x1, y1, params1 = _two_dense_setup(1)
+
+  def loss_fn(params, x, y):
+    return 0.5 * jnp.mean(jnp.sum((model.apply({"params": params}, x) - y)**2,
+                                  -1))
+
+  capture = kfac_jax.value_grad_and_stats(loss_fn)
+  stack = lambda a, b: jax.tree.map(lambda u, v: jnp.stack([u, v]), a, b)
+  _, _, stats = jax.vmap(capture)(stack(params0, params1), stack(x0, x1),
+                                  stack(y0, y1))
+  for index, (params, x, y) in enumerate(((params0, x0, y0),
+                                          (params1, x1, y1))):
+    _, _, stats_alone = capture(params, x, y)
+    for name in ("hidden", "out"):
+      for mapped, alone in zip(
+          (*stats[name].inputs, *stats[name].output_cotangents),
+          (*stats_alone[name].inputs, *stats_alone[name].output_cotangents)):
+        np.testing.assert_allclose(mapped[index], alone, rtol=1e-6,
+                                   atol=1e-7)
+
+
+def test_a_jax_vmap_ensemble_in_the_loss_is_captured_per_member():
+  """Stacked params and per-member data mapped together inside the loss (an
+  ensemble): each member's inputs and cotangents, stacked, as the dense
+  computation gives; a vmap that maps the params is no broadcast."""
+  model = nn.Dense(3)
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.normal(size=(2, 4, 5)), jnp.float32)  # [member, N, in]
+  stacked = jax.vmap(lambda key: model.init(key, x[0])["params"])(
+      jax.random.split(jax.random.PRNGKey(0), 2))
+  loss_fn = lambda params: jnp.sum(jnp.sin(jax.vmap(
+      lambda p, xm: model.apply({"params": p}, xm))(params, x)))
+  _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(stacked)
+  outputs = (jnp.einsum("eni,eio->eno", x, stacked["kernel"]) +
+             stacked["bias"][:, None])
+  (layer,) = stats.values()
+  assert layer.signature.stack_ndim == 1
+  np.testing.assert_array_equal(layer.inputs[0], x)
+  np.testing.assert_allclose(layer.output_cotangents[0], jnp.cos(outputs),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_params_applied_other_than_at_the_root_are_refused_naming_the_layer():
+  # The model applied to a subtree of the params it was given: the layer's
+  # kernel is not where its path says, which once failed with an
+  # AttributeError on None.
+  model, x, _, params = _two_dense_setup()
+  loss_fn = lambda wrapped: jnp.mean(
+      model.apply({"params": wrapped["model"]}, x)**2)
+  with pytest.raises(ValueError, match=r"'hidden' \(Dense\) has no kernel at "
+                     r"params\['hidden', 'kernel'\].*root of the 'params'"):
+    kfac_jax.value_grad_and_stats(loss_fn)({"model": params})
+
+
 def _looped_loss(loop, model, x, y):
   """The loss of ``model`` over two micro-batches of ``x`` and ``y``, summed
   by ``loop`` with the params closed over."""

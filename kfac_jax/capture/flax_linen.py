@@ -100,7 +100,9 @@ class _ShapeRecorder:
 
   params: Any
   skip: tuple[re.Pattern[str], ...] = ()  # compiled skip_layers
-  top_trace: Any = None  # the loss's own trace (set on entry)
+  # The vmaps around the loss (mapping its params or arguments): they map
+  # each call's probes too, so a layer's inputs may carry them.
+  outer_vmaps: frozenset[int] = frozenset()
   nesting: _Nesting = dataclasses.field(default_factory=_Nesting)
   counter: probes_lib.CallCounter = dataclasses.field(
       default_factory=probes_lib.CallCounter)
@@ -126,8 +128,8 @@ class _ShapeRecorder:
       return self._intercept(next_fun, args, kwargs, context)
     previous = self.vmapped_apply  # the root module: a model.apply
     params = context.module.variables.get("params", {})
-    self.vmapped_apply = any(
-        probes_lib.batch_traced(x) for x in jax.tree.leaves((args, kwargs))
+    self.vmapped_apply = bool(
+        probes_lib.vmap_traces((args, kwargs)) - self.outer_vmaps
     ) and not any(probes_lib.batch_traced(x) for x in jax.tree.leaves(params))
     try:
       return self._intercept(next_fun, args, kwargs, context)
@@ -187,8 +189,7 @@ class _ShapeRecorder:
     signature = _signature(module, name, inputs, stack_ndim)
     if signature is not None and (self.vmapped_apply or (
         signature.stack_ndim == 0 and
-        probes_lib.trace_state() != self.top_trace and
-        (probes_lib.batch_traced(inputs) or probes_lib.batch_traced(outputs)))):
+        probes_lib.vmap_traces((inputs, outputs)) - self.outer_vmaps)):
       raise ValueError(
           f"value_grad_and_stats: layer {name!r} runs under a jax.vmap (or "
           "nn.vmap) inside the loss with its params broadcast, so its "
@@ -270,10 +271,10 @@ def _inject(params: Any, path: tuple[str, ...], value: Any) -> Any:
 def _shape_pass(fun: Callable[..., Any], params: Any, skip, args,
                 kwargs) -> tuple[_ShapeRecorder, Any]:
   layers.check_unboxed(params, "value_grad_and_stats")
-  recorder = _ShapeRecorder(params, skip)
+  recorder = _ShapeRecorder(params, skip, probes_lib.vmap_traces(
+      (params, args, kwargs)))
 
   def traced(params, args, kwargs):
-    recorder.top_trace = probes_lib.trace_state()
     with nn.intercept_methods(recorder):
       return fun(params, *args, **kwargs)
 

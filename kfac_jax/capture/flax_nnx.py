@@ -268,8 +268,7 @@ def _run(fun: Callable[..., Any], model: nnx.Module, skip: Skip, args, kwargs,
       filled[index] = copy
     copy_args, copy_kwargs = jax.tree.unflatten(treedef, filled)
     # vmaps around the loss: they map its arguments or params.
-    outer_vmaps = frozenset().union(*map(probes_lib.batch_traces,
-                                         jax.tree.leaves((params, leaves))))
+    outer_vmaps = probes_lib.vmap_traces((params, leaves))
     _instrument(copies[0], hook, skip,
                 set() if attended is None else attended, probes, outer_vmaps,
                 trace_check)

@@ -127,6 +127,11 @@ def batch_traces(array: Any) -> frozenset[int]:
   return frozenset(traces)
 
 
+def vmap_traces(tree: Any) -> frozenset[int]:
+  """The ``batch_traces`` of every leaf of ``tree``, together."""
+  return frozenset().union(*map(batch_traces, jax.tree.leaves(tree)))
+
+
 class CallCounter:
   """Numbers a layer's calls, within each trace or in program order.
 
