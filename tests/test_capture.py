@@ -364,6 +364,27 @@ def test_a_jax_vmap_ensemble_in_the_loss_is_captured_per_member():
                              rtol=1e-5, atol=1e-6)
 
 
+def test_a_layer_called_with_inputs_by_keyword_is_captured_as_positionally():
+
+  class Keyword(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      hidden = jnp.tanh(nn.Dense(4, name="hidden")(inputs=x))
+      return nn.Dense(2, name="out")(inputs=hidden)
+
+  model, x, y, params = _two_dense_setup()
+  loss = lambda m: lambda p: jnp.mean((m.apply({"params": p}, x) - y)**2)
+  _, _, by_keyword = kfac_jax.value_grad_and_stats(loss(Keyword()))(params)
+  _, _, positional = kfac_jax.value_grad_and_stats(loss(model))(params)
+  assert sorted(by_keyword) == ["hidden", "out"]
+  for name in ("hidden", "out"):
+    for a, b in zip(
+        (*by_keyword[name].inputs, *by_keyword[name].output_cotangents),
+        (*positional[name].inputs, *positional[name].output_cotangents)):
+      np.testing.assert_array_equal(a, b)
+
+
 def test_params_applied_other_than_at_the_root_are_refused_naming_the_layer():
   # The model applied to a subtree of the params it was given: the layer's
   # kernel is not where its path says, which once failed with an
