@@ -317,6 +317,36 @@ def test_a_layer_under_remat_jit_or_cond_is_captured_as_called_plainly(
 
 
 
+def test_linear_general_with_a_batch_axis_is_left_out():
+  # Its kernel [batch, in, out] is no Kronecker layer (Linen's DenseGeneral
+  # with batch_dims, tests/test_capture.py): not captured, and its gradient
+  # passes scale_by_kfac unpreconditioned.
+
+  class Model(nnx.Module):
+
+    def __init__(self, rngs):
+      self.batched = nnx.LinearGeneral(3, 2, batch_axis={0: 6}, rngs=rngs)
+      self.head = nnx.Linear(2, 1, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(self.batched(x))
+
+  model = Model(nnx.Rngs(0))
+  assert model.batched.kernel.shape == (6, 3, 2)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 5, 3)),
+                  jnp.float32)
+  loss_fn = lambda m: jnp.mean(m(x)**2)
+  table = kfac_jax.trace_layers(loss_fn, model)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(model)
+  assert list(table) == list(stats) == ["head"]
+  tx = kfac_jax.scale_by_kfac(layers=table, skip_layers=["^batched$"])
+  params, grads = nnx.pure(nnx.state(model, nnx.Param)), nnx.pure(grads)
+  updates, _ = tx.update(grads, tx.init(params), kfac_stats=stats)
+  jax.tree.map(np.testing.assert_array_equal,
+               nnx.to_pure_dict(updates)["batched"],
+               nnx.to_pure_dict(grads)["batched"])
+
+
 def test_skipped_layers_are_left_to_the_chained_optimizer():
   model = Lifted(nnx.Rngs(0), "remat")
   x = jnp.asarray(np.random.default_rng(8).normal(size=(4, 3)), jnp.float32)
