@@ -317,6 +317,38 @@ def test_a_layer_under_remat_jit_or_cond_is_captured_as_called_plainly(
 
 
 
+def test_a_vmap_around_value_grad_and_stats_over_the_data_only():
+  # The model closed over (its params broadcast), the data mapped outside
+  # the capture: each batch's statistics are those of its own call (the
+  # refusal of a vmap inside the loss subtracts the ones around it).
+  # (No BatchNorm: its statistics cannot be updated under the vmap.)
+
+  class TwoLinear(nnx.Module):
+
+    def __init__(self, rngs):
+      self.hidden = nnx.Linear(3, 4, rngs=rngs)
+      self.out = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(jnp.tanh(self.hidden(x)))
+
+  rng = np.random.default_rng(3)
+  xs = jnp.asarray(rng.normal(size=(2, 6, 3)), jnp.float32)
+  targets = jnp.asarray(rng.normal(size=(2, 6, 2)), jnp.float32)
+  capture = kfac_jax.value_grad_and_stats(_nnx_loss)
+  model = TwoLinear(nnx.Rngs(0))
+  _, _, stats = jax.vmap(lambda x, t: capture(model, x, t))(xs, targets)
+  for index in range(2):
+    _, _, alone = capture(model, xs[index], targets[index])
+    assert sorted(stats) == sorted(alone) == ["hidden", "out"]
+    for name in alone:
+      for mapped, single in zip(
+          (*stats[name].inputs, *stats[name].output_cotangents),
+          (*alone[name].inputs, *alone[name].output_cotangents)):
+        np.testing.assert_allclose(mapped[index], single, rtol=1e-5,
+                                   atol=1e-6)
+
+
 def test_linear_general_with_a_batch_axis_is_left_out():
   # Its kernel [batch, in, out] is no Kronecker layer (Linen's DenseGeneral
   # with batch_dims, tests/test_capture.py): not captured, and its gradient
