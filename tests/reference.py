@@ -235,3 +235,17 @@ class KFACReference:
       out = {n: nu * p for n, p in out.items()}
     self.step += 1
     return out
+
+
+def assert_member_stats(stats, index: int, alone, rtol: float = 1e-6,
+                        atol: float = 1e-7) -> None:
+  """Member ``index`` of stats captured under a ``vmap`` equals ``alone``,
+  the stats of that member's own call: the same layers, and each layer's
+  inputs and output cotangents."""
+  assert sorted(stats) == sorted(alone)
+  for name, single in alone.items():
+    mapped = stats[name]
+    for member, expected in zip((*mapped.inputs, *mapped.output_cotangents),
+                                (*single.inputs, *single.output_cotangents)):
+      np.testing.assert_allclose(member[index], expected, rtol=rtol,
+                                 atol=atol)

@@ -292,37 +292,17 @@ def test_scanned_params_on_another_axis_are_refused_by_their_bias():
       capture()
 
 
-def test_a_vmap_around_value_grad_and_stats_matches_each_model_alone():
-  # Mapped outside, every model's probes are its own: no refusal, and each
-  # model's statistics equal those of its own call.
-  model, x, y, params0 = _two_dense_setup(0)
-  _, _, _, params1 = _two_dense_setup(1)
-
-  def loss_fn(params, x, y):
-    return 0.5 * jnp.mean(jnp.sum((model.apply({"params": params}, x) - y)**2,
-                                  -1))
-
-  capture = kfac_jax.value_grad_and_stats(loss_fn)
-  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params0, params1)
-  _, grads, stats = jax.vmap(capture, in_axes=(0, None, None))(stacked, x, y)
-  for index, params in enumerate((params0, params1)):
-    _, grads_alone, stats_alone = capture(params, x, y)
-    for name in ("hidden", "out"):
-      np.testing.assert_allclose(grads[name]["kernel"][index],
-                                 grads_alone[name]["kernel"], rtol=1e-6)
-      for mapped, alone in zip(
-          (*stats[name].inputs, *stats[name].output_cotangents),
-          (*stats_alone[name].inputs, *stats_alone[name].output_cotangents)):
-        np.testing.assert_allclose(mapped[index], alone, rtol=1e-6,
-                                   atol=1e-7)
-
-
-def test_a_vmap_around_value_grad_and_stats_over_params_and_data():
-  # Params and data both mapped (each model its own batch): not a vmap over
-  # broadcast params, so nothing is refused, and each model's statistics
-  # are those of its own call on its own batch.
+# Mapped outside, every model's probes are its own: no refusal, and each
+# model's statistics equal those of its own call. With the data mapped too
+# (each model its own batch) the shape pass once refused it as a vmap inside
+# the loss over broadcast params.
+@pytest.mark.parametrize("data_mapped", [False, True])
+def test_a_vmap_around_value_grad_and_stats_matches_each_model_alone(
+    data_mapped):
   model, x0, y0, params0 = _two_dense_setup(0)
   _, x1, y1, params1 = _two_dense_setup(1)
+  if not data_mapped:
+    x1, y1 = x0, y0
 
   def loss_fn(params, x, y):
     return 0.5 * jnp.mean(jnp.sum((model.apply({"params": params}, x) - y)**2,
@@ -330,17 +310,17 @@ def test_a_vmap_around_value_grad_and_stats_over_params_and_data():
 
   capture = kfac_jax.value_grad_and_stats(loss_fn)
   stack = lambda a, b: jax.tree.map(lambda u, v: jnp.stack([u, v]), a, b)
-  _, _, stats = jax.vmap(capture)(stack(params0, params1), stack(x0, x1),
-                                  stack(y0, y1))
+  data = (stack(x0, x1), stack(y0, y1)) if data_mapped else (x0, y0)
+  in_axes = (0, 0, 0) if data_mapped else (0, None, None)
+  _, grads, stats = jax.vmap(capture, in_axes=in_axes)(
+      stack(params0, params1), *data)
   for index, (params, x, y) in enumerate(((params0, x0, y0),
                                           (params1, x1, y1))):
-    _, _, stats_alone = capture(params, x, y)
+    _, grads_alone, stats_alone = capture(params, x, y)
     for name in ("hidden", "out"):
-      for mapped, alone in zip(
-          (*stats[name].inputs, *stats[name].output_cotangents),
-          (*stats_alone[name].inputs, *stats_alone[name].output_cotangents)):
-        np.testing.assert_allclose(mapped[index], alone, rtol=1e-6,
-                                   atol=1e-7)
+      np.testing.assert_allclose(grads[name]["kernel"][index],
+                                 grads_alone[name]["kernel"], rtol=1e-6)
+    reference.assert_member_stats(stats, index, stats_alone)
 
 
 def test_a_jax_vmap_ensemble_in_the_loss_is_captured_per_member():

@@ -338,15 +338,10 @@ def test_a_vmap_around_value_grad_and_stats_over_the_data_only():
   capture = kfac_jax.value_grad_and_stats(_nnx_loss)
   model = TwoLinear(nnx.Rngs(0))
   _, _, stats = jax.vmap(lambda x, t: capture(model, x, t))(xs, targets)
+  assert sorted(stats) == ["hidden", "out"]
   for index in range(2):
     _, _, alone = capture(model, xs[index], targets[index])
-    assert sorted(stats) == sorted(alone) == ["hidden", "out"]
-    for name in alone:
-      for mapped, single in zip(
-          (*stats[name].inputs, *stats[name].output_cotangents),
-          (*alone[name].inputs, *alone[name].output_cotangents)):
-        np.testing.assert_allclose(mapped[index], single, rtol=1e-5,
-                                   atol=1e-6)
+    reference.assert_member_stats(stats, index, alone, rtol=1e-5, atol=1e-6)
 
 
 def test_linear_general_with_a_batch_axis_is_left_out():
