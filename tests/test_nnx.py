@@ -321,24 +321,15 @@ def test_a_vmap_around_value_grad_and_stats_over_the_data_only():
   # The model closed over (its params broadcast), the data mapped outside
   # the capture: each batch's statistics are those of its own call (the
   # refusal of a vmap inside the loss subtracts the ones around it).
-  # (No BatchNorm: its statistics cannot be updated under the vmap.)
-
-  class TwoLinear(nnx.Module):
-
-    def __init__(self, rngs):
-      self.hidden = nnx.Linear(3, 4, rngs=rngs)
-      self.out = nnx.Linear(4, 2, rngs=rngs)
-
-    def __call__(self, x):
-      return self.out(jnp.tanh(self.hidden(x)))
-
+  # (Lifted plain, not NnxModel: BatchNorm's statistics cannot be updated
+  # under the vmap.)
   rng = np.random.default_rng(3)
   xs = jnp.asarray(rng.normal(size=(2, 6, 3)), jnp.float32)
   targets = jnp.asarray(rng.normal(size=(2, 6, 2)), jnp.float32)
   capture = kfac_jax.value_grad_and_stats(_nnx_loss)
-  model = TwoLinear(nnx.Rngs(0))
+  model = Lifted(nnx.Rngs(0))
   _, _, stats = jax.vmap(lambda x, t: capture(model, x, t))(xs, targets)
-  assert sorted(stats) == ["hidden", "out"]
+  assert sorted(stats) == ["dense", "head"]
   for index in range(2):
     _, _, alone = capture(model, xs[index], targets[index])
     reference.assert_member_stats(stats, index, alone, rtol=1e-5, atol=1e-6)
