@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -75,7 +76,8 @@ VALID = {
     "factor_dtype": st.sampled_from([None] + INV_DTYPES),
     "inv_dtype": st.sampled_from(INV_DTYPES),
     # Inert without mesh_axes (which needs a mesh to trace; see
-    # test_distribution.py), but still validated at construction.
+    # test_distribution.py), but still validated at construction (and a
+    # value other than the default warns).
     "grad_worker_fraction": st.one_of(
         st.sampled_from(list(kfac_jax.DistributedStrategy) +
                         ["comm_opt", "HYBRID_OPT", "mem_opt"]),
@@ -238,8 +240,24 @@ def test_invalid_configuration_raises_naming_the_argument(case):
 @settings(max_examples=200, deadline=None)
 @given(valid_configs())
 def test_valid_configurations_construct(config):
-  tx = kfac_jax.scale_by_kfac(**config)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tx = kfac_jax.scale_by_kfac(**config)
   assert isinstance(tx, optax.GradientTransformationExtraArgs)
+  # No mesh_axes here: a strategy other than the defaults is ignored, and
+  # says so.
+  warned = any("given without mesh_axes" in str(w.message) for w in caught)
+  assert warned == _strategy_given(config), (config, caught)
+
+
+def _strategy_given(config) -> bool:
+  """Whether ``config`` asks for a strategy other than COMM_OPT/"compute"."""
+  name = lambda value: str(getattr(value, "value", value)).lower()
+  fraction = config.get("grad_worker_fraction", "comm_opt")
+  assignment = config.get("assignment_strategy", "compute")
+  fraction_default = (fraction == 1 if isinstance(fraction, (int, float))
+                      else name(fraction) == "comm_opt")
+  return not fraction_default or name(assignment) != "compute"
 
 
 MODEL = nn.Dense(3)

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import kfac_jax
+from kfac_jax import checkpoint
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -273,6 +274,35 @@ def test_partition_specs_take_scale_by_kfac_arguments_by_keyword():
   tx = optax.chain(kfac_jax.scale_by_kfac(accumulation_steps=2), rest)
   assert jax.tree.structure(specs, is_leaf=lambda s: isinstance(
       s, jax.sharding.PartitionSpec)) == jax.tree.structure(tx.init(params))
+
+
+def test_a_strategy_without_mesh_axes_warns_that_it_is_ignored():
+  # KAISA users pass grad_worker_fraction; without mesh_axes nothing is
+  # distributed, which used to pass in silence.
+  state = kfac_jax.scale_by_kfac().init({"kernel": jnp.ones((3, 2)),
+                                         "bias": jnp.ones(2)})
+  for kwargs, named in [
+      (dict(grad_worker_fraction="mem_opt"),
+       r"grad_worker_fraction=DistributedStrategy\.MEM_OPT given without "
+       r"mesh_axes"),
+      (dict(grad_worker_fraction=0.5), r"grad_worker_fraction=0\.5 given"),
+      (dict(grad_worker_fraction=kfac_jax.DistributedStrategy.HYBRID_OPT,
+            assignment_strategy="memory"),
+       r"HYBRID_OPT and assignment_strategy=AssignmentStrategy\.MEMORY given")]:
+    with pytest.warns(UserWarning, match=named) as record:
+      kfac_jax.scale_by_kfac(**kwargs)
+    # Pointed at the caller's line, not the library's.
+    assert record[0].filename == __file__, record[0].filename
+    with pytest.warns(UserWarning, match=named):
+      checkpoint.recompute_preconditioners(state, 0.1, **kwargs)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for kwargs in [dict(grad_worker_fraction="comm_opt"),
+                   dict(grad_worker_fraction=1),
+                   dict(assignment_strategy="COMPUTE"),
+                   dict(mesh_axes="data", grad_worker_fraction="mem_opt",
+                        assignment_strategy="memory")]:
+      kfac_jax.scale_by_kfac(**kwargs)
 
 
 def test_partition_specs_reject_a_float16_inv_dtype():

@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import math
 import numbers
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -56,11 +57,28 @@ def make_config(mesh_axes: str | Sequence[str] | None,
                 grad_worker_fraction: DistributedStrategy | float | str,
                 assignment_strategy: AssignmentStrategy | str
                 ) -> DistributionConfig | None:
-  """Validates the arguments; ``None`` when ``mesh_axes`` is ``None``."""
+  """Validates the arguments; ``None`` when ``mesh_axes`` is ``None``.
+
+  Without ``mesh_axes`` a strategy other than the defaults (``COMM_OPT``,
+  ``"compute"``) has nothing to act on: it warns, as the likely cause is a
+  forgotten ``mesh_axes``.
+  """
   fraction = _parse_fraction(grad_worker_fraction)
   assignment = parse_enum(AssignmentStrategy, "assignment_strategy",
                            assignment_strategy)
   if mesh_axes is None:
+    ignored = [f"{name}={_describe(value)}" for name, value, default in (
+        ("grad_worker_fraction", fraction,
+         fraction in (DistributedStrategy.COMM_OPT, 1.0)),
+        ("assignment_strategy", assignment,
+         assignment is AssignmentStrategy.COMPUTE)) if not default]
+    if ignored:
+      warnings.warn(
+          f"{' and '.join(ignored)} given without mesh_axes: ignored, every "
+          "device computes and keeps every layer's preconditioner. Pass "
+          "mesh_axes=... (the mesh axis names to spread the second-order "
+          "work over) to distribute it, or leave them at their defaults.",
+          stacklevel=4)
     return None
   axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
   if (not isinstance(axes, Sequence) or not axes or
@@ -104,6 +122,12 @@ def group_size(config: DistributionConfig, mesh: jax.sharding.AbstractMesh | jax
         f"{fraction * n:g} devices; f·n must be a whole divisor of {n} "
         f"(f in {{{', '.join(f'{d}/{n}' for d in range(1, n + 1) if n % d == 0)}}}).")
   return n, g
+
+
+def _describe(value: enum.Enum | float) -> str:
+  if isinstance(value, enum.Enum):
+    return f"{type(value).__name__}.{value.name}"
+  return f"{value:g}"
 
 
 def _parse_fraction(value: object) -> DistributedStrategy | float:
