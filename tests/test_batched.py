@@ -1,5 +1,6 @@
-"""``preconditioning.batched``: every factor's decomposition, one by one on CPU
-or stacked by size, against float64 numpy on each factor."""
+"""``preconditioning.batched``: every factor's decomposition, one by one or
+stacked by size as each platform and method calls for, against float64 numpy
+on each factor."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 from kfac_jax.factors.running import LayerFactors
-from kfac_jax.preconditioning import batched, eigen, inverse
+from kfac_jax.distribution import placement
+from kfac_jax.preconditioning import batched, eigen, inverse, methods
 from tests import reference
 
 DAMPING = 0.1
@@ -84,6 +86,38 @@ def test_on_cpu_each_factor_is_its_own_call_and_stacks_group_by_size():
   assert sorted(_choleskies(LAYOUTS["dispatched"])) == [
       "5,5", "5,5", "5,5", "7,7"]
   assert sorted(_choleskies(LAYOUTS["stacked"])) == ["1,7,7", "3,5,5"]
+
+
+def _decomposition_batch_ranks(use_eigen: bool, platform: str) -> set[int]:
+  """Stack ranks of the solver calls in a decomposition lowered for ``platform``.
+
+  ``0``: one call per factor; ``1``: factors stacked by size. Lowering for
+  a platform needs no device of it, so every platform is checked here.
+  """
+  method = methods.make_method(use_eigen, jnp.float32,
+                               precompute_damped_inverse=False)
+  factors = _factors()
+  previous = {name: method.init(pair.activation_factor.shape[0],
+                                pair.gradient_factor.shape[0])
+              for name, pair in factors.items()}
+  text = jax.jit(lambda fs, ps: placement.decompose_checked(
+      method, fs, ps, jnp.float32(DAMPING))).trace(factors, previous).lower(
+          lowering_platforms=(platform,)).as_text()
+  operands = re.findall(r"custom_call @\w+\(.*?: \(tensor<([\dx]+)x", text)
+  assert operands, text
+  return {len(shape.split("x")) - 2 for shape in operands}
+
+
+@pytest.mark.parametrize("use_eigen, platform, batch_rank", [
+    (True, "cpu", 0), (True, "cuda", 0), (True, "rocm", 1), (True, "tpu", 1),
+    (False, "cpu", 0), (False, "cuda", 1), (False, "rocm", 1),
+])
+def test_each_platform_decomposes_one_by_one_or_stacked_by_method(
+    use_eigen, platform, batch_rank):
+  # One by one where it is faster: LAPACK on CPU for both methods, and
+  # cuSOLVER's eigh (3.9x faster than stacked on an H100); cuSOLVER's
+  # Cholesky is faster stacked (benchmarks/README.md, NVIDIA H100).
+  assert _decomposition_batch_ranks(use_eigen, platform) == {batch_rank}
 
 
 def test_padded_sizes_pad_by_one_row_at_most():

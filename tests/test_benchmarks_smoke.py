@@ -66,6 +66,21 @@ def test_compile_time_smoke(tmp_path):
     assert 0 < row["distinct_fusions"] <= row["fusions"]
 
 
+def test_decomposition_time_smoke(tmp_path):
+  result = run_smoke("decomposition_time.py", tmp_path,
+                     JAX_PLATFORMS="cpu")
+  (results_file,) = tmp_path.glob("decomposition_time_*.json")
+  rows = json.loads(results_file.read_text())["results"]
+  assert sorted((row["method"], row["layout"]) for row in rows) == [
+      ("eigen", "one by one"), ("eigen", "stacked"),
+      ("inverse", "one by one"), ("inverse", "stacked")]
+  for row in rows:
+    assert row["rejected"] == 0 and row["median_ms"] > 0
+    # On CPU the library decomposes one factor per call for both methods.
+    assert row["library_choice"] == (row["layout"] == "one by one")
+  assert "| eigen | one by one |" in result.stdout
+
+
 def _autoencoder_shapes(batch):
   widths = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
   return [dict(name=str(i), rows=batch, fan_in=a, fan_out=b, bias=1, conv=0)

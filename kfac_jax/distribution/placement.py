@@ -94,7 +94,8 @@ def decompose_checked(
   """Decomposes ``factors`` (batched by size); non-finite results keep ``previous``."""
   decomposed = batched.decompose_layers(
       factors, method.factor_fn, damping,
-      batch_size=method.decomposition_batch_size, crop=method.crop)
+      batch_size=method.decomposition_batch_size, crop=method.crop,
+      each_on=method.decompose_each_on)
   new, rejected = {}, jnp.zeros([], jnp.int32)
   for name, (activation, gradient) in decomposed.items():
     candidate = method.assemble(activation, gradient, damping)

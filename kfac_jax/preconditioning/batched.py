@@ -4,13 +4,21 @@ Factors of equal size (A or G, of any layers) are stacked ``[k, d, d]`` and
 decomposed by one ``vmap``ped call, or by ``lax.map`` over batches of
 ``batch_size`` factors when memory is tight (many scanned layers).
 
-Except on CPU (``lax.platform_dependent``, decided when the step is lowered
-for its platform): there a batched LAPACK call loops over its stack on one
-thread, while independent calls run concurrently on XLA:CPU's thread pool,
-so each factor is decomposed on its own. Same-sized factors still share
-their compiled kernels (XLA:CPU compiles identical kernels once), and no
-stacking copies are made. ``benchmarks/README.md``, *Decompositions one by
-one on CPU*, has the measurements.
+Except on the platforms a method names (``lax.platform_dependent``, decided
+when the step is lowered for its platform), where each factor is decomposed
+on its own:
+
+* CPU, for every method: a batched LAPACK call loops over its stack on one
+  thread, while independent calls run concurrently on XLA:CPU's thread
+  pool. Same-sized factors still share their compiled kernels (XLA:CPU
+  compiles identical kernels once), and no stacking copies are made.
+* CUDA GPUs, for eigendecompositions: cuSOLVER's ``syevd`` on stacks took
+  3.9 times as long as one call per factor (the MNIST autoencoder's 16
+  factors on an H100: 337 against 87 ms), while its Cholesky is faster
+  stacked (11 against 15 ms), so the inverse method stacks there.
+
+``benchmarks/README.md``, *Decompositions one by one on CPU* and *NVIDIA
+H100*, has the measurements (``benchmarks/decomposition_time.py``).
 
 A method whose results can be cut back from those of ``diag(F, I)`` (the
 inverse method: ``(diag(F, 1) + λI)⁻¹ = diag((F + λI)⁻¹, 1/(1 + λ))``) passes
@@ -128,10 +136,16 @@ def decompose_stacked(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
   return {name: (pair[0], pair[1]) for name, pair in results.items()}
 
 
+# Platforms (``lax.platform_dependent`` names) where factors are decomposed
+# one call per factor unless a method says otherwise.
+EACH_ON_CPU = ("cpu",)
+
+
 def decompose_layers(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
                      damping: jax.Array, batch_size: int | None = None,
-                     crop: Crop | None = None) -> Decomposed:
-  """Applies ``factor_fn`` to every A and G: one by one on CPU, else stacked.
+                     crop: Crop | None = None,
+                     each_on: Sequence[str] = EACH_ON_CPU) -> Decomposed:
+  """Applies ``factor_fn`` to every A and G: one by one on ``each_on``, else stacked.
 
   Args:
     factors: ``{layer: LayerFactors(A [dA, dA], G [dG, dG])}``.
@@ -141,6 +155,9 @@ def decompose_layers(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
       (``decompose_stacked``); ``None``: no bound.
     crop: cuts ``factor_fn``'s results for ``diag(F, I)`` back to those for
       ``F``; given, factors are padded to shared sizes (``padded_sizes``).
+    each_on: the platforms (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``)
+      where each factor gets its own call (``decompose_each``); the others
+      stack them (``decompose_stacked``).
 
   Returns:
     ``{layer: (factor_fn(A), factor_fn(G))}``.
@@ -149,8 +166,8 @@ def decompose_layers(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
       factors, factor_fn, damping, batch_size, crop)
   if batch_size is not None:
     return stacked(factors, damping)
+  each = lambda factors, damping: decompose_each(factors, factor_fn, damping,
+                                                crop)
   return lax.platform_dependent(
-      dict(factors), damping,
-      cpu=lambda factors, damping: decompose_each(factors, factor_fn, damping,
-                                                  crop),
-      default=stacked)
+      dict(factors), damping, default=stacked,
+      **{platform: each for platform in each_on})

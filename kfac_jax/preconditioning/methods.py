@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax import finite
-from kfac_jax.preconditioning import eigen, inverse
+from kfac_jax.preconditioning import batched, eigen, inverse
 from kfac_jax.preconditioning.batched import Crop, FactorFn, Results
 
 Preconditioner = eigen.EigenPreconditioner | inverse.InversePreconditioner
@@ -35,6 +35,8 @@ class Method(NamedTuple):
     crop: ``factor_fn``'s results for ``diag(F, I)`` cut back to those for
       ``F`` (``batched.Crop``), where that is exact; factors are then padded
       to shared sizes. ``None``: never padded.
+    decompose_each_on: platforms where each factor is decomposed by a call
+      of its own, not stacked by size (``batched.decompose_layers``).
   """
 
   init: Callable[[int, int], Preconditioner]
@@ -44,6 +46,7 @@ class Method(NamedTuple):
   is_finite: Callable[[Preconditioner], jax.Array]
   decomposition_batch_size: int | None = None
   crop: Crop | None = None
+  decompose_each_on: tuple[str, ...] = batched.EACH_ON_CPU
 
 
 def make_method(use_eigen: bool, dtype: jnp.dtype,
@@ -61,7 +64,9 @@ def make_method(use_eigen: bool, dtype: jnp.dtype,
             precompute_damped_inverse=precompute_damped_inverse),
         precondition=eigen.precondition,
         is_finite=finite.all_finite,
-        decomposition_batch_size=decomposition_batch_size)
+        decomposition_batch_size=decomposition_batch_size,
+        # cuSOLVER's stacked eigh is slower than one call per factor.
+        decompose_each_on=(*batched.EACH_ON_CPU, "cuda"))
   return Method(
       init=functools.partial(inverse.init_inverse, dtype=dtype),
       factor_fn=inverse.damped_inverse,

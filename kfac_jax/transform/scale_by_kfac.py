@@ -206,7 +206,8 @@ def scale_by_kfac(
       batch, so their curvature is a diagonal the first-order optimizer's
       per-row scaling already approximates well, at no cost.
     decomposition_batch_size: same-sized factors (e.g. of many scanned
-      layers) are decomposed by one ``vmap``; with a positive integer k,
+      layers) are decomposed by one ``vmap`` (one call per factor where
+      that is faster: ``preconditioning.batched``); with a positive integer k,
       by ``lax.map`` over batches of k instead, bounding the decomposition
       workspace. ``None``: all at once.
     factor_batch_size: with a positive integer k, the batch factors come from

@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""A decomposition step's work, factors stacked by size against one by one.
+
+Times ``placement.decompose_checked`` (decompose every A and G, assemble the
+preconditioners, reject non-finite ones) for each method on the factor
+sizes of the MNIST autoencoder (784-1000-500-250-30-250-500-1000-784: 16
+factors of 10 distinct sizes), in the two layouts ``batched`` offers on the
+platform it runs on:
+
+  stacked      one solver call per size (``vmap`` over the stack)
+  one by one   one solver call per factor
+
+and marks the layout the library picks there (``Method.decompose_each_on``).
+The factors are ``XᵀX/n + 10⁻³I`` of random rows with decaying scales.
+Run it on each platform whose choice is in question (CPU, a GPU):
+
+  python benchmarks/decomposition_time.py
+  python benchmarks/decomposition_time.py --smoke --out /tmp/x   # CI-cheap
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import bench_common
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from kfac_jax.distribution import placement  # noqa: E402
+from kfac_jax.factors.running import LayerFactors  # noqa: E402
+from kfac_jax.preconditioning import methods  # noqa: E402
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--repeats", type=int, default=10,
+                 help="timed calls per method and layout, after a warm-up")
+  p.add_argument("--rows", type=int, default=256,
+                 help="random rows n behind each factor")
+  p.add_argument("--smoke", action="store_true",
+                 help="tiny widths and two repeats (CI-cheap)")
+  p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--out", default="results", help="folder for the JSON")
+  return p.parse_args(argv)
+
+
+def autoencoder_factors(widths: Sequence[int], pixels: int, rows: int,
+                        seed: int = 0) -> dict[str, LayerFactors]:
+  """``{layer: LayerFactors(A [in+1, in+1], G [out, out])}``, SPD, float32."""
+  rng = np.random.default_rng(seed)
+
+  def factor(d: int) -> jax.Array:
+    x = rng.standard_normal((rows, d)) * np.linspace(1.0, 0.01, d)
+    return jnp.asarray(x.T @ x / rows + 1e-3 * np.eye(d), jnp.float32)
+
+  dims = [pixels, *widths, pixels]
+  return {f"dense_{i}": LayerFactors(factor(fan_in + 1), factor(fan_out))
+          for i, (fan_in, fan_out) in enumerate(zip(dims[:-1], dims[1:]))}
+
+
+def time_layout(method: methods.Method, factors: dict[str, LayerFactors],
+                repeats: int) -> dict[str, Any]:
+  """Compile time and median/min call time of ``decompose_checked``."""
+  previous = {name: method.init(pair.activation_factor.shape[0],
+                                pair.gradient_factor.shape[0])
+              for name, pair in factors.items()}
+  damping = jnp.float32(1e-3)
+  start = time.perf_counter()
+  compiled = jax.jit(lambda fs, ps, d: placement.decompose_checked(
+      method, fs, ps, d)).lower(factors, previous, damping).compile()
+  compile_s = time.perf_counter() - start
+  _, rejected = jax.block_until_ready(compiled(factors, previous, damping))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(factors, previous, damping))
+    times.append(time.perf_counter() - start)
+  return dict(compile_s=round(compile_s, 3),
+              median_ms=round(1e3 * statistics.median(times), 2),
+              min_ms=round(1e3 * min(times), 2), rejected=int(rejected))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = parse_args(argv)
+  widths, pixels = ((bench_common.SMOKE_AUTOENCODER_WIDTHS,
+                     bench_common.SMOKE_PIXELS) if args.smoke else
+                    (bench_common.AUTOENCODER_WIDTHS, bench_common.MNIST_PIXELS))
+  repeats = 2 if args.smoke else args.repeats
+  factors = autoencoder_factors(widths, pixels, args.rows)
+  platform = jax.default_backend()
+  rows = []
+  cases = [(use_eigen, layout) for use_eigen in (True, False)
+           for layout in ("stacked", "one by one")]
+  for use_eigen, layout in tqdm(cases, disable=args.no_progress):
+    method = methods.make_method(use_eigen, jnp.float32,
+                                 precompute_damped_inverse=False)
+    library_choice = ("one by one" if platform in method.decompose_each_on
+                      else "stacked")
+    method = method._replace(
+        decompose_each_on=(platform,) if layout == "one by one" else ())
+    rows.append(dict(method="eigen" if use_eigen else "inverse",
+                     layout=layout, library_choice=layout == library_choice,
+                     **time_layout(method, factors, repeats)))
+
+  print(f"{len(factors) * 2} factors, sizes "
+        f"{sorted({f.shape[0] for pair in factors.values() for f in pair})}, "
+        f"on {platform} ({jax.devices()[0]})")
+  print("| method | layout | compile s | median ms | min ms | library's choice |")
+  print("|---|---|---:|---:|---:|:-:|")
+  for row in rows:
+    print(f"| {row['method']} | {row['layout']} | {row['compile_s']:.2f} | "
+          f"{row['median_ms']:.1f} | {row['min_ms']:.1f} | "
+          f"{'✓' if row['library_choice'] else ''} |")
+  record = dict(environment=bench_common.environment(), args=vars(args),
+                results=rows)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+  path = out / f"decomposition_time_{stamp}.json"
+  path.write_text(json.dumps(record, indent=1))
+  print(f"wrote {path}")
+  return record
+
+
+if __name__ == "__main__":
+  main()
