@@ -25,7 +25,6 @@ import datetime
 import json
 import pathlib
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -36,11 +35,9 @@ import numpy as np
 from tqdm import tqdm
 
 import bench_common
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from kfac_jax.distribution import placement  # noqa: E402
-from kfac_jax.factors.running import LayerFactors  # noqa: E402
-from kfac_jax.preconditioning import methods  # noqa: E402
+from kfac_jax.distribution import placement
+from kfac_jax.factors.running import LayerFactors
+from kfac_jax.preconditioning import methods
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
