@@ -8,6 +8,7 @@ asserts and prints ``ok``.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import flax.linen as nn
@@ -21,6 +22,18 @@ import kfac_jax
 from benchmarks.hlo_cost import per_device_costs
 from kfac_jax.factors.running import factor_dims
 from kfac_jax.transform.scale_by_kfac import make_placement
+
+def eight_device_env() -> dict[str, str]:
+  """This process's environment for a program on 8 simulated CPU devices.
+
+  The device count is added to the inherited ``XLA_FLAGS`` (``make test``
+  sets compile flags there) and ``JAX_PLATFORMS=cpu`` keeps the simulated
+  devices where an accelerator is present.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8")
+
 
 MESHES = (((8,), ("devices",)), ((2, 4), ("data", "fsdp")),
           ((4, 2), ("data", "fsdp")))

@@ -19,6 +19,7 @@ import pytest
 
 import kfac_jax
 from kfac_jax import checkpoint
+from tests import multidevice
 
 DAMPING = 3e-3
 BATCH = 16
@@ -416,12 +417,10 @@ MULTIDEVICE_PROGRAM = textwrap.dedent("""
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_saved_on_eight_devices_restores_on_four_and_on_one(tmp_path,
                                                              axis_type):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run(
       [sys.executable, "-c", MULTIDEVICE_PROGRAM, str(tmp_path), axis_type],
-      env=env, cwd=root, capture_output=True, text=True, timeout=240)
+      env=multidevice.eight_device_env(), cwd=root, capture_output=True, text=True, timeout=240)
   assert result.returncode == 0, result.stderr[-5000:]
   assert result.stdout.strip().endswith("ok")
 

@@ -24,16 +24,15 @@ from kfac_jax.distribution import layout as layout_lib
 from kfac_jax.distribution import strategy as strategy_lib
 from kfac_jax.distribution.assignment import assign_layers, layer_cost
 from kfac_jax.preconditioning.methods import make_method
+from tests import multidevice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_on_eight_devices(program: str, axis_type: str) -> None:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
   result = subprocess.run(
       [sys.executable, "-m", "tests.multidevice", program, axis_type],
-      env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
+      env=multidevice.eight_device_env(), cwd=ROOT, capture_output=True, text=True, timeout=280)
   assert result.returncode == 0, result.stderr[-6000:]
   assert result.stdout.strip().endswith("ok")
 
