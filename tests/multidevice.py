@@ -2,8 +2,9 @@
 
 ``python -m tests.multidevice <program> <axis type>`` with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set by the caller so
-the single-device tests of the main process keep one device). Each program
-asserts and prints ``ok``.
+the single-device tests of the main process keep one device;
+``eight_device_env`` gives callers that environment). Each program asserts
+and prints ``ok``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import kfac_jax
 from benchmarks.hlo_cost import per_device_costs
 from kfac_jax.factors.running import factor_dims
 from kfac_jax.transform.scale_by_kfac import make_placement
+
 
 def eight_device_env() -> dict[str, str]:
   """This process's environment for a program on 8 simulated CPU devices.

@@ -420,7 +420,8 @@ def test_saved_on_eight_devices_restores_on_four_and_on_one(tmp_path,
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run(
       [sys.executable, "-c", MULTIDEVICE_PROGRAM, str(tmp_path), axis_type],
-      env=multidevice.eight_device_env(), cwd=root, capture_output=True, text=True, timeout=240)
+      env=multidevice.eight_device_env(), cwd=root, capture_output=True,
+      text=True, timeout=240)
   assert result.returncode == 0, result.stderr[-5000:]
   assert result.stdout.strip().endswith("ok")
 

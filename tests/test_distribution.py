@@ -32,7 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_on_eight_devices(program: str, axis_type: str) -> None:
   result = subprocess.run(
       [sys.executable, "-m", "tests.multidevice", program, axis_type],
-      env=multidevice.eight_device_env(), cwd=ROOT, capture_output=True, text=True, timeout=280)
+      env=multidevice.eight_device_env(), cwd=ROOT, capture_output=True,
+      text=True, timeout=280)
   assert result.returncode == 0, result.stderr[-6000:]
   assert result.stdout.strip().endswith("ok")
 
