@@ -1,6 +1,9 @@
-# Two entry points for a fresh machine (Python 3.10+ with venv):
+# Two entry points for a fresh machine (Python 3.11+ with venv):
 #   make demo   installs kfac_jax with its example extras and trains the MNIST classifier
 #   make test   installs kfac_jax with its test extras and runs the test suite
+# constraints.txt pins one known-good set per Python version, so
+#   make test PYTHON=python3.12 VENV=.venv-newest
+# tests the newest jax (what .ci/run runs after make test).
 PYTHON ?= python3
 VENV ?= .venv
 PIP = $(VENV)/bin/python -m pip

@@ -37,7 +37,11 @@ class MLP(nn.Module):
 
 def loss_fn(model, params, x, y):
   logits = model.apply({"params": params}, x)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  # One-hot labels: on jax >= 0.11, plain jax.grad of the integer-label loss
+  # over a batch sharded on an Explicit axis raises a ShardingTypeError (its
+  # gather's transpose), with or without K-FAC.
+  labels = jax.nn.one_hot(y, logits.shape[-1])
+  return optax.softmax_cross_entropy(logits, labels).mean()
 
 
 def batches(seed=0):
