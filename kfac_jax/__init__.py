@@ -3,6 +3,7 @@
 from kfac_jax.capture.api import trace_layers
 from kfac_jax.capture.api import value_grad_and_stats
 from kfac_jax.capture import sampled_curvature
+from kfac_jax import schedules
 from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.distribution.placement import ShardedPreconditioners
@@ -42,6 +43,7 @@ __all__ = [
     "kfac",
     "sampled_curvature",
     "scale_by_kfac",
+    "schedules",
     "trace_layers",
     "value_grad_and_stats",
 ]

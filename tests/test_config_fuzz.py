@@ -38,7 +38,8 @@ POSITIVE = st.one_of(
     st.floats(1e-6, 1.0).map(lambda v: (lambda step: v * jnp.ones([]))),
 )
 DECAY = st.one_of(
-    st.floats(1e-30, 1.0),
+    st.floats(0.0, 1.0),
+    st.just(0),
     st.just(1),
     st.floats(0.5, 1.0).map(np.float32),
     st.floats(0.5, 1.0).map(lambda v: optax.constant_schedule(v)),
@@ -136,10 +137,11 @@ NOT_POSITIVE = st.one_of(st.floats(max_value=0.0), st.integers(max_value=0),
 NEGATIVE = st.one_of(st.floats(max_value=-1e-30), st.integers(max_value=-1),
                      NON_FINITE)
 NOT_DECAY = st.one_of(
-    st.floats(max_value=0.0),
+    # Below 0 in float32 (-1e-46 rounds to -0.0, a valid 0).
+    st.floats(max_value=-1e-30),
     # Above 1 in float32, the dtype update uses (1 + 1e-16 is 1.0 there).
     st.floats(min_value=1.0 + 2**-22),
-    st.integers(max_value=0),
+    st.integers(max_value=-1),
     st.integers(min_value=2, max_value=10**6),
     NON_FINITE,
 )

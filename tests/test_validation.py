@@ -22,8 +22,8 @@ from kfac_jax import checkpoint
     (dict(damping=-1e-3), ValueError, "damping must be > 0"),
     # Subnormal in float32: XLA flushes it to 0.
     (dict(damping=1e-40), ValueError, "damping must be > 0 and a normal"),
-    (dict(factor_decay=0.0), ValueError, r"factor_decay must be in \(0, 1\]"),
-    (dict(factor_decay=1.5), ValueError, r"factor_decay must be in \(0, 1\]"),
+    (dict(factor_decay=-0.1), ValueError, r"factor_decay must be in \[0, 1\]"),
+    (dict(factor_decay=1.5), ValueError, r"factor_decay must be in \[0, 1\]"),
     (dict(factor_update_steps=0), ValueError, "factor_update_steps must be a positive"),
     (dict(inv_update_steps=-2), ValueError, "inv_update_steps must be a positive"),
     (dict(inv_update_steps=2.5), TypeError, "inv_update_steps must be an integer"),

@@ -192,8 +192,13 @@ def positive_integer(name: str, value: ScalarOrSchedule) -> Hyperparameter:
 
 
 def decay(name: str, value: ScalarOrSchedule) -> Hyperparameter:
-  return hyperparameter(name, value, lambda v: (0 < v) & (v <= 1),
-                        "in (0, 1]")
+  """A running average's weight d in ``F ← d·F + (1 − d)·F_batch``: [0, 1].
+
+  Both ends are well defined: 0 replaces ``F`` by ``F_batch`` (KAISA's
+  ``exp_decay_factor_averaging`` gives 0 at the first steps), 1 keeps ``F``.
+  """
+  return hyperparameter(name, value, lambda v: (0 <= v) & (v <= 1),
+                        "in [0, 1]")
 
 
 def floating_dtype(name: str, dtype: jnp.dtype | None) -> jnp.dtype | None:

@@ -141,7 +141,9 @@ def scale_by_kfac(
       a warmup from 0 starts, nothing is clipped: ν = 1).
     damping: λ in ``(A ⊗ G + λI)⁻¹``. Constant or schedule, > 0.
     factor_decay: d in ``F ← d·F + (1 − d)·F_batch``. Constant or schedule,
-      in (0, 1].
+      in [0, 1]: 0 replaces F by ``F_batch``, 1 keeps F.
+      ``kfac_jax.schedules.exp_decay_factor_averaging()`` is KAISA's
+      ``min(1 − 1/max(step, 1), 0.95)``.
     kl_clip: KL-clipping bound κ. Constant or schedule, > 0; ``None``
       turns clipping off.
     factor_update_steps: factors update when ``step % factor_update_steps ==
