@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The prepared GPU check: on a machine with an NVIDIA GPU and jax's CUDA
+# plugin installed, in at most ~8 minutes,
+#   1. the test suite without the 8-simulated-device tests, every result
+#      written as it comes (gpu_check.log) and a junit XML at the end;
+#   2. first-call cost, trace + lower against XLA compile (compile_time.py);
+#   3. the step-time table against SGD and AdamW (step_time.py);
+#   4. a short autoencoder race, Adam against adaptive K-FAC (convergence.py).
+# Each part has its own time limit, so a hang costs that part only.
+#
+#   bash benchmarks/gpu_check.sh OUT_DIR            # run from the repo root
+#   PYTHON=/path/to/python bash benchmarks/gpu_check.sh OUT_DIR
+#
+# The package runs from the checkout (PYTHONPATH), with the machine's jax,
+# flax and optax: nothing is installed. OUT_DIR receives four files:
+# gpu_check.log (everything printed, the compile table included), junit.xml,
+# step_time.md and race.md.
+set -uo pipefail
+out=${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR}
+python=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+scratch=$(mktemp -d)
+log="$out/gpu_check.log"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Several processes share the GPU: none may take 75 % of its memory up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+status=0
+
+# part NAME SECONDS COMMAND...: runs COMMAND under its limit, logged as it goes.
+part() {
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit} s): $*" | tee -a "$log"
+  local start=$SECONDS
+  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$log"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+"$python" -c "import jax, flax, optax, sys; print(sys.version.split()[0], \
+'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, \
+jax.devices())" 2>&1 | tee -a "$log"
+git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$log"
+
+part tests 240 "$python" -m pytest tests -m "not multidevice" -n 6 -v \
+  -p no:cacheprovider --timeout 120 -o addopts="-ra" \
+  --junitxml="$out/junit.xml"
+part compile_time 90 "$python" benchmarks/compile_time.py --no-progress \
+  --variants adamw kfac-eigen kfac-adaptive --repeats 1 --out "$scratch/ct"
+part step_time 90 "$python" benchmarks/step_time.py --no-progress \
+  --models autoencoder --batch-sizes 256 --rounds 3 \
+  --variants sgd adamw kfac-eigen kfac-inverse --out "$scratch/st"
+part race 60 "$python" benchmarks/convergence.py --no-progress \
+  --tasks autoencoder --optimizers adam kfac_adaptive --no-sweep --seeds 0 \
+  --budget 20 --out "$scratch/race"
+
+# The tables, one file per part (the JSON records stay in $scratch).
+for pair in st:step_time race:race; do
+  found=$(ls "$scratch/${pair%%:*}"/*.md 2>/dev/null | head -1)
+  [ -n "$found" ] && cp "$found" "$out/${pair#*:}.md"
+done
+echo "=== gpu_check: exit $status" | tee -a "$log"
+exit $status
