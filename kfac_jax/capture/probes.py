@@ -58,8 +58,12 @@ reveal_input.defvjp(_reveal_input_fwd, _reveal_input_bwd)
 
 
 def probe_inputs(inputs: jax.Array) -> jax.Array:
-  """What the input probe reveals: the input, token ids as float32."""
-  if jnp.issubdtype(inputs.dtype, jnp.floating):
+  """What the input probe reveals: the input, token ids as float32.
+
+  A complex input is returned as it is, for ``record_call`` to refuse (a cast
+  would drop its imaginary part).
+  """
+  if jnp.issubdtype(inputs.dtype, jnp.inexact):
     return inputs
   return inputs.astype(jnp.float32)
 
