@@ -883,19 +883,20 @@ def test_layers_frozen_by_the_optimizers_wrt_filter_go_in_skip_layers():
       model, nnx.PathContains("hidden")), frozen)
 
 
-def test_variable_gradients_passed_to_update_directly_are_refused():
-  """tx.update given nnx.state(...) as it is (Variables, not nnx.pure)
-  returned every K-FAC layer's gradient unpreconditioned, silently: the
-  leaves sit under a '.value' key, off the layers' names."""
+def test_variable_gradients_passed_to_update_directly_are_their_arrays():
+  """tx.update given nnx.state(...) as it is (Variables, not nnx.pure), as
+  Flax's functional API passes it: the same update as on the arrays, in
+  the Variables (tests/test_nnx_functional.py has the whole loop)."""
   model, (x, target) = NnxModel(nnx.Rngs(0)), _data()
   tx = kfac_jax.scale_by_kfac(damping=0.01, layers=kfac_jax.trace_layers(
       _nnx_loss, model, x, target))
   params = nnx.state(model, nnx.Param)
-  state = tx.init(params)  # as nnx.Optimizer's init gets them: accepted
+  state = tx.init(params)  # as nnx.Optimizer's init gets them
   _, grads, stats = kfac_jax.value_grad_and_stats(_nnx_loss)(model, x, target)
-  with pytest.raises(ValueError, match="are an NNX Param.*nnx.pure"):
-    tx.update(grads, state, params, kfac_stats=stats)
-  updates, _ = tx.update(nnx.pure(grads), state, nnx.pure(params),
-                         kfac_stats=stats)
-  assert not np.allclose(updates["hidden"]["kernel"],
+  updates, _ = tx.update(grads, state, params, kfac_stats=stats)
+  expected, _ = tx.update(nnx.pure(grads), state, nnx.pure(params),
+                          kfac_stats=stats)
+  assert isinstance(updates["hidden"]["kernel"], nnx.Param)
+  jax.tree.map(np.testing.assert_array_equal, nnx.pure(updates), expected)
+  assert not np.allclose(expected["hidden"]["kernel"],
                          nnx.pure(grads)["hidden"]["kernel"])

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec
 import optax
 
 from kfac_jax.distribution.placement import check_params_specs
+from kfac_jax.transform import nnx_variables
 from kfac_jax.transform import scale_by_kfac as scale_by_kfac_lib
 from kfac_jax.transform.scale_by_kfac import ScaleByKFACState, scale_by_kfac
 
@@ -84,7 +85,8 @@ def get_opt_state_partition_specs(
   arguments.apply_defaults()
   placement = scale_by_kfac_lib.make_placement(
       *(arguments.arguments[name] for name in _PLACEMENT_ARGS))
-  params_specs = arguments.arguments["params_partition_specs"]
+  params_specs = nnx_variables.values(
+      arguments.arguments["params_partition_specs"])
   params_specs = check_params_specs(
       params, jax.tree.map(lambda _: None, params)
       if params_specs is None else params_specs)

@@ -51,6 +51,7 @@ from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
 from kfac_jax.preconditioning.methods import Preconditioner, make_method
 from kfac_jax.preconditioning.kl_clip import kl_clip_scale
 from kfac_jax.transform import hyperparameters as hp
+from kfac_jax.transform import nnx_variables
 from kfac_jax.transform import quadratic_model
 from kfac_jax.transform.quadratic_model import (AdaptiveConfig,
                                                 QuadraticModelState, SplitLoss)
@@ -193,7 +194,9 @@ def scale_by_kfac(
       tensor parallel); the updates and the accumulated gradients are
       constrained to it. Inside ``optax.multi_transform`` the full tree:
       the specs of params withheld from K-FAC (``optax.MaskedNode``) are
-      passed over. ``None``: as the incoming gradients.
+      passed over. For an ``nnx.State`` of Params, a tree of its shape
+      (specs in the Variables, or in their place). ``None``: as the
+      incoming gradients.
     layers: the layer table from ``kfac_jax.trace_layers(loss_fn, params,
       ...)``, needed for scanned layers, grouped convolutions and
       ``DenseGeneral``, whose structure the params alone do not tell. With it,
@@ -351,6 +354,8 @@ def scale_by_kfac(
   placement = make_placement(method, compute_eigenvalue_outer_product,
                              inv_dtype, mesh_axes, grad_worker_fraction,
                              assignment_strategy, decomposition_batch_size)
+  # Specs made by jax.tree.map over an nnx.State sit in its Variables.
+  params_partition_specs = nnx_variables.values(params_partition_specs)
 
   def constrain_to_params(tree: Any) -> Any:
     if params_partition_specs is None:
@@ -542,7 +547,23 @@ def scale_by_kfac(
       **extra_args: Any,
   ) -> tuple[Any, ScaleByKFACState]:
     del extra_args
-    _check_no_variables(updates)
+    # NNX's functional API passes nnx.State trees of Variables (and init
+    # put them in the state's params-shaped parts): the layers are read in
+    # their values, and the results come back in the containers given.
+    new_updates, new_state = update_values(
+        nnx_variables.values(updates), nnx_variables.values(state),
+        nnx_variables.values(params), kfac_stats, split_loss)
+    return (nnx_variables.like(updates, new_updates),
+            nnx_variables.like(state, new_state))
+
+  def update_values(
+      updates: Any,
+      state: ScaleByKFACState,
+      params: Any,
+      kfac_stats: Mapping[str, LayerStatistics] | None,
+      split_loss: SplitLoss | None,
+  ) -> tuple[Any, ScaleByKFACState]:
+    """``update_fn`` on trees of arrays."""
     if adaptive is not None:
       _check_split_loss(split_loss, params)
     elif split_loss is not None:
@@ -967,26 +988,6 @@ def _difference(found: Any, expected: Any) -> str:
             f"{dtypes(expected)} (another inv_dtype)")
   return ("other shapes (another device count, grad_worker_fraction or "
           "assignment_strategy)")
-
-
-def _check_no_variables(updates: Any) -> None:
-  """Refuses Flax NNX ``Variable`` leaves (``nnx.state(model)`` as it is).
-
-  jax flattens a ``Variable`` to its value under a ``.value`` key, so each
-  layer's gradient sat at another path than its name, and the update came
-  out unpreconditioned, silently. (``nnx.Optimizer`` passes bare arrays.)
-  """
-  is_variable = lambda node: hasattr(node, "get_value") and hasattr(
-      node, "set_value")
-  for path, leaf in jax.tree_util.tree_flatten_with_path(
-      updates, is_leaf=is_variable)[0]:
-    if is_variable(leaf):
-      raise ValueError(
-          "scale_by_kfac.update: the gradients at "
-          f"{layers_lib.layer_name(tuple(map(layers_lib.path_key_name, path)))} "
-          f"are an NNX {type(leaf).__name__}, not an array. Pass "
-          "nnx.pure(...) of the NNX state (nnx.Optimizer.update(model, grads, "
-          "kfac_stats=stats) does so).")
 
 
 def _check_split_loss(split_loss: SplitLoss | None, params: Any) -> None:
