@@ -40,7 +40,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kfac_jax.capture.layers import path_key_name
-from kfac_jax.distribution.placement import ShardedPreconditioners
+from kfac_jax.distribution.placement import (ShardedPreconditioners,
+                                             using_mesh)
 from kfac_jax.factors.running import factor_dims
 from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
 from kfac_jax.transform import hyperparameters as hp
@@ -210,12 +211,13 @@ def recompute_preconditioners(
         DistributedStrategy.COMM_OPT),
     assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
     adaptive: AdaptiveConfig | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Any:
   """Decomposes the factors of every K-FAC state in ``tree`` again.
 
   Each state's factors go through the decomposition ``update`` makes on a
   decomposition step (the same placement: one device, or spread over
-  ``mesh_axes`` of the mesh set by ``jax.set_mesh``), with
+  ``mesh_axes`` of ``mesh``, or of the mesh set by ``jax.set_mesh``), with
   ``λ = damping(state.count)`` (a state of the adaptive mode uses its own
   λ, ``state.quadratic_model.damping``): the preconditioners the next update
   would make
@@ -245,10 +247,17 @@ def recompute_preconditioners(
       into ``[min_damping, max_damping]`` first, as ``update`` clips it (a
       corrupted or out-of-range λ; NaN becomes ``max_damping``). Without it
       the state's λ is used as it is.
+    mesh: the ``jax.sharding.Mesh`` to decompose on (that of ``mesh_axes``),
+      for a call outside ``with jax.set_mesh(mesh):``. ``None``: the
+      context's mesh.
 
   Returns:
     ``tree`` with every K-FAC state's ``preconditioners`` (and
     ``rejected_decompositions``) replaced.
+
+  Raises:
+    ValueError: ``tree`` holds no K-FAC state; ``mesh`` is not the
+      context's; as ``scale_by_kfac`` for the other arguments.
   """
   damping_fn = hp.positive("damping", damping)
   method = ComputeMethod.parse(compute_method)
@@ -283,8 +292,9 @@ def recompute_preconditioners(
     return state._replace(preconditioners=preconditioners,
                           rejected_decompositions=rejected)
 
-  return _map_kfac_states(lambda _, state: decompose_all(state), tree,
-                          "recompute_preconditioners")
+  with using_mesh(mesh, "recompute_preconditioners", abstract_ok=False):
+    return _map_kfac_states(lambda _, state: decompose_all(state), tree,
+                            "recompute_preconditioners")
 
 
 def _abstract(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:

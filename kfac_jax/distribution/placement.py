@@ -19,6 +19,7 @@ step and the preconditioning of every step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -356,10 +357,62 @@ def context_mesh(axes: tuple[str, ...]) -> jax.sharding.AbstractMesh:
   if mesh.empty:
     raise ValueError(
         f"scale_by_kfac with mesh_axes or params_partition_specs (mesh axes "
-        f"{list(axes)}) needs a mesh: call init, update and "
-        "get_opt_state_partition_specs inside `with jax.set_mesh(mesh):` "
-        "(mesh = jax.make_mesh(...)).")
+        f"{list(axes)}) needs a mesh: call init and update inside `with "
+        "jax.set_mesh(mesh):` (mesh = jax.make_mesh(...)), and "
+        "get_opt_state_partition_specs and recompute_preconditioners there "
+        "or with mesh=mesh.")
   return mesh
+
+
+def using_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None,
+               caller: str, abstract_ok: bool = True
+               ) -> contextlib.AbstractContextManager[Any]:
+  """The context in which ``caller`` runs given ``mesh=``.
+
+  ``None``: the context's mesh (``jax.set_mesh``), if any, as it is.
+  A ``Mesh`` is set for the call (an ``AbstractMesh`` too where
+  ``abstract_ok``: enough to lay out shapes), so that shardings can be built
+  before entering the context. Given both, they must be the same mesh.
+
+  Raises:
+    TypeError: ``mesh`` is not a mesh (of the kind allowed).
+    ValueError: the context holds another mesh than ``mesh`` (other axes,
+      sizes or axis types, or the same ones over other devices).
+  """
+  if mesh is None:
+    return contextlib.nullcontext()
+  kinds = ((jax.sharding.Mesh, jax.sharding.AbstractMesh) if abstract_ok else
+           (jax.sharding.Mesh,))
+  if not isinstance(mesh, kinds):
+    raise TypeError(
+        f"{caller}: mesh must be a jax.sharding.Mesh (jax.make_mesh(...))"
+        f"{' or its AbstractMesh' if abstract_ok else ''}, or None for the "
+        f"mesh of jax.set_mesh; got {type(mesh).__name__}.")
+  abstract = (mesh if isinstance(mesh, jax.sharding.AbstractMesh) else
+              mesh.abstract_mesh)
+  context = jax.sharding.get_abstract_mesh()
+  concrete = jax.sharding.get_mesh()
+  if not context.empty and (
+      context != abstract or (isinstance(mesh, jax.sharding.Mesh) and
+                              not concrete.empty and concrete != mesh)):
+    held = concrete if not concrete.empty else context
+    raise ValueError(
+        f"{caller}: mesh={_describe_mesh(mesh)} is not the mesh set by "
+        f"jax.set_mesh, {_describe_mesh(held)}. Pass the context's mesh, or "
+        "leave mesh=None inside the context.")
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    return jax.sharding.use_abstract_mesh(mesh)
+  return jax.set_mesh(mesh)
+
+
+def _describe_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> str:
+  """Axes, sizes and kinds; a concrete mesh's devices too (two meshes of
+  one shape differ by them)."""
+  axes = ", ".join(f"{name!r}: {size} {kind.name}" for name, size, kind in zip(
+      mesh.axis_names, mesh.axis_sizes, mesh.axis_types))
+  if isinstance(mesh, jax.sharding.Mesh):
+    return f"Mesh({axes}; device ids {mesh.device_ids.ravel().tolist()})"
+  return f"AbstractMesh({axes})"
 
 
 def named_axes(spec: PartitionSpec) -> list[str]:

@@ -10,7 +10,7 @@ import jax
 from jax.sharding import PartitionSpec
 import optax
 
-from kfac_jax.distribution.placement import check_params_specs
+from kfac_jax.distribution.placement import check_params_specs, using_mesh
 from kfac_jax.transform import nnx_variables
 from kfac_jax.transform import scale_by_kfac as scale_by_kfac_lib
 from kfac_jax.transform.scale_by_kfac import ScaleByKFACState, scale_by_kfac
@@ -25,6 +25,7 @@ def get_opt_state_partition_specs(
     chain_with: optax.GradientTransformation | None = None,
     *,
     tx: optax.GradientTransformation | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     **kwargs: Any,
 ) -> Any:
   """``PartitionSpec``s of ``tx.init(params)``, computed without allocating.
@@ -33,14 +34,19 @@ def get_opt_state_partition_specs(
   **kwargs), chain_with)`` when the rest of the chain is given (as
   distributed_kron's helper covers its whole chain), or any transformation
   given as ``tx`` whose state holds the state of ``scale_by_kfac(**kwargs)``
-  for these params (``kfac_jax.kfac(...)``). Call it under the same
-  ``jax.set_mesh`` as ``init`` and ``update``::
+  for these params (``kfac_jax.kfac(...)``). The mesh is the one ``init``
+  and ``update`` run under: ``mesh=``, or that of ``jax.set_mesh``::
 
     specs = kfac_jax.get_opt_state_partition_specs(
-        params, chain_with=optax.sgd(0.1, momentum=0.9), **kfac_kwargs)
-    opt_state = jax.jit(tx.init, out_shardings=specs)(params)
+        params, chain_with=optax.sgd(0.1, momentum=0.9), mesh=mesh,
+        **kfac_kwargs)
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                             is_leaf=lambda x: isinstance(x, PartitionSpec))
+    with jax.set_mesh(mesh):
+      opt_state = jax.jit(tx.init, out_shardings=shardings)(params)
 
-  (on Auto axes, wrap the specs in ``NamedSharding(mesh, spec)``).
+  (on Explicit axes, inside the context, the specs alone do as
+  ``out_shardings``).
 
   K-FAC factors and counters are replicated; the preconditioners follow the
   distribution strategy (``ShardedPreconditioners.rows`` over ``mesh_axes``);
@@ -52,6 +58,9 @@ def get_opt_state_partition_specs(
     params: the params, or their ``jax.eval_shape``.
     chain_with: the transformation chained after ``scale_by_kfac``.
     tx: instead of ``chain_with``, the whole transformation.
+    mesh: the ``jax.sharding.Mesh`` (or ``AbstractMesh``) ``mesh_axes`` and
+      ``params_partition_specs`` name axes of, for a call outside ``with
+      jax.set_mesh(mesh):``. ``None``: the context's mesh.
     **kwargs: the ``scale_by_kfac`` arguments (those ``tx`` was built with,
       at least the ones that shape its state and layout).
 
@@ -59,8 +68,19 @@ def get_opt_state_partition_specs(
     ValueError: as ``scale_by_kfac`` and its ``init``, e.g. a mesh axis not
       in the mesh, or a ``grad_worker_fraction`` that does not divide it;
       ``chain_with`` and ``tx`` both given; a K-FAC state in ``tx``'s that
-      ``scale_by_kfac(**kwargs)`` would not make.
+      ``scale_by_kfac(**kwargs)`` would not make; a ``mesh`` other than the
+      context's.
+    TypeError: ``chain_with``, ``tx`` or ``mesh`` of another kind.
   """
+  with using_mesh(mesh, "get_opt_state_partition_specs"):
+    return _partition_specs(params, chain_with, tx, kwargs)
+
+
+def _partition_specs(params: Any,
+                     chain_with: optax.GradientTransformation | None,
+                     tx: optax.GradientTransformation | None,
+                     kwargs: dict[str, Any]) -> Any:
+  """``get_opt_state_partition_specs`` under its mesh."""
   for name, value in (("chain_with", chain_with), ("tx", tx)):
     # Duck-typed: optax.MultiSteps and other optax objects have init and
     # update without being GradientTransformations.
