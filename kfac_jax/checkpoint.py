@@ -81,7 +81,8 @@ def _map_kfac_states(fn: Callable[[_KeyPath, ScaleByKFACState], Any],
     raise ValueError(
         f"checkpoint.{caller}: the tree holds no kfac_jax.ScaleByKFACState. "
         "Pass the optimizer state as optax returns it; with Flax NNX, "
-        "nnx.pure(optimizer.opt_state) (nnx.state(optimizer) flattens it).")
+        "nnx.pure(optimizer.opt_state) (nnx.as_pure from flax 0.12.12 on; "
+        "nnx.state(optimizer) flattens it).")
   return result
 
 

@@ -9,6 +9,7 @@ helper, checkpoints), returns updates in that container, and computes what
 
 from __future__ import annotations
 
+import doctest
 import os
 import tempfile
 import warnings
@@ -24,6 +25,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import kfac_jax
 from kfac_jax import checkpoint
+from kfac_jax.transform import nnx_variables
 
 STEPS = 3
 KFAC = dict(damping=0.01, inv_update_steps=2)
@@ -226,3 +228,8 @@ def test_partition_specs_and_checkpoints_take_the_param_state():
         checkpoint.restore(bare, (target[0]._replace(preconditioners=None),
                                   target[1])), KFAC["damping"])
   assert_params(recomputed[0].accumulator.gradients, nnx.Param)
+
+
+def test_nnx_variables_docstring_examples_run():
+  result = doctest.testmod(nnx_variables, raise_on_error=False)
+  assert result.attempted > 0 and result.failed == 0, result
