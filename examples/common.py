@@ -596,8 +596,8 @@ def check_args(args: argparse.Namespace) -> None:
   for flag in ("kfac_lr", "sgd_lr", "adam_lr", "damping"):
     if not getattr(args, flag) > 0:
       raise SystemExit(f"--{flag.replace('_', '-')} must be > 0.")
-  if not 0 < args.factor_decay <= 1:
-    raise SystemExit("--factor-decay must be in (0, 1].")
+  if not 0 <= args.factor_decay <= 1:
+    raise SystemExit("--factor-decay must be in [0, 1].")
 
 
 def head(arrays: Sequence[np.ndarray], n: int | None) -> tuple[np.ndarray, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,8 +15,19 @@ from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.static_args import static_bool
 
 
-def _front_end(params_or_model: Any):
-  return flax_nnx if isinstance(params_or_model, nnx.Module) else flax_linen
+def _front_end(params_or_model: Any, caller: str):
+  """The capture of the model's Flax API, from what the loss is given."""
+  if isinstance(params_or_model, nnx.Module):
+    return flax_nnx
+  if isinstance(params_or_model, nnx.State):
+    # A loss that merges the State into a model builds its layers where the
+    # capture cannot switch them: it would see no layer and return no stats.
+    raise TypeError(
+        f"{caller}: got an nnx.State; the NNX capture needs the model. Give "
+        "the loss the model instead: fun(model, *args) with model = "
+        "nnx.merge(graphdef, params); its gradients are the same nnx.State "
+        "of Params, which scale_by_kfac.update takes as it is.")
+  return flax_linen
 
 
 def value_grad_and_stats(
@@ -63,8 +75,16 @@ def value_grad_and_stats(
   skip = compile_patterns(skip_layers)
 
   def value_grads_and_stats(params_or_model: Any, *args: Any, **kwargs: Any):
-    return _front_end(params_or_model).value_grad_and_stats(
-        fun, has_aux, skip, params_or_model, *args, **kwargs)
+    value, grads, stats = _front_end(
+        params_or_model, "value_grad_and_stats").value_grad_and_stats(
+            fun, has_aux, skip, params_or_model, *args, **kwargs)
+    if not stats and not skip:
+      warnings.warn(
+          "value_grad_and_stats captured no layer: the loss called none of "
+          "the captured Flax layers with these params (an NNX model built "
+          "inside the loss is not seen: pass the model itself), so "
+          "scale_by_kfac will precondition nothing.", stacklevel=2)
+    return value, grads, stats
 
   return value_grads_and_stats
 
@@ -95,7 +115,7 @@ def trace_layers(fun: Callable[..., Any], params_or_model: Any, *args: Any,
     by class name without a warning).
   """
   _check_callable(fun, "trace_layers")
-  return _front_end(params_or_model).trace_layers(
+  return _front_end(params_or_model, "trace_layers").trace_layers(
       fun, compile_patterns(skip_layers), params_or_model, *args, **kwargs)
 
 
