@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU check: on a machine with an NVIDIA GPU and jax's CUDA
-# plugin installed, in at most 8 minutes (180 + 90 + 90 + 110 s),
+# plugin installed, in at most 8 minutes (220 + 70 + 80 + 100 s),
 #   1. the test suite without the 8-simulated-device tests, every result
 #      written as it comes (gpu_check.log) and a junit XML at the end;
 #   2. first-call cost, trace + lower against XLA compile (compile_time.py);
@@ -47,15 +47,15 @@ part() {
 jax.devices())" 2>&1 | tee -a "$log"
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$log"
 
-part tests 180 "$python" -m pytest $tests -m "not multidevice" -n 6 -v \
+part tests 220 "$python" -m pytest $tests -m "not multidevice" -n 12 -v \
   -p no:cacheprovider --timeout 120 -o addopts="-ra" \
   --junitxml="$out/junit.xml"
-part compile_time 90 "$python" benchmarks/compile_time.py --no-progress \
+part compile_time 70 "$python" benchmarks/compile_time.py --no-progress \
   --variants adamw kfac-eigen kfac-adaptive --repeats 1 --out "$scratch/ct"
-part step_time 90 "$python" benchmarks/step_time.py --no-progress \
+part step_time 80 "$python" benchmarks/step_time.py --no-progress \
   --models autoencoder --batch-sizes 256 --rounds 3 \
   --variants sgd adamw kfac-eigen kfac-inverse --out "$scratch/st"
-part race 110 "$python" benchmarks/convergence.py --no-progress \
+part race 100 "$python" benchmarks/convergence.py --no-progress \
   --tasks autoencoder --optimizers adam kfac_adaptive --no-sweep --seeds 0 \
   --budget 20 --out "$scratch/race"
 
