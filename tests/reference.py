@@ -3,10 +3,15 @@
 Nothing here imports kfac_jax: models are re-implemented in NumPy with
 hand-written backprop, convolutions with explicit loop im2col, and the K-FAC
 algorithm follows the formulas of the issue/README directly.
+
+The tests' float32 comparisons take their tolerance from the computation,
+never a picked number: ``assert_float32_close`` (ε times the roundings a
+value accumulates, its scale and the conditioning it goes through).
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import itertools
 import math
@@ -26,6 +31,20 @@ def damped_inverse(factor: np.ndarray, damping: float) -> np.ndarray:
   """``(F + λI)⁻¹`` in float64."""
   return np.linalg.inv(np.asarray(factor, np.float64) +
                        damping * np.eye(len(factor)))
+
+
+def assert_damped_inverse(result, factor: np.ndarray, damping: float) -> None:
+  """``result`` is ``(F + λI)⁻¹`` up to a float32 inversion's error: the
+  Cholesky factor's (n + 1 roundings, backward stable), the triangular
+  inverse's and the product's (as many each), times κ(F + λI), of
+  ‖(F + λI)⁻¹‖ (``assert_float32_close``). The roundings are counted as
+  random, √(n + 1) for each n + 1: the worst case would allow 3% of the
+  inverse at n = 1001, where 1e-6 is seen."""
+  damped = np.asarray(factor, np.float64) + damping * np.eye(len(factor))
+  values = np.linalg.eigvalsh(damped)
+  assert_float32_close(result, damped_inverse(factor, damping),
+                       terms=3 * math.sqrt(len(factor) + 1),
+                       condition=values[-1] / values[0], scale=1 / values[0])
 
 
 def im2col(x: np.ndarray, window: tuple[int, int], strides: tuple[int, int],
@@ -237,15 +256,101 @@ class KFACReference:
     return out
 
 
-def assert_member_stats(stats, index: int, alone, rtol: float = 1e-6,
-                        atol: float = 1e-7) -> None:
+# float32's machine epsilon 2⁻²³ ≈ 1.19e-7, twice its unit roundoff u.
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def assert_float32_close(actual, expected, *, terms: float, scale=None,
+                         condition: float = 1.0, err_msg: str = "") -> None:
+  """``actual``, computed in float32, is ``expected`` up to float32 rounding.
+
+  The error model (Higham's, first order): each float32 operation rounds
+  with relative error at most u = ε/2. A value that accumulates ``terms``
+  roundings on magnitudes up to ``scale`` (a sum or dot of ``terms``
+  products; through a chain of layers, the contraction lengths met forward
+  and backward, added) is within terms·u·scale of the exact one, so two
+  computations of it (two code paths, or float32 against a float64
+  reference) are within terms·ε·scale of each other. A solve or an inverse
+  multiplies that by the ``condition`` number it goes through. Worst case
+  (every rounding in one direction), not the √terms of random rounding.
+
+  Absolute, every entry against ``scale`` (default: max |expected|; an
+  array gives each entry its own), not relative: cancellation leaves a small
+  entry with the large terms' error. Integer arrays (counts) compare exactly.
+  """
+  if not np.issubdtype(np.asarray(expected).dtype, np.inexact):
+    np.testing.assert_array_equal(actual, expected, err_msg=err_msg)
+    return
+  expected = np.asarray(expected, np.float64)
+  if scale is None:
+    scale = np.abs(expected).max(initial=0.0)
+  atol = terms * condition * EPS32 * scale
+  actual = np.asarray(actual, np.float64)
+  if np.ndim(atol) == 0:
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=atol,
+                               err_msg=err_msg)
+    return
+  excess = np.abs(actual - expected) - atol
+  assert actual.shape == expected.shape and np.all(excess <= 0), (
+      f"{err_msg}: {np.sum(~(excess <= 0))} entries beyond terms={terms}, "
+      f"condition={condition:g} roundings of their scale; actual {actual}, "
+      f"expected {expected}")
+
+
+def largest(arrays) -> float:
+  """max |entry| over ``arrays`` (a pytree's leaves): a normwise ``scale``
+  for a whole update, whose rounding comes from every layer's."""
+  return max(float(np.abs(np.asarray(a, np.float64)).max(initial=0.0))
+             for a in arrays)
+
+
+def running_factor_scale(factor, identity_weight: float) -> np.ndarray:
+  """``assert_float32_close``'s ``scale`` for a running factor
+  ``w·I + (batch covariances)``: each entry's parts' magnitudes, the
+  identity's ``w`` on the diagonal plus the batch part's largest entry (on
+  its diagonal, as of any covariance)."""
+  identity = identity_weight * np.eye(len(factor))
+  return identity + np.abs(np.asarray(factor, np.float64) - identity).max()
+
+
+def kfac_state(state):
+  """The K-FAC state (running ``factors`` and ``preconditioners``) inside an
+  optimizer's state of tuples and mappings; None if there is none."""
+  if hasattr(state, "factors") and hasattr(state, "preconditioners"):
+    return state
+  if isinstance(state, collections.abc.Mapping):
+    state = state.values()
+  elif not isinstance(state, (tuple, list)):
+    return None
+  return next((found for found in map(kfac_state, state) if found is not None),
+              None)
+
+
+def kfac_condition(factors, damping: float) -> float:
+  """The largest ``κ(A ⊗ G + λI) = (‖A‖‖G‖ + λ)/(λmin(A)λmin(G) + λ)`` over
+  ``factors`` (``{layer: (A, G)}``, stacked layers' factors too).
+
+  First-order perturbation of the solve ``P = M⁻¹ vec(∇)``: rounding of
+  relative size δ in ``M`` (the factors) or in ``∇`` moves ``P`` by up to
+  ``κ(M)·δ·‖P‖``, so a K-FAC update carries its inputs' rounding times this
+  ``condition`` (``assert_float32_close``)."""
+  worst = 1.0
+  for a, g in factors.values():
+    ea = np.linalg.eigvalsh(np.asarray(a, np.float64)).clip(0)
+    eg = np.linalg.eigvalsh(np.asarray(g, np.float64)).clip(0)
+    top = ea[..., -1] * eg[..., -1] + damping
+    worst = max(worst, float(np.max(top / (ea[..., 0] * eg[..., 0] + damping))))
+  return worst
+
+
+def assert_member_stats(stats, index: int, alone, *, terms: float) -> None:
   """Member ``index`` of stats captured under a ``vmap`` equals ``alone``,
   the stats of that member's own call: the same layers, and each layer's
-  inputs and output cotangents."""
+  inputs and output cotangents, up to ``terms`` roundings
+  (``assert_float32_close``)."""
   assert sorted(stats) == sorted(alone)
   for name, single in alone.items():
     mapped = stats[name]
     for member, expected in zip((*mapped.inputs, *mapped.output_cotangents),
                                 (*single.inputs, *single.output_cotangents)):
-      np.testing.assert_allclose(member[index], expected, rtol=rtol,
-                                 atol=atol)
+      assert_float32_close(member[index], expected, terms=terms, err_msg=name)

@@ -348,6 +348,7 @@ def test_curvature_shared_loss_is_the_same_objective():
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import convergence  # pylint: disable=g-import-not-at-top
+  from tests import reference  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   x = rng.normal(size=(12, 3)).astype(np.float32)
   y = rng.normal(size=(12, 2)).astype(np.float32)
@@ -360,8 +361,14 @@ def test_curvature_shared_loss_is_the_same_objective():
     split = convergence.curvature_shared_loss(loss_fn, examples)
     value, grad = jax.value_and_grad(split)(weights, x, y)
     expected_value, expected_grad = jax.value_and_grad(loss_fn)(weights, x, y)
-    np.testing.assert_allclose(value, expected_value, rtol=1e-6)
-    np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-6)
+    # The dot of 3, −y, the square, the sum over 2, the mean over 12, the
+    # regulariser's sum over 6 and the split's two parts added
+    # (reference.assert_float32_close's ``terms``); the gradient, backward
+    # and the sum over the 12 examples.
+    forward = 3 + 2 + 2 + 12 + 6 + 2
+    reference.assert_float32_close(value, expected_value, terms=forward)
+    reference.assert_float32_close(grad, expected_grad,
+                                   terms=2 * forward + 12)
   # Were y cut elsewhere than x (or the head weighed by anything but
   # its share), a per-example loss would change.
   calls = []

@@ -12,6 +12,8 @@ import kfac_jax
 from kfac_jax.factors.batch import batch_factors
 from tests import reference
 
+close = reference.assert_float32_close
+
 
 class SharedLayer(nn.Module):
   """One Dense called twice, inside a named sub-module."""
@@ -44,9 +46,12 @@ def test_each_call_is_captured_with_its_cotangent():
       loss_fn, has_aux=True)(params)
   (expected_loss, _), expected_grads = jax.value_and_grad(
       loss_fn, has_aux=True)(params)
-  np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
+  # The dot of 5, the bias, out₁ + 2·out₂, the sum over 4 × 3 outputs
+  # (reference.assert_float32_close's ``terms``); the gradients, backward
+  # and the kernel's sums over 2 × 4 rows.
+  close(loss, expected_loss, terms=5 + 1 + 2 + 12)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
-    np.testing.assert_allclose(a, b, rtol=1e-6)
+    close(a, b, terms=2 * (5 + 1 + 2 + 12) + 8)
 
   assert list(stats) == ["block/shared"]
   layer = stats["block/shared"]
@@ -54,8 +59,10 @@ def test_each_call_is_captured_with_its_cotangent():
   np.testing.assert_array_equal(layer.inputs[0], x1)
   np.testing.assert_array_equal(layer.inputs[1], x2)
   # dL/d(out_1) = 2y and dL/d(out_2) = 2 * 2y, from L = sum((out_1 + 2 out_2)^2).
-  np.testing.assert_allclose(layer.output_cotangents[0], 2 * y, rtol=1e-6)
-  np.testing.assert_allclose(layer.output_cotangents[1], 4 * y, rtol=1e-6)
+  # 2y and 4y are exact of the backward pass's y, which XLA may compute again:
+  # the dot of 5, the bias, the sum.
+  close(layer.output_cotangents[0], 2 * y, terms=5 + 1 + 2)
+  close(layer.output_cotangents[1], 4 * y, terms=5 + 1 + 2)
 
   # The layer's batch factors are the sum of its calls' factors.
   (a,), (g,) = batch_factors(layer)  # one Kronecker block
@@ -63,10 +70,9 @@ def test_each_call_is_captured_with_its_cotangent():
   a1 = np.concatenate([np.asarray(x1, np.float64), ones], 1)
   a2 = np.concatenate([np.asarray(x2, np.float64), ones], 1)
   y64 = np.asarray(y, np.float64)
-  np.testing.assert_allclose(a, reference.cov(a1) + reference.cov(a2),
-                             rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(g, reference.cov(2 * y64) + reference.cov(4 * y64),
-                             rtol=1e-5, atol=1e-6)
+  # Each call's 4 rows' products summed, / 4, the two calls added.
+  close(a, reference.cov(a1) + reference.cov(a2), terms=4 + 1 + 1)
+  close(g, reference.cov(2 * y64) + reference.cov(4 * y64), terms=4 + 1 + 1)
 
 
 class TargetWithSameLayers(nn.Module):
@@ -105,13 +111,16 @@ def test_a_call_whose_output_does_not_reach_the_loss_adds_nothing():
   (a,), (g,) = batch_factors(stats["dense"])
   online_rows = np.concatenate([np.asarray(x, np.float64), np.ones((5, 1))],
                                1)
-  np.testing.assert_allclose(a, reference.cov(online_rows), rtol=1e-5,
-                             atol=1e-6)
-  np.testing.assert_allclose(g, reference.cov(online_cotangent), rtol=1e-5,
-                             atol=1e-6)
+  close(a, reference.cov(online_rows), terms=5 + 1)  # 5 rows' products, / 5
+  # The cotangent 2(online − target) cancels: its rounding (the dot of 4, the
+  # bias, the embedding's add, for each side) is of 2(|online| + |target|),
+  # and G's of that squared; then G's 5 rows' products, / 5.
+  magnitude = 2 * float(np.max(np.abs(online) + np.abs(target)))
+  close(g, reference.cov(online_cotangent), terms=2 * (4 + 1 + 1) + 5 + 1,
+        scale=magnitude**2)
   (a,), _ = batch_factors(stats["embed"])
-  np.testing.assert_allclose(np.diag(a), np.bincount(ids, minlength=6) / 5,
-                             rtol=1e-6)
+  # Counts of one-hot rows, exact, / 5.
+  close(np.diag(a), np.bincount(ids, minlength=6) / 5, terms=1)
 
 
 def test_extra_arguments_and_jit():
@@ -154,6 +163,14 @@ class TwoDense(nn.Module):
   @nn.compact
   def __call__(self, x):
     return nn.Dense(2, name="out")(jnp.tanh(nn.Dense(4, name="hidden")(x)))
+
+
+# reference.assert_float32_close's ``terms`` for TwoDense on
+# _two_dense_setup's data: hidden's dot of 3 and out's of 4, the loss's sum
+# or mean over 6 × 2 outputs; its gradients and cotangents, backward and the
+# kernels' sums over 6 examples.
+TWO_DENSE_FORWARD = 3 + 4 + 12
+TWO_DENSE_GRADIENT = 2 * TWO_DENSE_FORWARD + 6
 
 
 def _two_dense_setup(seed=0):
@@ -318,9 +335,10 @@ def test_a_vmap_around_value_grad_and_stats_matches_each_model_alone(
                                           (params1, x1, y1))):
     _, grads_alone, stats_alone = capture(params, x, y)
     for name in ("hidden", "out"):
-      np.testing.assert_allclose(grads[name]["kernel"][index],
-                                 grads_alone[name]["kernel"], rtol=1e-6)
-    reference.assert_member_stats(stats, index, stats_alone)
+      close(grads[name]["kernel"][index], grads_alone[name]["kernel"],
+            terms=TWO_DENSE_GRADIENT)
+    reference.assert_member_stats(stats, index, stats_alone,
+                                  terms=TWO_DENSE_GRADIENT)
 
 
 def test_a_jax_vmap_ensemble_in_the_loss_is_captured_per_member():
@@ -340,8 +358,10 @@ def test_a_jax_vmap_ensemble_in_the_loss_is_captured_per_member():
   (layer,) = stats.values()
   assert layer.signature.stack_ndim == 1
   np.testing.assert_array_equal(layer.inputs[0], x)
-  np.testing.assert_allclose(layer.output_cotangents[0], jnp.cos(outputs),
-                             rtol=1e-5, atol=1e-6)
+  # The outputs' dot of 5 and the bias (6 roundings of |outputs|, moving
+  # the cosine by as much), and cos's own.
+  close(layer.output_cotangents[0], jnp.cos(outputs), terms=6 + 1,
+        scale=max(1.0, float(jnp.abs(outputs).max())))
 
 
 def test_a_layer_called_with_inputs_by_keyword_is_captured_as_positionally():
@@ -420,9 +440,9 @@ def test_a_layer_in_a_loop_that_does_not_slice_its_params_is_refused(loop):
                                                      skip_layers=skip)(params)
   assert not stats
   expected_loss, expected_grads = jax.value_and_grad(loss_fn)(params)
-  np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
-               grads, expected_grads)
+  close(loss, expected_loss, terms=TWO_DENSE_FORWARD)
+  jax.tree.map(lambda a, b: close(a, b, terms=TWO_DENSE_GRADIENT), grads,
+               expected_grads)
 
 
 def test_a_root_layer_in_a_loop_or_a_reused_trace_is_refused():
@@ -474,8 +494,7 @@ def test_a_loop_of_one_step_is_no_loop():
       looped_value = getattr(stats[name], field)[0]
       expected_value = getattr(expected[name], field)[0]
       assert looped_value.shape == expected_value.shape
-      np.testing.assert_allclose(looped_value, expected_value, rtol=1e-5,
-                                 atol=1e-7)
+      close(looped_value, expected_value, terms=TWO_DENSE_GRADIENT)
 
 
 class _Block(nn.Module):
@@ -514,9 +533,11 @@ def test_a_lax_scan_over_a_stacked_params_tree_captures_each_layer():
 
   _, vjp, inputs = jax.vjp(unrolled, jnp.zeros((3, 6, 4)), has_aux=True)
   (cotangents,) = vjp(1.0)
-  np.testing.assert_allclose(stats["dense"].inputs[0], inputs, rtol=1e-6)
-  np.testing.assert_allclose(stats["dense"].output_cotangents[0], cotangents,
-                             rtol=1e-5, atol=1e-7)
+  # Three layers of a dot of 4, the bias and tanh forward; backward, and
+  # the sum over 6 × 4 outputs.
+  close(stats["dense"].inputs[0], inputs, terms=3 * (4 + 2))
+  close(stats["dense"].output_cotangents[0], cotangents,
+        terms=2 * 3 * (4 + 2) + 24)
 
 
 def test_a_scanned_layer_in_a_further_loop_is_refused():
@@ -564,7 +585,10 @@ def test_a_jit_split_by_a_gradient_inside_the_loss_is_no_reused_trace():
 
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
   assert set(stats) == {"hidden", "out"}
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+  # The loss is itself a gradient's (x's: TWO_DENSE_GRADIENT) sum of
+  # squares over 6 × 3; its gradient goes back through both.
+  jax.tree.map(lambda a, b: close(a, b,
+                                  terms=2 * (TWO_DENSE_GRADIENT + 18)),
                grads, jax.grad(loss_fn)(params))
 
 
@@ -598,7 +622,7 @@ def test_a_trace_jax_reuses_is_refused():
       for got, want in zip(
           (*stats[name].inputs, *stats[name].output_cotangents),
           (*expected[name].inputs, *expected[name].output_cotangents)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+        close(got, want, terms=TWO_DENSE_GRADIENT)
 
 
 class ScaledDense(nn.Dense):
@@ -635,9 +659,9 @@ def test_a_subclass_overriding_call_is_captured_at_the_base_call():
   out = 2.0 * (x @ kernel + bias) + 1.0
   # d loss / d (the base call's output): through the override's factor 2.
   cotangent = 2.0 * (out - y) / len(x)
-  np.testing.assert_allclose(stats["scaled"].inputs[0], x, rtol=1e-6)
-  np.testing.assert_allclose(stats["scaled"].output_cotangents[0], cotangent,
-                             rtol=1e-5, atol=1e-7)
+  close(stats["scaled"].inputs[0], x, terms=1)  # x rounded to float32
+  # The dot of 4, the bias, ·2, +1, −y, ·2/5: 9 roundings.
+  close(stats["scaled"].output_cotangents[0], cotangent, terms=9)
 
 
 def test_calls_that_contract_different_axes_are_refused():

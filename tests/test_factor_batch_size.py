@@ -16,10 +16,20 @@ import pytest
 
 import kfac_jax
 from kfac_jax.factors import batch as batch_lib
+from tests import reference
 
 BATCH = 8
 EXAMPLES = 3
 STRIDE = BATCH // EXAMPLES  # examples 0, 2, 4
+# A factor of the subset against one of the sub-batch's own capture
+# (reference.assert_float32_close's ``terms``): a layer's inputs carry the
+# forward contractions before it, its cotangents those and the backward
+# ones (here at most the layers' contraction lengths, conv 3·2, general
+# 6·4, dense 5; or the three scanned layers' 4), squared in the factor;
+# then the sum over EXAMPLES rows of up to 6 positions.
+CHAIN = {"conv_dense": 3 * 2 + 6 * 4 + 5, "scanned_on_embeddings": 3 * 4}
+FACTOR_TERMS = {name: 2 * 2 * chain + EXAMPLES * 6
+                for name, chain in CHAIN.items()}
 
 
 class ConvDense(nn.Module):
@@ -84,11 +94,11 @@ def test_subset_factors_equal_the_sub_batch_loss_factors(name):
     # whichever batch mean their cotangents came from.
     subset_factors = batch_lib.batch_factors(whole[layer], fisher_scaled=True,
                                              examples=EXAMPLES)
-    reference = batch_lib.batch_factors(alone[layer], fisher_scaled=True)
-    for got, expected in zip(subset_factors, reference):
+    alone_factors = batch_lib.batch_factors(alone[layer], fisher_scaled=True)
+    for got, expected in zip(subset_factors, alone_factors):
       assert got.shape == expected.shape
-      np.testing.assert_allclose(np.asarray(got), np.asarray(expected),
-                                 rtol=1e-4, atol=1e-7, err_msg=layer)
+      reference.assert_float32_close(got, expected, terms=FACTOR_TERMS[name],
+                                     err_msg=layer)
     whole_factors = batch_lib.batch_factors(whole[layer], fisher_scaled=True)
     assert not np.allclose(np.asarray(whole_factors[1]),
                            np.asarray(subset_factors[1])), layer
@@ -112,14 +122,17 @@ def test_scale_by_kfac_takes_its_factors_from_the_subset():
     activation, gradient = (f[0] for f in batch_lib.batch_factors(alone[layer]))
     factors = state.factors[layer]
     identity = lambda f: np.eye(f.shape[0])
-    np.testing.assert_allclose(
-        np.asarray(factors.activation_factor),
-        decay * identity(activation) + (1 - decay) * np.asarray(activation),
-        rtol=1e-4, atol=1e-7)
-    np.testing.assert_allclose(
-        np.asarray(factors.gradient_factor),
-        decay * identity(gradient) + (1 - decay) * (EXAMPLES / BATCH)**2 *
-        np.asarray(gradient), rtol=1e-4, atol=1e-9)
+    # The two captures' factors (FACTOR_TERMS), the decay's mix (2) and G's
+    # scale (k/B)² (2), each entry on its two parts' magnitudes.
+    terms = FACTOR_TERMS["conv_dense"] + 2 + 2
+    for got, batch_part in (
+        (factors.activation_factor, (1 - decay) * np.asarray(activation)),
+        (factors.gradient_factor,
+         (1 - decay) * (EXAMPLES / BATCH)**2 * np.asarray(gradient))):
+      expected = decay * identity(batch_part) + batch_part
+      reference.assert_float32_close(
+          got, expected, terms=terms,
+          scale=reference.running_factor_scale(expected, decay))
   # A size of at least the batch is every example: the default, exactly.
   default = run(None)
   for x, y in zip(jax.tree.leaves(run(2 * BATCH)), jax.tree.leaves(default)):
@@ -166,5 +179,6 @@ def test_a_shared_layers_call_with_zero_cotangents_in_the_subset_still_counts():
   with_bias = lambda x: np.concatenate(
       [np.asarray(x, np.float64)[[0, 2]], np.ones((2, 1))], 1)
   expected = sum(with_bias(x).T @ with_bias(x) / 2 for x in (first, second))
-  np.testing.assert_allclose(activation_factor[0], expected, rtol=1e-5,
-                             atol=1e-6)
+  # Each call's 2 rows' products summed, / 2, the two calls added.
+  reference.assert_float32_close(activation_factor[0], expected,
+                                 terms=2 + 1 + 1)

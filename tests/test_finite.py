@@ -10,6 +10,7 @@ import pytest
 from kfac_jax import finite
 from kfac_jax.factors import batch
 from kfac_jax.preconditioning import inverse
+from tests import reference
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -89,9 +90,11 @@ def test_psd_check_reads_a_bad_column_off_the_diagonal(bad):
 def test_inverse_check_rejects_a_failed_cholesky_and_keeps_a_good_one():
   factor = jnp.asarray([[2.0, 1.0], [1.0, 2.0]])
   (good,) = inverse.damped_inverse(factor, jnp.asarray(0.5))
-  np.testing.assert_allclose(
+  # (F + ½I)'s eigenvalues are 1.5 and 3.5: a Cholesky inverse of size 2,
+  # conditioning 3.5/1.5, of norm 1/1.5 (reference.assert_float32_close).
+  reference.assert_float32_close(
       good, np.linalg.inv(np.asarray(factor, np.float64) + 0.5 * np.eye(2)),
-      rtol=1e-6)
+      terms=2, condition=3.5 / 1.5, scale=1 / 1.5)
   pair = inverse.InversePreconditioner(good, good)
   assert bool(inverse.is_finite(pair))
   # Indefinite beyond the damping: Cholesky fails and the result is NaN.

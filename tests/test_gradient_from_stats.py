@@ -20,6 +20,7 @@ from kfac_jax.factors import batch as batch_lib
 from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
                                                      factored_is_cheaper,
                                                      sandwich)
+from tests import reference
 
 BATCH = 4
 
@@ -95,10 +96,16 @@ def test_sandwich_of_factors_equals_the_dense_product(left_dim, right_dim):
                                                    as32(gradient)),
                       as32(right))
   dense = sandwich(as32(left), as32(activation.T @ gradient), as32(right))
+  # The inputs' rounding to float32 (4), the sum over the rows and the two
+  # products' over left_dim and right_dim, each entry on the magnitude of
+  # its terms, |L|·|a|ᵀ|g|·|R| (reference.assert_float32_close).
+  magnitudes = np.abs(left) @ (np.abs(activation).T @ np.abs(gradient)) @ (
+      np.abs(right))
   for got in (factored, dense):
     assert got.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4,
-                               atol=1e-4)
+    reference.assert_float32_close(got, expected,
+                                   terms=4 + rows + left_dim + right_dim,
+                                   scale=magnitudes)
 
 
 def test_captured_rows_multiply_to_the_gradients():
@@ -115,8 +122,14 @@ def test_captured_rows_multiply_to_the_gradients():
     expected = np.concatenate(
         [kernel, np.asarray(node["bias"]).reshape(product.shape[0], 1, -1)],
         axis=1)
-    np.testing.assert_allclose(product, expected, rtol=1e-4, atol=1e-7,
-                               err_msg=name)
+    # The gradient sums the same rows' products in float32: each entry
+    # within (rows)·ε of the magnitude of its terms, |a|ᵀ|g|.
+    magnitudes = np.einsum("bna,bng->bag",
+                           np.abs(np.asarray(activation, np.float64)),
+                           np.abs(np.asarray(gradient, np.float64)))
+    reference.assert_float32_close(product, expected,
+                                   terms=activation.shape[1],
+                                   scale=magnitudes, err_msg=name)
   with pytest.raises(ValueError, match="Conv layer's gradient"):
     batch_lib.gradient_rows_of_dense(stats["conv"])
 
@@ -140,9 +153,16 @@ def test_equals_the_dense_path(compute_method, kl_clip):
       optax.sgd(0.1, momentum=0.9))
   expected, expected_state = _two_steps(make(False), params, grads, stats)
   got, state = _two_steps(make(True), params, grads, stats)
+  # The same preconditioner applied as (a Lᵀ)ᵀ(g R) against L(aᵀg)R: their
+  # sums (rows 8, dA 49 and dG 24 at most) round differently, by up to the
+  # magnitude |L||∇||R|, which κ of the damped factors bounds by the
+  # layer's update; then kl_clip's sum and the two steps' momentum.
+  condition = reference.kfac_condition(expected_state[0].factors, 1e-2)
   for path, leaf in jax.tree_util.tree_leaves_with_path(expected):
-    np.testing.assert_allclose(
-        np.asarray(_at(got, path)), np.asarray(leaf), rtol=2e-4, atol=1e-7,
+    layer_scale = reference.largest(jax.tree.leaves(_at(expected, path[:-1])))
+    reference.assert_float32_close(
+        _at(got, path), leaf, terms=2 * (8 + 49 + 24 + 1),
+        condition=condition, scale=layer_scale,
         err_msg=jax.tree_util.keystr(path))
   np.testing.assert_array_equal(np.asarray(state[0].count),
                                 np.asarray(expected_state[0].count))

@@ -23,6 +23,7 @@ from tests import reference
 
 DAMPING = 0.01
 DECAY = 0.5
+close = reference.assert_float32_close
 
 
 def _squared_weighted_loss(outputs: jax.Array, weights: np.ndarray) -> jax.Array:
@@ -88,21 +89,32 @@ def _check_blocks(layer_name: str, table, state, updates,
   for key in layer.path:
     node = node[key]
   matrices = np.asarray(to_matrix(node, layer, jnp.float32))
+  condition = reference.kfac_condition(
+      {name: ref.factors[name] for name in names}, DAMPING)
   for i, name in enumerate(names):
     a, g = ref.factors[name]
-    np.testing.assert_allclose(state.factors[name].activation_factor, a,
-                               rtol=1e-4, atol=1e-5, err_msg=name)
-    np.testing.assert_allclose(state.factors[name].gradient_factor, g,
-                               rtol=1e-4, atol=1e-5, err_msg=name)
-    scale = np.abs(expected[name]).max()
-    np.testing.assert_allclose(matrices[i], expected[name], rtol=1e-3,
-                               atol=1e-4 * scale, err_msg=name)
+    rows, width = blocks[i].activation_rows.shape
+    dims = blocks[i].gradient.shape
+    # The float32 roundings (reference.assert_float32_close's ``terms``): a
+    # cotangent y·W² carries the forward's dot (``width``), the bias and
+    # ·W², squared in G; then the sum over the rows, / rows, and the mix.
+    factor_terms = 2 * (width + 3) + rows + 3
+    close(state.factors[name].activation_factor, a, terms=factor_terms,
+          scale=reference.running_factor_scale(a, DECAY), err_msg=name)
+    close(state.factors[name].gradient_factor, g, terms=factor_terms,
+          scale=reference.running_factor_scale(g, DECAY), err_msg=name)
+    # P: the factors' roundings, the gradient's (the cotangents' and the
+    # sum over the rows) and the eigh's (to dA² + dG², test_batched),
+    # through K-FAC's conditioning.
+    tolerance = dict(
+        terms=factor_terms + width + 3 + rows + dims[0]**2 + dims[1]**2,
+        condition=condition, err_msg=name)
+    close(matrices[i], expected[name], **tolerance)
     # The exact Kronecker system: vec(P) = (A ⊗ G + λI)⁻¹ vec(∇), row-major.
     gradient = blocks[i].gradient
     dense = np.linalg.solve(np.kron(a, g) + DAMPING * np.eye(len(a) * len(g)),
                             gradient.reshape(-1)).reshape(gradient.shape)
-    np.testing.assert_allclose(matrices[i], dense, rtol=1e-3,
-                               atol=1e-4 * scale, err_msg=name)
+    close(matrices[i], dense, **tolerance)
 
 
 class Wrapped(nn.Module):
@@ -161,9 +173,16 @@ def test_conv_blocks_match_loop_im2col(case):
   y, blocks = _reference_blocks(patches, kernel,
                                 None if bias is None else np.asarray(bias, np.float64),
                                 groups, weights.astype(np.float64))
-  # The NumPy im2col reproduces Flax's convolution, so it is the same layer.
-  np.testing.assert_allclose(np.asarray(outputs).reshape(y.shape), y,
-                             rtol=1e-4, atol=1e-4)
+  # The NumPy im2col reproduces Flax's convolution, so it is the same layer:
+  # each output a dot of ``width`` products and the bias, within that many
+  # roundings of |patches|·|kernel| + |bias|.
+  magnitudes, _ = _reference_blocks(
+      np.abs(patches), np.abs(kernel),
+      None if bias is None else np.abs(np.asarray(bias, np.float64)), groups,
+      weights.astype(np.float64))
+  width = blocks[0].activation_rows.shape[1]
+  close(np.asarray(outputs).reshape(y.shape), y, terms=width + 1,
+        scale=magnitudes)
   assert table["layer"].groups == groups
   _check_blocks("layer", table, state, updates, blocks)
 
@@ -184,8 +203,9 @@ def test_dense_general_contracts_its_axes():
   bias = np.asarray(params["layer"]["bias"], np.float64).reshape(6)
   y, blocks = _reference_blocks(rows, kernel, bias, 1,
                                 weights.astype(np.float64).reshape(6, 6))
-  np.testing.assert_allclose(np.asarray(outputs).reshape(6, 6), y, rtol=1e-4,
-                             atol=1e-5)
+  # Dots of 20 and the bias, within that many roundings of |x|·|W| + |b|.
+  magnitudes = np.abs(rows.reshape(6, 20)) @ np.abs(kernel) + np.abs(bias)
+  close(np.asarray(outputs).reshape(6, 6), y, terms=20 + 1, scale=magnitudes)
   _check_blocks("layer", table, state, updates, blocks)
 
 
@@ -214,10 +234,11 @@ def test_attention_projections_are_preconditioned():
   # q, k and v see the layer input x: A = ½I + ½ cov([x, 1]).
   rows = np.concatenate([x.reshape(15, 6), np.ones((15, 1))], 1).astype(np.float64)
   for name in ("query", "key", "value"):
-    np.testing.assert_allclose(
-        state.factors[f"attention/{name}"].activation_factor,
-        DECAY * np.eye(7) + (1 - DECAY) * reference.cov(rows), rtol=1e-5,
-        atol=1e-6)
+    expected = DECAY * np.eye(7) + (1 - DECAY) * reference.cov(rows)
+    # The sum over 15 rows, / 15, the mix.
+    close(state.factors[f"attention/{name}"].activation_factor, expected,
+          terms=15 + 1 + 2,
+          scale=reference.running_factor_scale(expected, DECAY))
   for name in table:
     node = updates["attention"][name.split("/")[1]]
     assert node["kernel"].shape == params["attention"][name.split("/")[1]]["kernel"].shape
@@ -280,20 +301,28 @@ def test_scanned_model_matches_unrolled(remat):
 
   scanned_updates, scanned_state = run(scanned, scanned_params)
   unrolled_updates, unrolled_state = run(unrolled, unrolled_params)
+  # Each of the 3 steps: the three blocks' contractions (conv 3·2, dense 4)
+  # forward and backward, the kernels' sums and the factors' over 4 × 6
+  # rows, the eigh (to 7², test_batched); through K-FAC's conditioning.
+  tolerance = dict(
+      terms=3 * (2 * 3 * (3 * 2 + 4) + 24 + 24 + 7**2),
+      condition=reference.kfac_condition(unrolled_state[0].factors, DAMPING))
   for i in range(3):
+    scale = reference.largest(
+        jax.tree.leaves(unrolled_updates[f"layers_{i}"]))
     jax.tree.map(
-        lambda a, b, i=i: np.testing.assert_allclose(a[i], b, rtol=2e-4,
-                                                     atol=1e-6),
+        lambda a, b, i=i, scale=scale: close(a[i], b, scale=scale,
+                                             **tolerance),
         scanned_updates["layers"], unrolled_updates[f"layers_{i}"])
   # One factor pair per slice (and per group): 3 x (2 conv groups + 1 dense).
   kfac_state = scanned_state[0]
   assert len(kfac_state.factors) == 9
   for i in range(3):
     for j in range(2):
-      np.testing.assert_allclose(
+      close(
           kfac_state.factors[f"layers/conv[{2 * i + j}]"].activation_factor,
           unrolled_state[0].factors[f"layers_{i}/conv[{j}]"].activation_factor,
-          rtol=1e-4, atol=1e-6)
+          **tolerance)
 
 
 def test_a_scanned_model_in_a_loop_of_its_own_length_is_refused():
@@ -356,9 +385,12 @@ def test_layer_with_params_broadcast_over_scan_steps_is_refused():
   loss, grads, stats = kfac_jax.value_grad_and_stats(
       loss_fn, skip_layers=skip)(params)
   assert list(table) == list(stats) == ["head"]
-  np.testing.assert_allclose(loss, loss_fn(params), rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
-               grads, jax.grad(loss_fn)(params))
+  # 5 cell steps (a dot of 3, + x, tanh), the head's dot of 3, the sum over
+  # 5 × 2 × 2 outputs; the gradients, backward and the sums over 10 rows.
+  forward = 5 * (3 + 2) + 3 + 20
+  close(loss, loss_fn(params), terms=forward)
+  jax.tree.map(lambda a, b: close(a, b, terms=2 * forward + 10), grads,
+               jax.grad(loss_fn)(params))
   tx = kfac_jax.scale_by_kfac(damping=DAMPING, kl_clip=None, layers=table,
                               skip_layers=skip)
   updates, state = tx.update(grads, tx.init(params), params, kfac_stats=stats)
@@ -422,10 +454,15 @@ def test_embeddings_pass_through_unless_requested():
   expected = ref.update([{"embed": reference.LayerTensors(one_hot, dh,
                                                           one_hot.T @ dh)}])
   a, _ = ref.factors["embed"]
-  np.testing.assert_allclose(state.factors["embed"].activation_factor, a,
-                             rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(updates["embed"]["embedding"], expected["embed"],
-                             rtol=1e-3, atol=1e-4 * np.abs(expected["embed"]).max())
+  # Token counts over 30 rows, / 30, the mix.
+  close(state.factors["embed"].activation_factor, a, terms=30 + 1 + 2,
+        scale=reference.running_factor_scale(a, DECAY))
+  # The cotangents (the dense's dot of 4, the bias, ·W², the dot of 3 back),
+  # squared in G, the sums over 30 rows, the eigh (7² + 4²), through K-FAC's
+  # conditioning.
+  close(updates["embed"]["embedding"], expected["embed"],
+        terms=2 * (4 + 1 + 2 + 3) + 30 + 7**2 + 4**2,
+        condition=reference.kfac_condition(ref.factors, DAMPING))
   with pytest.raises(ValueError, match="precondition_embeddings.*trace_layers"):
     kfac_jax.scale_by_kfac(precondition_embeddings=True)
 
@@ -448,16 +485,22 @@ def test_an_embedding_withheld_by_the_chain_is_left_alone(labels_as):
   assert list(state.inner_states["kfac"].inner_state.factors) == ["dense"]
   alone = kfac_jax.scale_by_kfac(damping=DAMPING, factor_decay=DECAY,
                                  kl_clip=None, layers=table)
-  expected, _ = alone.update(grads, alone.init(params), params,
-                             kfac_stats=stats)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
-                                                       atol=1e-7),
-               updates["dense"], expected["dense"])
+  expected, alone_state = alone.update(grads, alone.init(params), params,
+                                       kfac_stats=stats)
+  # The same step on the same inputs in another program: its factor sums
+  # (30 rows) and eigh (to 5² + 3²) may round differently, through K-FAC's
+  # conditioning.
+  tolerance = dict(terms=30 + 5**2 + 3**2,
+                   condition=reference.kfac_condition(alone_state.factors,
+                                                      DAMPING),
+                   scale=reference.largest(jax.tree.leaves(expected["dense"])))
+  jax.tree.map(lambda a, b: close(a, b, **tolerance), updates["dense"],
+               expected["dense"])
   adam = optax.adam(1e-3)
-  np.testing.assert_allclose(
-      updates["embed"]["embedding"],
-      adam.update(grads["embed"], adam.init(params["embed"]))[0]["embedding"],
-      rtol=1e-6)
+  # Adam's elementwise chain: 10 roundings.
+  close(updates["embed"]["embedding"],
+        adam.update(grads["embed"], adam.init(params["embed"]))[0]["embedding"],
+        terms=10)
 
 
 class TiedEmbedding(nn.Module):
@@ -543,8 +586,13 @@ def test_decomposition_in_batches_equals_all_at_once():
                                 decomposition_batch_size=batch_size)
     results.append(jax.jit(lambda g, s, st, tx=tx: tx.update(
         g, s, kfac_stats=st))(grads, tx.init(params), stats))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
-                                                       atol=1e-7),
+  # The same Cholesky inverses of the same factors, mapped otherwise: each
+  # within 3·(7 + 1) roundings (the largest factor is 7 wide) through
+  # K-FAC's conditioning (the default λ, 1e-3); the factors themselves are
+  # the same sums.
+  condition = reference.kfac_condition(results[1][1].factors, 1e-3)
+  jax.tree.map(lambda a, b: close(a, b, terms=3 * (7 + 1),
+                                  condition=condition),
                results[0], results[1])
   with pytest.raises(ValueError, match="decomposition_batch_size"):
     kfac_jax.scale_by_kfac(decomposition_batch_size=0)
@@ -617,11 +665,19 @@ def test_remat_scan_has_two_stack_axes_and_matches_unrolled():
   for key in layer.path:
     node = node[key]
   matrices = np.asarray(to_matrix(node, layer, jnp.float32))
+  # Both sides' inputs and cotangents are float32: four layers (a dot of 4,
+  # the bias, tanh) forward and back, squared in the factors, with their
+  # sums over 5 rows; P adds the eigh's (5² + 4²), through K-FAC's
+  # conditioning.
+  factor_terms = 2 * 2 * 4 * (4 + 2) + 5 + 3
+  condition = reference.kfac_condition(ref.factors, DAMPING)
   for k in range(4):
-    np.testing.assert_allclose(matrices[k], expected[f"b{k}"], rtol=1e-3,
-                               atol=1e-5)
-    np.testing.assert_allclose(state.factors[f"{name}[{k}]"].activation_factor,
-                               ref.factors[f"b{k}"][0], rtol=1e-4, atol=1e-6)
+    close(matrices[k], expected[f"b{k}"], terms=factor_terms + 5**2 + 4**2,
+          condition=condition)
+    factor = ref.factors[f"b{k}"][0]
+    close(state.factors[f"{name}[{k}]"].activation_factor, factor,
+          terms=factor_terms,
+          scale=reference.running_factor_scale(factor, 0.95))
 
 
 def test_block_states_round_trip_through_orbax(tmp_path):

@@ -40,8 +40,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kfac_jax
+from tests import reference
 
-EPS32 = float(np.finfo(np.float32).eps) / 2
+# The unit roundoff u, the ε of the bounds above (reference.EPS32 is 2u).
+UNIT_ROUNDOFF = reference.EPS32 / 2
 # Error constant. Over 40 random examples the largest observed ratios were
 # 6.3 (eigen backward), 12.5 (eigen forward) and 1.3 (inverse forward); 200
 # leaves a margin of 16 for layers of up to 13·12 entries.
@@ -85,12 +87,13 @@ def check_eigen(a, g, grad, p, damping, where):
   kappa = (d_a.max() * d_g.max() + damping) / (d_a.min() * d_g.min() + damping)
   residual = np.linalg.norm(m @ p.reshape(-1) - grad.reshape(-1))
   scale = np.linalg.norm(m, 2) * np.linalg.norm(p) + np.linalg.norm(grad)
-  assert residual <= C * EPS32 * scale, (
-      f"{where}: backward error {residual / scale / EPS32:.1f} ε")
+  assert residual <= C * UNIT_ROUNDOFF * scale, (
+      f"{where}: backward error {residual / scale / UNIT_ROUNDOFF:.1f} ε")
   error = np.linalg.norm(p - expected)
-  bound = C * EPS32 * kappa * np.linalg.norm(expected)
+  bound = C * UNIT_ROUNDOFF * kappa * np.linalg.norm(expected)
   assert error <= bound, (
-      f"{where}: forward error {error / np.linalg.norm(expected) / EPS32:.1f} ε"
+      f"{where}: forward error "
+      f"{error / np.linalg.norm(expected) / UNIT_ROUNDOFF:.1f} ε"
       f" with κ = {kappa:.3g}")
 
 
@@ -103,8 +106,9 @@ def check_inverse(a, g, grad, p, damping, where):
   scale = (np.linalg.norm(a_inverse, 2) * np.linalg.norm(grad) *
            np.linalg.norm(g_inverse, 2))
   error = np.linalg.norm(p - expected)
-  assert error <= C * EPS32 * kappa * scale, (
-      f"{where}: forward error {error / scale / EPS32:.1f} ε·‖(A+λI)⁻¹‖‖∇‖"
+  assert error <= C * UNIT_ROUNDOFF * kappa * scale, (
+      f"{where}: forward error {error / scale / UNIT_ROUNDOFF:.1f} "
+      "ε·‖(A+λI)⁻¹‖‖∇‖"
       f"‖(G+λI)⁻¹‖ with κ = {kappa:.3g}")
 
 
@@ -192,18 +196,22 @@ def test_update_is_the_damped_kronecker_solve(specs, batch, damping,
     for method, (updates, state) in results.items():
       where = f"{name} {specs[k]} {method}"
       old = old_factors[name]
-      expected_a = (d * np.asarray(old.activation_factor, np.float64) +
-                    (1 - d) * covariance(rows))
-      expected_g = (d * np.asarray(old.gradient_factor, np.float64) +
-                    (1 - d) * covariance(cotangents))
       a = np.asarray(state.factors[name].activation_factor, np.float64)
       g = np.asarray(state.factors[name].gradient_factor, np.float64)
-      np.testing.assert_allclose(a, expected_a, rtol=1e-5,
-                                 atol=1e-6 * np.abs(expected_a).max(),
-                                 err_msg=where)
-      np.testing.assert_allclose(g, expected_g, rtol=1e-5,
-                                 atol=1e-6 * np.abs(expected_g).max(),
-                                 err_msg=where)
+      # float32 (reference.assert_float32_close): the sum over the batch's
+      # rows, / batch, the mix (3 roundings); G's cotangents
+      # 2(x·W + b − t)/(batch·out) add their dot of ``inputs`` and 4 more,
+      # twice in each product. Each entry on its two parts' magnitudes.
+      inputs_dim = specs[k][0]
+      for got, old_factor, batch_factor, terms in (
+          (a, old.activation_factor, covariance(rows), batch + 3),
+          (g, old.gradient_factor, covariance(cotangents),
+           2 * (inputs_dim + 4) + batch + 3)):
+        old_factor = np.asarray(old_factor, np.float64)
+        reference.assert_float32_close(
+            got, d * old_factor + (1 - d) * batch_factor, terms=terms,
+            scale=d * np.abs(old_factor) +
+            (1 - d) * np.abs(batch_factor).max(), err_msg=where)
       p = as_matrix(updates[name])
       assert np.all(np.isfinite(p)), where
       check = check_eigen if method == "eigen" else check_inverse

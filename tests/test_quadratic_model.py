@@ -16,8 +16,18 @@ from kfac_jax.factors import batch as batch_lib
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import inverse as inverse_lib
 from kfac_jax.transform import quadratic_model
+from tests import reference
 
 L2 = 1e-3
+close = reference.assert_float32_close
+# reference.assert_float32_close's ``terms`` for sigmoid_problem: its loss
+# (the dots of 4 and 6, the sigmoid cross-entropy's 3 roundings, the sums
+# over 3 outputs and 32 examples, the L2 term's over 51 params); an adaptive
+# step (the contractions forward and back, the sums over 32 rows, the eigh
+# of the largest factors, 7² + 6², test_batched, and the quadratic model's
+# inner products over the 51 params).
+SIGMOID_LOSS_TERMS = 4 + 6 + 3 + 3 + 32 + 51
+SIGMOID_STEP_TERMS = 2 * (4 + 6 + 3) + 32 + 7**2 + 6**2 + 51
 
 
 class MLP(nn.Module):
@@ -88,15 +98,20 @@ def test_curvature_products_match_the_dense_gauss_newton_matrix():
       split, params, vectors)
   dense = dense_gauss_newton(split, params)
   flat = np.stack([flat64(v) for v in vectors])
-  np.testing.assert_allclose(np.asarray(matrix), flat @ dense @ flat.T,
-                             rtol=1e-4)
-  np.testing.assert_allclose(float(loss),
-                             float(quadratic_model.loss_value(split, params)),
-                             rtol=1e-6)
+  # vᵢᵀ(JᵀHJ + L2)vⱼ in float32: the tangents Jv through the dots of 4 and
+  # 6, the bias and tanh (each way: 2·12), H's sigmoid, the sums over the
+  # 96 outputs and the 51 params; each on the magnitude of its terms.
+  close(matrix, flat @ dense @ flat.T, terms=2 * 12 + 3 + 96 + 51,
+        scale=np.abs(flat) @ np.abs(dense) @ np.abs(flat).T)
+  close(loss, quadratic_model.loss_value(split, params),
+        terms=SIGMOID_LOSS_TERMS)
   gradient = flat64(jax.grad(lambda p: quadratic_model.loss_value(split, p))(
       params))
-  np.testing.assert_allclose(np.asarray(gradient_products), flat @ gradient,
-                             rtol=1e-5)
+  # vᵀ∇ over 51 params of two float32 gradients (backward as much again as
+  # the loss), each on |v|ᵀ|∇|.
+  close(gradient_products, flat @ gradient,
+        terms=2 * SIGMOID_LOSS_TERMS + 51,
+        scale=(np.abs(flat) @ np.abs(gradient)).max())
 
 
 def test_a_curvature_mini_batch_measures_rho_on_the_whole_batchs_gradient():
@@ -135,15 +150,20 @@ def test_step_sizes_minimise_the_two_dimensional_model():
   coefficients = quadratic_model.solve_step_sizes(
       jnp.asarray(curvature, jnp.float32), jnp.asarray(inner, jnp.float32),
       jnp.asarray(gradient_products, jnp.float32), jnp.float32(damping), True)
-  expected = -np.linalg.solve(curvature + damping * inner, gradient_products)
-  np.testing.assert_allclose(np.asarray(coefficients), expected, rtol=1e-4)
+  system = curvature + damping * inner
+  expected = -np.linalg.solve(system, gradient_products)
+  # The inputs' rounding to float32 and λ's product and sum (3), the 2×2
+  # solve's (3), through the system's conditioning.
+  close(coefficients, expected, terms=3 + 3,
+        condition=np.linalg.cond(system))
   alpha_only = quadratic_model.solve_step_sizes(
       jnp.asarray(curvature, jnp.float32), jnp.asarray(inner, jnp.float32),
       jnp.asarray(gradient_products, jnp.float32), jnp.float32(damping), False)
-  np.testing.assert_allclose(
-      np.asarray(alpha_only),
-      [-gradient_products[0] / (curvature[0, 0] + damping * inner[0, 0]), 0],
-      rtol=1e-5)
+  # The inputs' rounding (3), λ's product and sum, the division: 6, on
+  # positive terms.
+  close(alpha_only,
+        [-gradient_products[0] / (curvature[0, 0] + damping * inner[0, 0]), 0],
+        terms=6)
 
 
 def test_zero_previous_update_falls_back_to_the_learning_rate_alone():
@@ -163,7 +183,7 @@ def test_levenberg_marquardt_rule(ratio, factor):
                                    damping_adaptation_interval=2)
   new = quadratic_model.adapt_damping(jnp.float32(1.0), jnp.float32(ratio),
                                       config)
-  np.testing.assert_allclose(float(new), factor, rtol=1e-6)
+  close(new, factor, terms=2)  # ω = decay², then λ·ω (or λ/ω)
   clipped = quadratic_model.adapt_damping(
       jnp.float32(config.max_damping), jnp.float32(ratio), config)
   assert float(clipped) <= config.max_damping
@@ -253,8 +273,7 @@ def test_quadratic_loss_gives_reduction_ratio_one_and_lowers_damping():
   np.testing.assert_allclose(float(state.quadratic_model.reduction_ratio), 1.0,
                              atol=2e-3)
   # Adapted at steps 0, 2 and 4 (ρ > ¾ each time): λ·(0.5²)³.
-  np.testing.assert_allclose(float(state.quadratic_model.damping), 0.25**3,
-                             rtol=1e-5)
+  close(state.quadratic_model.damping, 0.25**3, terms=3)  # three λ·ω
   losses = [h[-1] for h in history]
   assert all(b < a for a, b in zip(losses, losses[1:]))
 
@@ -273,9 +292,10 @@ def test_fisher_scaled_gradient_factor_is_the_per_example_covariance():
                                np.float64) + np.asarray(
                                    params["Dense_1"]["bias"], np.float64)
   per_example = 1 / (1 + np.exp(-logits)) - np.asarray(y, np.float64)
-  np.testing.assert_allclose(
-      np.asarray(gradient_factor[0]),
-      per_example.T @ per_example / len(per_example), rtol=1e-4, atol=1e-7)
+  # The residuals σ(z) − y carry the dots of 4 and 6, the bias, tanh and
+  # the sigmoid (14 roundings), twice in each product; the sum over 32, / 32.
+  close(gradient_factor[0], per_example.T @ per_example / len(per_example),
+        terms=2 * 14 + 32 + 1)
 
 
 def test_fisher_scales_of_a_convolution():
@@ -300,9 +320,9 @@ def test_non_finite_gradients_emit_zeros_and_raise_the_damping():
   updates, state_2 = poisoned_step(params_1, state_1)
   assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
   omega = 0.95**5
-  np.testing.assert_allclose(float(state_2.quadratic_model.damping),
-                             float(state_1.quadratic_model.damping) / omega,
-                             rtol=1e-5)
+  # ω = 0.95⁵ in float32 (5 roundings), then λ/ω.
+  close(state_2.quadratic_model.damping,
+        float(state_1.quadratic_model.damping) / omega, terms=5 + 1)
   for before, after in zip(
       jax.tree.leaves(state_1.quadratic_model.previous_update),
       jax.tree.leaves(state_2.quadratic_model.previous_update)):
@@ -382,8 +402,9 @@ def test_an_injected_initial_damping_is_traced_in_a_jitted_update():
   _, state, _ = run_steps(tx, params, batch, split, loss_fn, 1)
   _, expected, _ = run_steps(adaptive_tx(damping=0.5), params, batch, split,
                              loss_fn, 1)
-  np.testing.assert_allclose(float(state.inner_state.quadratic_model.damping),
-                             float(expected.quadratic_model.damping))
+  # λ traced or constant: the same λ·ω (λ's rounding, the product).
+  close(state.inner_state.quadratic_model.damping,
+        expected.quadratic_model.damping, terms=2)
 
 
 @pytest.mark.parametrize("damping, expected", [
@@ -483,12 +504,17 @@ def test_adaptive_config_of_numpy_and_jax_scalars_trains_as_python_numbers():
   for (_, state, history), (_, other_state, other_history) in zip(
       runs[:1], runs[1:]):
     assert float(state.quadratic_model.damping) != 1.0  # it adapted
-    np.testing.assert_allclose(float(other_state.quadratic_model.damping),
-                               float(state.quadratic_model.damping),
-                               rtol=1e-6)
-    for step, other_step in zip(history, other_history):
+    # At most one λ·ω a step over 4 steps, ω = decay² each time (2).
+    close(other_state.quadratic_model.damping, state.quadratic_model.damping,
+          terms=4 * 3)
+    # Each step's rounding (SIGMOID_STEP_TERMS) through K-FAC's conditioning
+    # at the smallest λ (the configs' min_damping), carried by the next.
+    condition = reference.kfac_condition(state.factors, 1e-3)
+    for k, (step, other_step) in enumerate(zip(history, other_history)):
+      scale = reference.largest(jax.tree.leaves(step[2]))
       for a, b in zip(jax.tree.leaves(step[2]), jax.tree.leaves(other_step[2])):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        close(a, b, terms=(k + 1) * SIGMOID_STEP_TERMS, condition=condition,
+              scale=scale)
 
 
 def test_state_of_another_configuration_is_refused():
@@ -546,7 +572,15 @@ def test_factored_damping_splits_lambda_by_the_trace_ratio():
   expected = damping * (
       np.linalg.inv(activation + pi * np.sqrt(damping) * np.eye(5)) @ grad @
       np.linalg.inv(gradient + np.sqrt(damping) / pi * np.eye(3)))
-  np.testing.assert_allclose(result, expected, rtol=1e-4)
+  # The factors' rounding to float32 and π's (traces over 5 and 3, their
+  # ratio, the square root; √λ, the division): 13, each factor's through
+  # its conditioning, of ‖(A/(π√λ) + I)⁻¹‖‖∇‖‖(Gπ/√λ + I)⁻¹‖.
+  a_shifted = np.asarray(scaled.activation_factor, np.float64) + np.eye(5)
+  g_shifted = np.asarray(scaled.gradient_factor, np.float64) + np.eye(3)
+  close(result, expected, terms=13,
+        condition=np.linalg.cond(a_shifted) + np.linalg.cond(g_shifted),
+        scale=damping * np.linalg.norm(np.linalg.inv(a_shifted), 2) *
+        np.linalg.norm(grad) * np.linalg.norm(np.linalg.inv(g_shifted), 2))
 
 
 def test_inverse_direction_keeps_its_scale_against_unregistered_params():
@@ -582,8 +616,14 @@ def test_inverse_direction_keeps_its_scale_against_unregistered_params():
   ).ravel(), flat64(updates["Dense_1"])])
   alpha = (update @ direction) / (direction @ direction)
   assert alpha < 0
-  np.testing.assert_allclose(update, alpha * direction, rtol=1e-3,
-                             atol=1e-4 * np.abs(update).max())
+  # The float32 direction: the Cholesky inverses (3·(5 + 1), 3·(6 + 1),
+  # reference.assert_damped_inverse) through their conditioning, the
+  # product with ∇ (5 + 6); α's scale is fitted away.
+  condition = (
+      np.linalg.cond(activation + pi * root * np.eye(len(activation))) +
+      np.linalg.cond(gradient + root / pi * np.eye(len(gradient))))
+  close(update, alpha * direction, terms=3 * (5 + 1) + 3 * (6 + 1) + 5 + 6,
+        condition=condition)
 
 
 def test_factored_damping_of_far_apart_traces_does_not_overflow():
@@ -591,8 +631,10 @@ def test_factored_damping_of_far_apart_traces_does_not_overflow():
   # zeroed A's side and G's inverse, and the layer stopped moving.
   scaled = inverse_lib.factored_damping_scaled(
       LayerFactors(1e20 * jnp.eye(3), 1e-20 * jnp.eye(2)), jnp.float32(1.0))
-  np.testing.assert_allclose(scaled.activation_factor, np.eye(3), rtol=1e-5)
-  np.testing.assert_allclose(scaled.gradient_factor, np.eye(2), rtol=1e-5)
+  # π from the traces (3 and 2 terms), their ratio, its root, √λ, the
+  # division: 8 roundings.
+  close(scaled.activation_factor, np.eye(3), terms=8)
+  close(scaled.gradient_factor, np.eye(2), terms=8)
 
 
 def test_partition_specs_cover_the_quadratic_model_state():
@@ -661,13 +703,22 @@ def test_adaptive_mode_in_multi_transform_with_the_masked_params_filled():
 
   multi_params, multi_state = params, multi.init(params)
   alone_params, alone_state = params, alone.init(params)
+  steps = 0
   for _ in range(3):  # the second step on uses the previous update too
     multi_updates, multi_state = multi_step(multi_params, multi_state)
     alone_updates, alone_state = alone_step(alone_params, alone_state)
     assert not any(np.any(u) for u in jax.tree.leaves(
         alone_updates["Dense_1"]))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(
-        a, b, rtol=1e-4, atol=1e-7), multi_updates, alone_updates)
+    # The same steps in two programs: each step's rounding through K-FAC's
+    # conditioning (λ = 1 adapted a little), carried by the next ones.
+    steps += 1
+    tolerance = dict(
+        terms=steps * SIGMOID_STEP_TERMS,
+        condition=reference.kfac_condition(
+            alone_state.factors, float(alone_state.quadratic_model.damping)),
+        scale=reference.largest(jax.tree.leaves(alone_updates)))
+    jax.tree.map(lambda a, b: close(a, b, **tolerance), multi_updates,
+                 alone_updates)
     multi_params = optax.apply_updates(multi_params, multi_updates)
     alone_params = optax.apply_updates(alone_params, alone_updates)
 
@@ -722,10 +773,14 @@ def test_adaptive_running_gradient_factor_is_on_the_fishers_scale():
   a_rows = np.concatenate([hidden, np.ones((n, 1))], axis=1)
   a_expected = decay * np.eye(7) + (1 - decay) * a_rows.T @ a_rows / n
   factors = state.factors["Dense_1"]
-  np.testing.assert_allclose(np.asarray(factors.gradient_factor, np.float64),
-                             g_expected, rtol=1e-4, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(factors.activation_factor, np.float64),
-                             a_expected, rtol=1e-4, atol=1e-6)
+  # The residuals carry 14 roundings (the dots of 4 and 6, the bias, tanh,
+  # the sigmoid), the hidden rows 6, twice in each product; the sum over
+  # 32, / 32, the mix. Each entry on its two parts' magnitudes.
+  for got, expected, terms in (
+      (factors.gradient_factor, g_expected, 2 * 14 + 32 + 3),
+      (factors.activation_factor, a_expected, 2 * 6 + 32 + 3)):
+    close(got, expected, terms=terms,
+          scale=reference.running_factor_scale(expected, decay))
 
 
 def test_factored_damping_of_a_zero_gradient_factor_uses_pi_one():
@@ -738,10 +793,9 @@ def test_factored_damping_of_a_zero_gradient_factor_uses_pi_one():
     scaled = inverse_lib.factored_damping_scaled(
         LayerFactors(jnp.asarray(a, jnp.float32), jnp.asarray(g, jnp.float32)),
         jnp.float32(9.0))
-    np.testing.assert_allclose(np.asarray(scaled.activation_factor), a / 3,
-                               rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(scaled.gradient_factor), g / 3,
-                               rtol=1e-6)
+    # √9 = 3 exactly, one division.
+    close(scaled.activation_factor, a / 3, terms=1)
+    close(scaled.gradient_factor, g / 3, terms=1)
 
 
 def test_a_nearly_singular_step_size_system_falls_back_to_alpha_alone():
@@ -754,16 +808,16 @@ def test_a_nearly_singular_step_size_system_falls_back_to_alpha_alone():
       curvature, jnp.zeros((2, 2), jnp.float32),
       jnp.asarray([-1.0, 0.5], jnp.float32), jnp.float32(0.0),
       use_momentum=True)
-  np.testing.assert_allclose(np.asarray(coefficients), [1.0, 0.0], atol=1e-6)
+  close(coefficients, [1.0, 0.0], terms=1)  # −g₀/Q₀₀, one division
   # A well-conditioned system still gets the exact 2×2 solution.
   curvature = jnp.asarray([[2.0, 0.5], [0.5, 1.0]], jnp.float32)
   g = np.array([-1.0, 0.5])
   coefficients = quadratic_model.solve_step_sizes(
       curvature, jnp.zeros((2, 2), jnp.float32), jnp.asarray(g, jnp.float32),
       jnp.float32(0.0), use_momentum=True)
-  np.testing.assert_allclose(np.asarray(coefficients),
-                             -np.linalg.solve(np.asarray(curvature), g),
-                             rtol=1e-5)
+  # A 2×2 solve (3 roundings) through its conditioning.
+  close(coefficients, -np.linalg.solve(np.asarray(curvature), g), terms=3,
+        condition=np.linalg.cond(np.asarray(curvature)))
 
 
 def test_a_rejected_step_records_zero_step_sizes():

@@ -11,6 +11,7 @@ import pytest
 
 import kfac_jax
 from kfac_jax.factors import batch as batch_lib
+from tests import reference
 
 KEYS = 20_000
 RNG = np.random.default_rng(0)
@@ -52,14 +53,18 @@ def test_sequence_outputs_average_over_every_leading_axis():
   # means over both axes counts them: each Rademacher cotangent is ±1/(B·T).
   gradient = jax.grad(kfac_jax.sampled_curvature.squared_error)(
       jnp.zeros((2, 3, 4), jnp.float32), jax.random.key(0))
-  np.testing.assert_allclose(np.abs(np.asarray(gradient)), 1 / 6, rtol=1e-6)
+  # ±1, / 6: one rounding (reference.assert_float32_close).
+  reference.assert_float32_close(np.abs(np.asarray(gradient)),
+                                 np.full(gradient.shape, 1 / 6), terms=1)
 
 
 def test_sigmoid_curvature_propagation_diagonal_is_exact():
   u = sampled_cotangents(CASES["sigmoid"][0], LOGITS)[:50]
   p = jax.nn.sigmoid(LOGITS)
-  np.testing.assert_allclose(u**2, jnp.broadcast_to(p * (1 - p), u.shape),
-                             rtol=1e-5)
+  # Both sides in float32: the sigmoid (3 roundings), 1 − p and the product
+  # (2), the square root squared again (2) and the scale by N (1).
+  reference.assert_float32_close(
+      u**2, jnp.broadcast_to(p * (1 - p), u.shape), terms=2 * (3 + 2) + 2 + 1)
 
 
 class MLP(nn.Module):

@@ -16,6 +16,29 @@ CONV_STRIDES = (2, 1)
 CONV_PADDING = ((1, 1), (0, 1))
 DAMPING = 0.003
 LEARNING_RATE = 0.1
+close = reference.assert_float32_close
+# reference.assert_float32_close's ``terms`` for make_problem's models. The
+# rounding a layer's rows carry: the forward's contractions, the softmax's
+# few and the backward's (MLP: 5, 7, 4, 4, 7; CNN: the conv's 3·3·2, the
+# dense 36, 4, 4, 36); twice in a factor, which also sums ROWS rows.
+CHAIN = {"mlp": 5 + 7 + 4 + 4 + 7, "cnn": 18 + 36 + 4 + 4 + 36}
+ROWS = {"mlp": 16, "cnn": 16 * 12}
+# KL clipping's sum over the params.
+PARAMS = {"mlp": 6 * 7 + 8 * 4, "cnn": 19 * 3 + 37 * 4}
+
+
+def factor_terms(kind: str, micro_batches: int = 1, mixes: int = 1) -> int:
+  """A running factor's: its batch factor's (2·CHAIN + ROWS, summed over
+  ``micro_batches``) and each mix's 3."""
+  return 2 * CHAIN[kind] + ROWS[kind] + micro_batches + 3 * mixes
+
+
+def update_terms(kind: str, shape: tuple[int, int], **factor_kwargs) -> int:
+  """A preconditioned gradient's ``[dA, dG]``: the factors', the
+  gradient's (CHAIN + ROWS), the eigh's (dA² + dG², test_batched), the
+  products' and KL clipping's; through K-FAC's conditioning."""
+  return (factor_terms(kind, **factor_kwargs) + CHAIN[kind] + ROWS[kind] +
+          shape[0]**2 + shape[1]**2 + shape[0] + shape[1] + PARAMS[kind])
 
 
 class MLP(nn.Module):
@@ -109,22 +132,31 @@ def run_and_compare(kind, use_bias, steps=3, accumulation_steps=1, **kwargs):
       if i < accumulation_steps - 1:
         assert all(not np.any(u) for u in jax.tree.leaves(updates))
     expected = ref.update([reference_tensors(params, x, y) for x, y in micro])
+    mixes = sum(step % ref.factor_update_steps == 0
+                for step in range(ref.step))
+    rounding = dict(micro_batches=accumulation_steps, mixes=mixes)
     for name, p_ref in expected.items():
-      np.testing.assert_allclose(as_matrix(updates[name]), p_ref, rtol=2e-4,
-                                 atol=1e-6 * np.abs(p_ref).max(),
-                                 err_msg=f"{name} at step {ref.step}")
+      where = f"{name} at step {ref.step}"
+      close(as_matrix(updates[name]), p_ref,
+            terms=update_terms(kind, p_ref.shape, **rounding),
+            condition=reference.kfac_condition({name: ref.factors[name]},
+                                               DAMPING), err_msg=where)
       a_ref, g_ref = ref.factors[name]
-      np.testing.assert_allclose(state.factors[name].activation_factor, a_ref,
-                                 rtol=1e-5, atol=1e-7)
-      np.testing.assert_allclose(state.factors[name].gradient_factor, g_ref,
-                                 rtol=1e-5, atol=1e-9)
+      identity_weight = ref.factor_decay**mixes
+      for got, factor in ((state.factors[name].activation_factor, a_ref),
+                          (state.factors[name].gradient_factor, g_ref)):
+        close(got, factor, terms=factor_terms(kind, **rounding),
+              scale=reference.running_factor_scale(factor, identity_weight),
+              err_msg=where)
       if ref.method == "eigen":
         _, da, _, dg, _ = ref.decomposition[name]
         precond = state.preconditioners[name]
-        np.testing.assert_allclose(precond.activation_eigenvalues, da,
-                                   rtol=1e-4, atol=1e-6 * da.max())
-        np.testing.assert_allclose(precond.gradient_eigenvalues, dg,
-                                   rtol=1e-4, atol=1e-6 * dg.max())
+        # The factor's rounding and the eigh's (d², test_batched): Weyl.
+        for got, values in ((precond.activation_eigenvalues, da),
+                            (precond.gradient_eigenvalues, dg)):
+          close(got, values,
+                terms=factor_terms(kind, **rounding) + len(values)**2,
+                err_msg=where)
     # Move the params so the next step sees new activations.
     params = optax.apply_updates(
         params, jax.tree.map(lambda u: -LEARNING_RATE * u, updates))
@@ -183,10 +215,19 @@ def test_accumulation_steps_equal_one_step_on_the_concatenated_batch(kind):
   _, grads, stats = capture(params, *whole)
   expected, expected_state = single.update(grads, single.init(params), params,
                                            kfac_stats=stats)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(
-      a, b, rtol=1e-4, atol=1e-6 * np.abs(b).max()), updates, expected)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(
-      a, b, rtol=1e-4, atol=1e-7 * np.abs(b).max()), state.factors,
+  # The micro-batches' factor sums against the whole batch's, in another
+  # order: each side's factor rounding, through K-FAC's conditioning.
+  condition = reference.kfac_condition(expected_state.factors, DAMPING)
+  for name, update in expected.items():
+    shape = (len(expected_state.factors[name].activation_factor),
+             len(expected_state.factors[name].gradient_factor))
+    jax.tree.map(lambda a, b, shape=shape: close(
+        a, b, terms=update_terms(kind, shape, micro_batches=3),
+        condition=condition, scale=reference.largest(jax.tree.leaves(update))),
+                 updates[name], update)
+  jax.tree.map(lambda a, b: close(
+      a, b, terms=factor_terms(kind, micro_batches=3),
+      scale=reference.running_factor_scale(b, 0.5)), state.factors,
                expected_state.factors)
 
 
@@ -202,8 +243,9 @@ def test_schedules_are_called_with_the_step():
     updates, state = tx.update(grads, state, params, kfac_stats=stats)
   a = np.asarray(state.factors["Dense_0"].activation_factor, np.float64)
   expected = np.linalg.inv(a + float(damping(2)) * np.eye(len(a)))
-  np.testing.assert_allclose(
-      state.preconditioners["Dense_0"].activation_inverse, expected, rtol=1e-4)
+  reference.assert_damped_inverse(
+      state.preconditioners["Dense_0"].activation_inverse, a,
+      float(damping(2)))
 
 
 def _run_steps(tx, steps: int = 4):
@@ -221,6 +263,22 @@ def _run_steps(tx, steps: int = 4):
   return all_updates, state
 
 
+def assert_same_steps(updates, expected, state) -> None:
+  """_run_steps's per-step ``updates`` are ``expected``'s, the same steps in
+  another program: step k's running factors carry k + 1 batch factors'
+  rounding, then the update's; through K-FAC's conditioning, on each
+  layer's update."""
+  condition = reference.kfac_condition(state.factors, DAMPING)
+  for step, (got, want) in enumerate(zip(updates, expected)):
+    for name, layer in want.items():
+      factors = state.factors[name]
+      shape = (len(factors.activation_factor), len(factors.gradient_factor))
+      scale = reference.largest(jax.tree.leaves(layer))
+      jax.tree.map(lambda a, b, shape=shape, scale=scale, step=step: close(
+          a, b, terms=update_terms("mlp", shape, mixes=step + 1),
+          condition=condition, scale=scale), got[name], layer)
+
+
 def test_schedules_that_go_out_of_range_later_leave_the_state_as_it_was():
   # Checked at step 0 only, such a schedule silently corrupted training: λ
   # going negative gave finite, wrongly signed preconditioners; a decay
@@ -233,9 +291,8 @@ def test_schedules_that_go_out_of_range_later_leave_the_state_as_it_was():
   reference_updates, reference_state = _run_steps(
       kfac_jax.scale_by_kfac(damping=DAMPING, **base))
   for step in range(2):
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
-                                                         atol=1e-8),
-                 updates[step], reference_updates[step])
+    assert_same_steps(updates[step:step + 1], reference_updates[step:step + 1],
+                      reference_state)
   for step in (2, 3):  # no K-FAC step, each decomposition counted
     assert all(not np.any(u) for u in jax.tree.leaves(updates[step]))
   assert int(state.rejected_decompositions) == 2 * 2
@@ -243,15 +300,18 @@ def test_schedules_that_go_out_of_range_later_leave_the_state_as_it_was():
                reference_state.factors)  # λ does not enter the factors
   _, two_steps = _run_steps(kfac_jax.scale_by_kfac(damping=DAMPING, **base),
                             steps=2)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
-               state.preconditioners, two_steps.preconditioners)
+  # Kept from step 1: the same decomposition of the same factors (bit for
+  # bit, above) in another program; the elementwise work after it may round
+  # differently (3 roundings).
+  jax.tree.map(lambda a, b: close(a, b, terms=3), state.preconditioners,
+               two_steps.preconditioners)
   # +inf passes `λ > 0`: refused as non-finite, not decomposed into zeros.
   updates, state = _run_steps(kfac_jax.scale_by_kfac(
       damping=bad_from_2(DAMPING, float("inf")), **base))
   assert all(not np.any(u) for u in jax.tree.leaves(updates[2:]))
   assert int(state.rejected_decompositions) == 2 * 2
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
-               state.preconditioners, two_steps.preconditioners)
+  jax.tree.map(lambda a, b: close(a, b, terms=3), state.preconditioners,
+               two_steps.preconditioners)
 
   for bad in (float("nan"), 1.5):
     _, state = _run_steps(kfac_jax.scale_by_kfac(
@@ -267,9 +327,7 @@ def test_schedules_that_go_out_of_range_later_leave_the_state_as_it_was():
       damping=DAMPING, kl_clip=None,
       inv_update_steps=bad_from_2(jnp.int32(1), jnp.int32(0)),
       factor_update_steps=bad_from_2(jnp.int32(1), jnp.int32(-3))))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
-                                                       atol=1e-8),
-               updates, reference_updates)
+  assert_same_steps(updates, reference_updates, reference_state)
 
   # A NaN learning rate (KL clipping reads it): no K-FAC step either, also
   # beside a schedule that stays in range (every one must be).
@@ -322,8 +380,12 @@ def test_an_accumulator_past_its_last_micro_step_emits_or_is_refused():
   assert int(new_state.count) == 2
   assert int(new_state.accumulator.micro_step) == 0
   assert any(np.any(u) for u in jax.tree.leaves(updates))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
-               resumed[2], resumed[3])
+  # The same mean of the same sums, by 3 either way (1 rounding), mixed
+  # in (3), then the same step: its rounding through K-FAC's conditioning.
+  updates_3, state_3 = resumed[3]
+  assert_same_steps([updates], [updates_3], state_3)
+  jax.tree.map(lambda a, b: close(a, b, terms=1 + 3), new_state.factors,
+               state_3.factors)
 
 
 def test_zero_learning_rate_clips_nothing():
@@ -356,8 +418,13 @@ def test_a_kl_bound_that_is_not_reached_leaves_the_update_unscaled():
                                 kl_clip=kl_clip)
     updates[kl_clip], _ = tx.update(grads, tx.init(params), params,
                                     kfac_stats=stats)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
-               updates[1e6], updates[None])
+  # ν = 1 exactly: the same preconditioned gradients (in another program:
+  # their products' dA + dG roundings, at most 8 + 7).
+  for name, layer in updates[None].items():
+    scale = reference.largest(jax.tree.leaves(layer))
+    jax.tree.map(lambda a, b, scale=scale: close(a, b, terms=8 + 7,
+                                                 scale=scale),
+                 updates[1e6][name], layer)
 
 
 def _gradient_matrix(layer) -> np.ndarray:
@@ -390,10 +457,15 @@ def test_eigen_damping_between_decompositions(outer_product):
         preconditioner.activation_eigenvalues,
         preconditioner.gradient_eigenvectors,
         preconditioner.gradient_eigenvalues))
-    rotated = q_a.T @ _gradient_matrix(grads[name]) @ q_g
-    expected = q_a @ (rotated / (np.outer(d_a, d_g) + damping)) @ q_g.T
-    np.testing.assert_allclose(_gradient_matrix(updates[name]), expected,
-                               rtol=1e-4, atol=1e-6 * np.abs(expected).max())
+    gradient = _gradient_matrix(grads[name])
+    rotated = q_a.T @ gradient @ q_g
+    scales = np.outer(d_a, d_g) + damping
+    expected = q_a @ (rotated / scales) @ q_g.T
+    # Both rotations' products (2·(dA + dG)), the division and the outer
+    # product: each of ‖∇‖, divided by at most the smallest d_A d_Gᵀ + λ.
+    terms = 2 * sum(gradient.shape) + 2
+    close(_gradient_matrix(updates[name]), expected, terms=terms,
+          scale=np.linalg.norm(gradient) / scales.min(), err_msg=name)
 
 
 @pytest.mark.parametrize("compute_method, outer_product, scale", [
@@ -417,9 +489,9 @@ def test_the_preconditioner_before_the_first_decomposition(
   updates, _ = tx.update(grads, state._replace(count=jnp.ones_like(
       state.count)), params, kfac_stats=stats)
   for name in stats:
-    np.testing.assert_allclose(_gradient_matrix(updates[name]),
-                               scale * _gradient_matrix(grads[name]),
-                               rtol=1e-6)
+    # Identity factors: at most λ's shift and the division round.
+    close(_gradient_matrix(updates[name]),
+          scale * _gradient_matrix(grads[name]), terms=2)
 
 
 def test_dense_layer_equals_explicit_kronecker_solve():
@@ -439,8 +511,10 @@ def test_dense_layer_equals_explicit_kronecker_solve():
     grad = tensors[name].gradient
     kron = np.kron(a, g) + DAMPING * np.eye(a.shape[0] * g.shape[0])
     expected = np.linalg.solve(kron, grad.reshape(-1)).reshape(grad.shape)
-    np.testing.assert_allclose(as_matrix(updates[name]), expected, rtol=2e-4,
-                               atol=1e-6 * np.abs(expected).max())
+    close(as_matrix(updates[name]), expected,
+          terms=update_terms("mlp", grad.shape),
+          condition=reference.kfac_condition({name: (a, g)}, DAMPING),
+          err_msg=name)
 
 
 def test_unregistered_gradients_pass_through_and_skip_layers():
@@ -530,14 +604,20 @@ def test_a_table_with_a_parent_module_withheld_by_the_chain():
                              {"encoder": "adam", "head": "kfac"})
   state = tx.init(params)
   assert list(state.inner_states["kfac"].inner_state.factors) == ["head"]
-  updates, _ = tx.update(grads, state, params, kfac_stats=stats)
+  updates, state = tx.update(grads, state, params, kfac_stats=stats)
   skipping = kfac_jax.scale_by_kfac(damping=DAMPING, kl_clip=None,
                                     layers=table, skip_layers=["^encoder/"])
   expected, _ = skipping.update(grads, skipping.init(params), params,
                                 kfac_stats=stats)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
-                                                       atol=1e-7),
-               updates["head"], expected["head"])
+  # The same step on the same inputs in another program: head's factor
+  # sums (4 rows) and eigh (to 5² + 3²), through K-FAC's conditioning.
+  tolerance = dict(
+      terms=4 + 5**2 + 3**2,
+      condition=reference.kfac_condition(
+          state.inner_states["kfac"].inner_state.factors, DAMPING),
+      scale=reference.largest(jax.tree.leaves(expected["head"])))
+  jax.tree.map(lambda a, b: close(a, b, **tolerance), updates["head"],
+               expected["head"])
 
 
 @pytest.mark.parametrize("labels_as", ["leaves", "prefix"])
@@ -565,18 +645,23 @@ def test_layers_masked_out_by_the_chain_are_left_alone(wrap, labels_as):
       grads, tx.init(params))
   skipping = kfac_jax.kfac(LEARNING_RATE, damping=DAMPING,
                            skip_layers=["^Dense_1$"])
-  expected, _ = skipping.update(grads, skipping.init(params), params,
-                                kfac_stats=stats)
+  expected, skipping_state = skipping.update(grads, skipping.init(params),
+                                            params, kfac_stats=stats)
   # One jitted, the other not: float32 rounding apart (2.2e-5 relative in
-  # one entry with --xla_cpu_multi_thread_eigen=false, a reduction order).
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(
-      a, b, rtol=1e-4, atol=1e-6 * np.abs(b).max()),
-               updates["Dense_0"], expected["Dense_0"])
+  # one entry with --xla_cpu_multi_thread_eigen=false, a reduction order):
+  # one step's, through K-FAC's conditioning, on the layer's update.
+  tolerance = dict(
+      terms=update_terms("mlp", (6, 7)),
+      condition=reference.kfac_condition(
+          reference.kfac_state(skipping_state).factors, DAMPING),
+      scale=reference.largest(jax.tree.leaves(expected["Dense_0"])))
+  jax.tree.map(lambda a, b: close(a, b, **tolerance), updates["Dense_0"],
+               expected["Dense_0"])
   head = (optax.adam(1e-3).update(grads["Dense_1"], optax.adam(1e-3).init(
       params["Dense_1"]))[0] if wrap == "multi_transform" else
           grads["Dense_1"])  # optax.masked passes the rest through
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5),
-               updates["Dense_1"], head)
+  # Adam's elementwise chain: 10 roundings.
+  jax.tree.map(lambda a, b: close(a, b, terms=10), updates["Dense_1"], head)
 
 
 def test_inject_hyperparams_equals_building_with_the_values():
@@ -611,9 +696,11 @@ def test_inject_hyperparams_equals_building_with_the_values():
       state.hyperparams[name] = jnp.asarray(value, initial.dtype)
       updates, _ = update(injected, grads, state)
       built = build(value)
-      expected, _ = update(built, grads, built.init(params))
-      jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
-                   updates, expected)
+      expected, built_state = update(built, grads, built.init(params))
+      # The same step, its values traced or constant: its rounding through
+      # K-FAC's conditioning, on each layer's update.
+      assert_same_steps([updates], [expected],
+                        reference.kfac_state(built_state))
   # A dtype given as the scalar type (callable: inject_hyperparams calls it
   # as a schedule) is refused with the way out.
   with pytest.raises(TypeError, match="inv_dtype must be a dtype.*static_args"):
@@ -661,8 +748,15 @@ def test_kfac_alias_with_accumulation_matches_manual_chain(steps_type,
       if int(state.accumulator.micro_step) == 0:  # an optimizer step ended
         updates, sgd_state = sgd.update(pre, sgd_state, params)
         params = optax.apply_updates(params, updates)
-    return params
+    return params, state
 
+  # Three optimizer steps, each its update's rounding (two micro-batches,
+  # KL clipping) through K-FAC's conditioning, on the params' scale.
+  manual_params, manual_state = run_manual(params)
+  tolerance = dict(
+      terms=3 * update_terms("mlp", (8, 7), micro_batches=2, mixes=3),
+      condition=reference.kfac_condition(manual_state.factors, DAMPING),
+      scale=reference.largest(jax.tree.leaves(manual_params)))
   for a, b in zip(jax.tree.leaves(run_alias(params)),
-                  jax.tree.leaves(run_manual(params))):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+                  jax.tree.leaves(manual_params)):
+    close(a, b, **tolerance)
