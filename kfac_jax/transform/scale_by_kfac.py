@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 import optax
 
-from kfac_jax import static_args
+from kfac_jax.transform.hyperparameters import static_bool, static_positive_integer
 from kfac_jax.capture import layers as layers_lib
 from kfac_jax.capture.layers import LayerInfo, LayerTable
 from kfac_jax.capture.statistics import LayerStatistics
@@ -273,7 +273,7 @@ def scale_by_kfac(
   inv_update_steps_fn = hp.positive_integer("inv_update_steps",
                                             inv_update_steps)
   method = ComputeMethod.parse(compute_method)
-  accumulation_steps = static_args.static_positive_integer("accumulation_steps",
+  accumulation_steps = static_positive_integer("accumulation_steps",
                                                   accumulation_steps)
   skip = layers_lib.compile_patterns(skip_layers)
   if layers is not None and not (isinstance(layers, Mapping) and all(
@@ -308,7 +308,7 @@ def scale_by_kfac(
           "lies outside the range the rule keeps λ in, AdaptiveConfig's "
           f"[min_damping={adaptive.min_damping!r}, "
           f"max_damping={adaptive.max_damping!r}].")
-  precondition_embeddings = static_args.static_bool("precondition_embeddings",
+  precondition_embeddings = static_bool("precondition_embeddings",
                                            precondition_embeddings)
   if precondition_embeddings and table is None:
     raise ValueError(
@@ -331,12 +331,12 @@ def scale_by_kfac(
         "negative eigenvalues at 0) or float32 factors (the default).")
   inv_dtype = hp.preconditioner_dtype("inv_dtype", inv_dtype)
   if decomposition_batch_size is not None:
-    decomposition_batch_size = static_args.static_positive_integer(
+    decomposition_batch_size = static_positive_integer(
         "decomposition_batch_size", decomposition_batch_size)
   if factor_batch_size is not None:
-    factor_batch_size = static_args.static_positive_integer("factor_batch_size",
+    factor_batch_size = static_positive_integer("factor_batch_size",
                                                    factor_batch_size)
-  gradient_from_stats = static_args.static_bool("gradient_from_stats",
+  gradient_from_stats = static_bool("gradient_from_stats",
                                        gradient_from_stats)
   if gradient_from_stats and accumulation_steps != 1:
     raise ValueError(
@@ -687,7 +687,7 @@ def make_placement(
   method = make_method(
       use_eigen=ComputeMethod.parse(compute_method) is ComputeMethod.EIGEN,
       dtype=hp.preconditioner_dtype("inv_dtype", inv_dtype),
-      precompute_damped_inverse=static_args.static_bool(
+      precompute_damped_inverse=static_bool(
           "compute_eigenvalue_outer_product",
           compute_eigenvalue_outer_product),
       decomposition_batch_size=decomposition_batch_size)
