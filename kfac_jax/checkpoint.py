@@ -40,8 +40,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kfac_jax.capture.layers import path_key_name
-from kfac_jax.distribution.placement import (ShardedPreconditioners,
-                                             using_mesh)
+from kfac_jax.distribution.placement import ShardedPreconditioners
+from kfac_jax.distribution.sharding import using_mesh
 from kfac_jax.factors.running import factor_dims
 from kfac_jax.transform import hyperparameters as hp
 from kfac_jax.transform import quadratic_model

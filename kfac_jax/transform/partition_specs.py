@@ -9,7 +9,7 @@ import jax
 from jax.sharding import PartitionSpec
 import optax
 
-from kfac_jax.distribution.placement import check_params_specs, using_mesh
+from kfac_jax.distribution.sharding import check_params_specs, using_mesh
 from kfac_jax.transform import state as state_lib
 from kfac_jax.transform.config import KFACConfig
 from kfac_jax.transform.scale_by_kfac import transformation

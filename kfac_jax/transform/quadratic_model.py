@@ -33,7 +33,7 @@ import optax
 
 from kfac_jax import finite
 from kfac_jax.transform import hyperparameters as hp
-from kfac_jax.factors.batch import tree_inner_products
+from kfac_jax.linalg import tree_inner_products
 
 # Below this determinant (relative to the diagonal's product) the 2×2 system
 # is treated as singular: δ is (nearly) parallel to Δ, or δ = 0 at step 0.

@@ -38,7 +38,7 @@ import optax
 
 from kfac_jax.capture import layers as layers_lib
 from kfac_jax.capture.statistics import LayerStatistics
-from kfac_jax.distribution import placement as placement_lib
+from kfac_jax.distribution import sharding
 from kfac_jax.factors.running import LayerFactors, init_factors
 from kfac_jax.transform import checks
 from kfac_jax.transform import nnx_variables
@@ -107,7 +107,7 @@ def init(config: KFACConfig, params: Any) -> ScaleByKFACState:
   """Identity factors and preconditioners for the layers of ``params``."""
   checks.check_not_params_placeholder(params)
   if config.params_partition_specs is not None:
-    placement_lib.check_params_specs(params, config.params_partition_specs)
+    sharding.check_params_specs(params, config.params_partition_specs)
   layers = config.find_layers(params, warn_untraced=True)
   factors = {}
   for layer in layers.values():
@@ -179,7 +179,7 @@ def _update_values(
   layers = config.find_layers(updates)
   sharded = {}
   if config.params_partition_specs is not None:
-    sharded = step.sharded_kernels(layers, placement_lib.check_params_specs(
+    sharded = step.sharded_kernels(layers, sharding.check_params_specs(
         updates, config.params_partition_specs))
   checks.check_state(layers, state, config.accumulation_steps,
                      adaptive is not None)

@@ -25,10 +25,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from kfac_jax import linalg
 from kfac_jax.capture import layers as layers_lib
 from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.distribution import placement as placement_lib
+from kfac_jax.distribution import sharding
 from kfac_jax.distribution.layout import Dims
 from kfac_jax.factors import batch as batch_lib
 from kfac_jax.factors import running
@@ -148,7 +150,7 @@ def update_factors(
     # (The gradients are not checked: they do not enter the factors, and
     # the check cost ~10 % of a step and of its compile time.)
     new = batch_factors()
-    ok = batch_lib.psd_all_finite(
+    ok = linalg.psd_all_finite(
         f for factors in new.values() for f in factors)
     if decay_ok is not None:
       ok = ok & decay_ok
@@ -280,7 +282,7 @@ def constrain_to_params(config: KFACConfig, tree: Any) -> Any:
   """``tree`` (params-shaped) constrained to ``params_partition_specs``."""
   if config.params_partition_specs is None:
     return tree
-  return placement_lib.constrain_like_params(tree,
+  return sharding.constrain_like_params(tree,
                                              config.params_partition_specs)
 
 
@@ -290,7 +292,7 @@ def replicate(config: KFACConfig, tree: Any) -> Any:
   if config.params_partition_specs is None:
     return tree
   return jax.tree.map(
-      lambda x: placement_lib.constrain(x, PartitionSpec(), ()), tree)
+      lambda x: sharding.constrain(x, PartitionSpec(), ()), tree)
 
 
 def pin_to_specs(config: KFACConfig, factors: Any, preconditioners: Any,
@@ -305,7 +307,7 @@ def pin_to_specs(config: KFACConfig, factors: Any, preconditioners: Any,
   """
   if config.params_partition_specs is None:
     return factors, preconditioners
-  place = lambda spec, x: placement_lib.constrain(x, spec, ())
+  place = lambda spec, x: sharding.constrain(x, spec, ())
   is_spec = lambda x: isinstance(x, PartitionSpec)
   preconditioners = jax.tree.map(place, config.placement.partition_specs(dims),
                                  preconditioners, is_leaf=is_spec)
@@ -335,7 +337,7 @@ def sharded_kernels(layers: Mapping[str, LayerInfo],
     if layer.num_blocks > 1:
       continue  # its blocks are sliced from the whole gradient.
     spec = layers_lib.get_layer_params(params_specs, layer)[layer.kernel_key]
-    axes = tuple(placement_lib.named_axes(spec or PartitionSpec()))
+    axes = tuple(sharding.named_axes(spec or PartitionSpec()))
     if axes:
       sharded[name] = axes
   return sharded
