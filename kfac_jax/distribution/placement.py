@@ -171,61 +171,12 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
 
   def decompose(dims, factors, previous, damping):
     plan = layout(dims)
-    n, g, size = plan.num_devices, plan.group_size, plan.segment_size
-
-    def device_branch(device: int):
-      names = [name for name in plan.owned(device) if name in factors]
-
-      def branch(factors, row, damping, is_stale):
-        # A stale row holds other layers at these offsets.
-        old = {name: finite.select(~is_stale,
-                                   _read(row, plan.row_offset(name), plan,
-                                         name),
-                                   method.init(*dims[name]))
-               for name in plan.owned(device)}
-        new, rejected = decompose_checked(
-            method, {name: factors[name] for name in names}, old, damping)
-        pieces = [layout_lib.pack(new.get(name, old[name]))
-                  for name in plan.owned(device)]
-        return layout_lib.fill_segment(pieces, size, row.dtype), rejected
-
-      return branch
-
-    def group_branch(group: int):
-      # The group's row: its members' segments, each cut to its load.
-
-      def branch(gathered):
-        return layout_lib.fill_segment(
-            [gathered[m * size:m * size + plan.load[m]]
-             for m in plan.members(group)], plan.row_size, gathered.dtype)
-
-      return branch
-
-    def body(factors, rows, damping, is_stale):
-      row = rows[0]
-      device = lax.axis_index(axes)
-      segment, rejected = lax.switch(
-          device, [device_branch(d) for d in range(n)], factors, row, damping,
-          is_stale)
-      rejected = lax.psum(rejected, axes)
-      if g == 1:
-        row = segment[:plan.row_size]
-      else:
-        gathered = lax.all_gather(segment, axes, tiled=True)
-        groups = [group_branch(j) for j in range(n // g)]
-        row = groups[0](gathered) if len(groups) == 1 else lax.switch(
-            device // g, groups, gathered)
-      return row[None], rejected
-
-    if size == 0:  # No layers: nothing to decompose (nor to gather).
+    if plan.segment_size == 0:  # No layers: nothing to decompose (nor gather).
       return ShardedPreconditioners(previous.rows,
                                     fingerprint(plan)), jnp.zeros([], jnp.int32)
-    rows, rejected = _manual(
-        body,
-        in_specs=(PartitionSpec(), rows_spec, PartitionSpec(), PartitionSpec()),
-        out_specs=(rows_spec, PartitionSpec()),
-        axes=axes)(_replicated(factors, axes), previous.rows, damping,
-                   stale(dims, previous))
+    rows, rejected = _decompose_rows(method, axes, plan, dims, factors,
+                                     previous.rows, damping,
+                                     stale(dims, previous))
     return ShardedPreconditioners(rows, fingerprint(plan)), rejected
 
   def precondition(dims, preconditioners, gradients, damping, sharded):
@@ -233,58 +184,17 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
     in_place = [name for name in gradients if name in sharded]
     out = {}
     if in_place:
-      fetched = fetch_replicated(plan, preconditioners.rows, in_place)
+      fetched = _fetch_replicated(axes, plan, preconditioners.rows, in_place)
       for name in in_place:
         out[name] = precondition_in_place(method, fetched[name],
                                           gradients[name], damping,
                                           sharded[name])
     gathered = {n: x for n, x in gradients.items() if n not in sharded}
     if gathered:
-      out.update(precondition_gathered(plan, preconditioners.rows, gathered,
-                                       damping))
+      out.update(_precondition_gathered(method, axes, plan,
+                                        preconditioners.rows, gathered,
+                                        damping))
     return out
-
-  def fetch_replicated(plan: ShardedLayout, rows: jax.Array,
-                       names: list[str]) -> dict[str, Preconditioner]:
-    """``names``' preconditioners on every device (a gather unless ``g = n``)."""
-
-    def body(rows):
-      row = rows[0]
-      if plan.group_size == plan.num_devices:
-        return {name: _read(row, plan.row_offset(name), plan, name)
-                for name in names}
-      shared = _share_from_owners(
-          axes, plan, {name: plan.size[name] for name in names},
-          lambda name: row[plan.row_offset(name):][:plan.size[name]],
-          row.dtype)
-      return {name: layout_lib.unpack(shared[name], plan.templates[name])
-              for name in names}
-
-    return _manual(body, in_specs=rows_spec, out_specs=PartitionSpec(),
-                   axes=axes)(rows)
-
-  def precondition_gathered(plan: ShardedLayout, rows: jax.Array,
-                            gradients: Mapping[str, jax.Array],
-                            damping: jax.Array) -> dict[str, jax.Array]:
-    """Replicated ``P`` of replicated gradients (see the module docstring)."""
-
-    def body(rows, gradients, damping):
-      row = rows[0]
-      apply = lambda name: method.precondition(
-          _read(row, plan.row_offset(name), plan, name), gradients[name],
-          damping)
-      if plan.group_size == plan.num_devices:  # Every device holds every layer.
-        return {name: apply(name) for name in gradients}
-      shared = _share_from_owners(
-          axes, plan, {name: g.size for name, g in gradients.items()}, apply,
-          jnp.float32)
-      return {name: shared[name].reshape(g.shape)
-              for name, g in gradients.items()}
-
-    return _manual(
-        body, in_specs=(rows_spec, PartitionSpec(), PartitionSpec()),
-        out_specs=PartitionSpec(), axes=axes)(
-            rows, _replicated(gradients, axes), damping)
 
   def per_layer(dims, preconditioners):
     plan = layout(dims)
@@ -307,6 +217,116 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
 
   return Placement(init, decompose, precondition, per_layer, partition_specs,
                    stale)
+
+
+def _decompose_rows(method: Method, axes: tuple[str, ...], plan: ShardedLayout,
+                    dims: Dims, factors: Mapping[str, LayerFactors],
+                    rows: jax.Array, damping: jax.Array,
+                    is_stale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The decomposition step's rows and rejection count on the mesh.
+
+  Each device decomposes the layers assigned to it (a ``lax.switch`` on its
+  index; a ``stale`` row's blocks start from the identity's) and its
+  group's members' segments are all-gathered into the group's row.
+  """
+  n, g, size = plan.num_devices, plan.group_size, plan.segment_size
+
+  def device_branch(device: int):
+    names = [name for name in plan.owned(device) if name in factors]
+
+    def branch(factors, row, damping, is_stale):
+      # A stale row holds other layers at these offsets.
+      old = {name: finite.select(~is_stale,
+                                 _read(row, plan.row_offset(name), plan,
+                                       name),
+                                 method.init(*dims[name]))
+             for name in plan.owned(device)}
+      new, rejected = decompose_checked(
+          method, {name: factors[name] for name in names}, old, damping)
+      pieces = [layout_lib.pack(new.get(name, old[name]))
+                for name in plan.owned(device)]
+      return layout_lib.fill_segment(pieces, size, row.dtype), rejected
+
+    return branch
+
+  def group_branch(group: int):
+    # The group's row: its members' segments, each cut to its load.
+
+    def branch(gathered):
+      return layout_lib.fill_segment(
+          [gathered[m * size:m * size + plan.load[m]]
+           for m in plan.members(group)], plan.row_size, gathered.dtype)
+
+    return branch
+
+  def body(factors, rows, damping, is_stale):
+    row = rows[0]
+    device = lax.axis_index(axes)
+    segment, rejected = lax.switch(
+        device, [device_branch(d) for d in range(n)], factors, row, damping,
+        is_stale)
+    rejected = lax.psum(rejected, axes)
+    if g == 1:
+      row = segment[:plan.row_size]
+    else:
+      gathered = lax.all_gather(segment, axes, tiled=True)
+      groups = [group_branch(j) for j in range(n // g)]
+      row = groups[0](gathered) if len(groups) == 1 else lax.switch(
+          device // g, groups, gathered)
+    return row[None], rejected
+
+  rows_spec = PartitionSpec(axes)
+  return _manual(
+      body,
+      in_specs=(PartitionSpec(), rows_spec, PartitionSpec(), PartitionSpec()),
+      out_specs=(rows_spec, PartitionSpec()),
+      axes=axes)(_replicated(factors, axes), rows, damping, is_stale)
+
+
+def _fetch_replicated(axes: tuple[str, ...], plan: ShardedLayout,
+                      rows: jax.Array,
+                      names: list[str]) -> dict[str, Preconditioner]:
+  """``names``' preconditioners on every device (a gather unless ``g = n``)."""
+
+  def body(rows):
+    row = rows[0]
+    if plan.group_size == plan.num_devices:
+      return {name: _read(row, plan.row_offset(name), plan, name)
+              for name in names}
+    shared = _share_from_owners(
+        axes, plan, {name: plan.size[name] for name in names},
+        lambda name: row[plan.row_offset(name):][:plan.size[name]],
+        row.dtype)
+    return {name: layout_lib.unpack(shared[name], plan.templates[name])
+            for name in names}
+
+  return _manual(body, in_specs=PartitionSpec(axes),
+                 out_specs=PartitionSpec(), axes=axes)(rows)
+
+
+def _precondition_gathered(method: Method, axes: tuple[str, ...],
+                           plan: ShardedLayout, rows: jax.Array,
+                           gradients: Mapping[str, jax.Array],
+                           damping: jax.Array) -> dict[str, jax.Array]:
+  """Replicated ``P`` of replicated gradients (see the module docstring)."""
+
+  def body(rows, gradients, damping):
+    row = rows[0]
+    apply = lambda name: method.precondition(
+        _read(row, plan.row_offset(name), plan, name), gradients[name],
+        damping)
+    if plan.group_size == plan.num_devices:  # Every device holds every layer.
+      return {name: apply(name) for name in gradients}
+    shared = _share_from_owners(
+        axes, plan, {name: g.size for name, g in gradients.items()}, apply,
+        jnp.float32)
+    return {name: shared[name].reshape(g.shape)
+            for name, g in gradients.items()}
+
+  return _manual(
+      body, in_specs=(PartitionSpec(axes), PartitionSpec(), PartitionSpec()),
+      out_specs=PartitionSpec(), axes=axes)(
+          rows, _replicated(gradients, axes), damping)
 
 
 def _replicated(arrays: Mapping[str, Any],

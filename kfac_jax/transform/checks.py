@@ -169,14 +169,6 @@ def check_split_loss(split_loss: SplitLoss | None, params: Any,
     raise TypeError(
         "split_loss must be a kfac_jax.SplitLoss(outputs_fn, loss_fn, "
         f"regularizer=None); got {type(split_loss).__name__}.")
-  for name in ("outputs_fn", "loss_fn"):
-    if not callable(getattr(split_loss, name)):
-      raise TypeError(f"SplitLoss.{name} must be callable; got "
-                      f"{getattr(split_loss, name)!r}.")
-  if split_loss.regularizer is not None and not callable(
-      split_loss.regularizer):
-    raise TypeError("SplitLoss.regularizer must be callable or None; got "
-                    f"{split_loss.regularizer!r}.")
 
 
 def check_stats(stats: Mapping[str, LayerStatistics] | None,
