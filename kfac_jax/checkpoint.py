@@ -29,28 +29,26 @@ factors again before the next update (what KAISA does on load).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kfac_jax.capture.layers import path_key_name
-from kfac_jax.distribution.placement import (ShardedPreconditioners,
-                                             using_mesh)
+from kfac_jax.distribution.placement import ShardedPreconditioners
+from kfac_jax.distribution.sharding import using_mesh
 from kfac_jax.factors.running import factor_dims
-from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
 from kfac_jax.transform import hyperparameters as hp
 from kfac_jax.transform import quadratic_model
+from kfac_jax.transform.config import KFACConfig
 from kfac_jax.transform.hyperparameters import ComputeMethod, ScalarOrSchedule
-from kfac_jax.transform.quadratic_model import AdaptiveConfig
-from kfac_jax.transform.scale_by_kfac import (ScaleByKFACState,
-                                              guarded_decomposition,
-                                              make_placement)
+from kfac_jax.transform.state import ScaleByKFACState
+from kfac_jax.transform.step import guarded_decomposition
 
 _KeyPath = tuple[str, ...]
 
@@ -178,7 +176,7 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
   target = _map_kfac_states(match_saved, target)
   # Checked here: Orbax notices a wrong shape only while reading, and leaves
   # its unfinished reads to be garbage-collected.
-  _check_shapes(saved, target, directory)
+  _check_saved_shapes(saved, target, directory)
   target = jax.tree_util.tree_map_with_path(_abstract, target)
   if not partial:
     with ocp.StandardCheckpointer() as checkpointer:
@@ -204,15 +202,9 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
 def recompute_preconditioners(
     tree: Any,
     damping: ScalarOrSchedule,
-    compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
-    compute_eigenvalue_outer_product: bool = True,
-    inv_dtype: jnp.dtype = jnp.dtype(jnp.float32),
-    mesh_axes: str | Sequence[str] | None = None,
-    grad_worker_fraction: DistributedStrategy | float = (
-        DistributedStrategy.COMM_OPT),
-    assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
-    adaptive: AdaptiveConfig | None = None,
+    *,
     mesh: jax.sharding.Mesh | None = None,
+    **kwargs: Any,
 ) -> Any:
   """Decomposes the factors of every K-FAC state in ``tree`` again.
 
@@ -221,11 +213,10 @@ def recompute_preconditioners(
   ``mesh_axes`` of ``mesh``, or of the mesh set by ``jax.set_mesh``), with
   ``λ = damping(state.count)`` (a state of the adaptive mode uses its own
   λ, ``state.quadratic_model.damping``): the preconditioners the next update
-  would make
-  if it were a decomposition step, without its factor update. Pass the
-  arguments given to ``scale_by_kfac`` so they have the structure, layout and
-  dtypes its ``update`` expects; since they do not depend on the saved
-  layout, this is also how a state moves to another strategy or device
+  would make if it were a decomposition step, without its factor update.
+  Pass the arguments given to ``scale_by_kfac`` so they have the structure,
+  layout and dtypes its ``update`` expects; since they do not depend on the
+  saved layout, this is also how a state moves to another strategy or device
   count. As in ``update``, a decomposition that comes out non-finite is
   discarded and counted in ``rejected_decompositions``; with no previous one
   to keep, the layer gets the preconditioner of identity factors that
@@ -238,19 +229,17 @@ def recompute_preconditioners(
       where a schedule is out of range every block keeps the identity's
       preconditioner and is counted in ``rejected_decompositions``, as
       ``update`` would reject its decomposition.
-    compute_method: ``"eigen"`` or ``"inverse"``.
-    compute_eigenvalue_outer_product: eigen only, as in ``scale_by_kfac``.
-    inv_dtype: dtype of the preconditioners, as in ``scale_by_kfac``.
-    mesh_axes: as in ``scale_by_kfac``.
-    grad_worker_fraction: as in ``scale_by_kfac``.
-    assignment_strategy: as in ``scale_by_kfac``.
-    adaptive: as in ``scale_by_kfac``: an adaptive state's λ is then clipped
-      into ``[min_damping, max_damping]`` first, as ``update`` clips it (a
-      corrupted or out-of-range λ; NaN becomes ``max_damping``). Without it
-      the state's λ is used as it is.
     mesh: the ``jax.sharding.Mesh`` to decompose on (that of ``mesh_axes``),
       for a call outside ``with jax.set_mesh(mesh):``. ``None``: the
       context's mesh.
+    **kwargs: the other ``scale_by_kfac`` arguments, validated as there; the
+      preconditioners follow ``compute_method``,
+      ``compute_eigenvalue_outer_product``, ``inv_dtype``, ``mesh_axes``,
+      ``grad_worker_fraction``, ``assignment_strategy`` and
+      ``decomposition_batch_size``. With ``adaptive``, an adaptive state's λ
+      is clipped into ``[min_damping, max_damping]`` first, as ``update``
+      clips it (a corrupted or out-of-range λ; NaN becomes ``max_damping``);
+      without it the state's λ is used as it is.
 
   Returns:
     ``tree`` with every K-FAC state's ``preconditioners`` (and
@@ -260,42 +249,40 @@ def recompute_preconditioners(
     ValueError: ``tree`` holds no K-FAC state; ``mesh`` is not the
       context's; as ``scale_by_kfac`` for the other arguments.
   """
-  damping_fn = hp.positive("damping", damping)
-  method = ComputeMethod.parse(compute_method)
-  placement = make_placement(compute_method, compute_eigenvalue_outer_product,
-                             inv_dtype, mesh_axes, grad_worker_fraction,
-                             assignment_strategy)
-
-  if adaptive is not None:
-    AdaptiveConfig.check(adaptive)
-
-  @jax.jit
-  def decompose_all(state: ScaleByKFACState) -> ScaleByKFACState:
-    dims = factor_dims(state.factors)
-    is_adaptive = state.quadratic_model is not None
-    if adaptive is not None and not is_adaptive:
-      raise ValueError(
-          "recompute_preconditioners(adaptive=...): the state is not the "
-          "adaptive mode's (no quadratic_model); drop adaptive, and pass the "
-          "damping it was trained with.")
-    if not is_adaptive:
-      damping = damping_fn(state.count)
-    elif adaptive is None:
-      damping = state.quadratic_model.damping
-    else:
-      damping = quadratic_model.clip_damping(state.quadratic_model.damping,
-                                             adaptive)
-    preconditioners, rejected = guarded_decomposition(
-        placement, dims, state.factors, placement.init(dims),
-        state.rejected_decompositions, damping,
-        None if is_adaptive else hp.all_valid(state.count, damping_fn),
-        is_adaptive and method is ComputeMethod.INVERSE)
-    return state._replace(preconditioners=preconditioners,
-                          rejected_decompositions=rejected)
-
+  if kwargs.get("adaptive") is not None:
+    kwargs.setdefault("kl_clip", None)  # The adaptive mode has none.
+  config = KFACConfig(damping=damping, **kwargs)
+  decompose_all = jax.jit(functools.partial(_decompose_all, config))
   with using_mesh(mesh, "recompute_preconditioners", abstract_ok=False):
     return _map_kfac_states(lambda _, state: decompose_all(state), tree,
                             "recompute_preconditioners")
+
+
+def _decompose_all(config: KFACConfig,
+                   state: ScaleByKFACState) -> ScaleByKFACState:
+  """``state`` with its factors decomposed again (``guarded_decomposition``)."""
+  dims = factor_dims(state.factors)
+  is_adaptive = state.quadratic_model is not None
+  if config.adaptive is not None and not is_adaptive:
+    raise ValueError(
+        "recompute_preconditioners(adaptive=...): the state is not the "
+        "adaptive mode's (no quadratic_model); drop adaptive, and pass the "
+        "damping it was trained with.")
+  if not is_adaptive:
+    damping = config.damping(state.count)
+  elif config.adaptive is None:
+    damping = state.quadratic_model.damping
+  else:
+    damping = quadratic_model.clip_damping(state.quadratic_model.damping,
+                                           config.adaptive)
+  placement = config.placement
+  preconditioners, rejected = guarded_decomposition(
+      placement, dims, state.factors, placement.init(dims),
+      state.rejected_decompositions, damping,
+      None if is_adaptive else hp.all_valid(state.count, config.damping),
+      is_adaptive and config.compute_method is ComputeMethod.INVERSE)
+  return state._replace(preconditioners=preconditioners,
+                        rejected_decompositions=rejected)
 
 
 def _abstract(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:
@@ -316,7 +303,8 @@ def _abstract(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:
       sharding.mesh, jax.sharding.AbstractMesh):
     if mesh.empty or mesh.abstract_mesh != sharding.mesh:
       raise ValueError(
-          f"checkpoint.restore: the target's {_describe(_key_path(path))} is "
+          "checkpoint.restore: the target's "
+          f"{_describe_path(_key_path(path))} is "
           f"sharded over an abstract mesh ({sharding.mesh}), as jax.eval_shape "
           "gives it under jax.set_mesh, but "
           + ("no mesh is set now" if mesh.empty else
@@ -346,7 +334,7 @@ def _saved_node(saved: Any, path: _KeyPath, directory: str) -> dict[str, Any]:
       node):
     raise ValueError(
         f"The checkpoint at {directory} has no K-FAC state at "
-        f"{_describe(path)}, where the target has one.")
+        f"{_describe_path(path)}, where the target has one.")
   return node
 
 
@@ -356,8 +344,9 @@ def _check_layers(path: _KeyPath, target_layers: set[str],
   extra = sorted(saved_layers - target_layers)
   if missing or extra:
     raise ValueError(
-        f"The K-FAC state at {_describe(path)} in {directory} registers other "
-        f"layers than the target: missing from the checkpoint: {missing}; in "
+        f"The K-FAC state at {_describe_path(path)} in {directory} registers "
+        "other layers than the target: missing from the checkpoint: "
+        f"{missing}; in "
         f"the checkpoint but not the target: {extra}. Restore onto a target "
         "made by tx.init with the params (and skip_layers) of the saved run.")
 
@@ -381,7 +370,7 @@ def _check_fields(path: _KeyPath, saved_state: Any, state: ScaleByKFACState,
   extra = sorted("/".join(p) for p in saved_leaves - target_leaves)
   if missing or extra:
     raise ValueError(
-        f"The K-FAC state at {_describe(path)} in {directory} has other "
+        f"The K-FAC state at {_describe_path(path)} in {directory} has other "
         f"arrays than the target: missing from the checkpoint: {missing}; in "
         f"the checkpoint but not the target: {extra}. Restore onto a target "
         "made by tx.init of a transformation with the saved run's "
@@ -395,7 +384,7 @@ def _check_fields(path: _KeyPath, saved_state: Any, state: ScaleByKFACState,
            "the new settings."))
 
 
-def _check_shapes(saved: Any, target: Any, directory: str) -> None:
+def _check_saved_shapes(saved: Any, target: Any, directory: str) -> None:
   """Every target leaf with a saved counterpart must have its shape."""
   saved_shapes = {
       _key_path(path): tuple(leaf.shape)
@@ -408,7 +397,8 @@ def _check_shapes(saved: Any, target: Any, directory: str) -> None:
     shape = saved_shapes.get(key)
     if shape is not None and shape != tuple(np.shape(leaf)):
       mismatched.append(
-          f"{_describe(key)}: saved {shape}, target {tuple(np.shape(leaf))}")
+          f"{_describe_path(key)}: saved {shape}, target "
+          f"{tuple(np.shape(leaf))}")
   if mismatched:
     # Packed preconditioner rows change shape with the device count and
     # strategy; the factors do not.
@@ -426,5 +416,5 @@ def _key_path(path: Sequence[Any]) -> _KeyPath:
   return tuple(path_key_name(k) for k in path)
 
 
-def _describe(path: _KeyPath) -> str:
+def _describe_path(path: _KeyPath) -> str:
   return "/".join(path) if path else "the root"

@@ -22,7 +22,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 import kfac_jax
 from benchmarks.hlo_cost import per_device_costs
 from kfac_jax.factors.running import factor_dims
-from kfac_jax.transform.scale_by_kfac import make_placement
+from kfac_jax.transform.config import make_placement
 
 
 def eight_device_env() -> dict[str, str]:

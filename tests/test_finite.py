@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kfac_jax import finite
-from kfac_jax.factors import batch
+from kfac_jax import linalg as batch
 from kfac_jax.preconditioning import inverse
 from tests import reference
 

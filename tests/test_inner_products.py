@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kfac_jax.factors import batch
+from kfac_jax import linalg as batch
 from tests import reference
 
 

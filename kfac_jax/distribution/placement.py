@@ -19,7 +19,6 @@ step and the preconditioning of every step.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -28,11 +27,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
-import optax
 
 from kfac_jax import finite
 from kfac_jax.distribution import layout as layout_lib
 from kfac_jax.distribution.layout import Dims, ShardedLayout
+from kfac_jax.distribution.sharding import constrain, context_mesh
 from kfac_jax.distribution.strategy import DistributionConfig, group_size
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import batched
@@ -172,61 +171,12 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
 
   def decompose(dims, factors, previous, damping):
     plan = layout(dims)
-    n, g, size = plan.num_devices, plan.group_size, plan.segment_size
-
-    def device_branch(device: int):
-      names = [name for name in plan.owned(device) if name in factors]
-
-      def branch(factors, row, damping, is_stale):
-        # A stale row holds other layers at these offsets.
-        old = {name: finite.select(~is_stale,
-                                   _read(row, plan.row_offset(name), plan,
-                                         name),
-                                   method.init(*dims[name]))
-               for name in plan.owned(device)}
-        new, rejected = decompose_checked(
-            method, {name: factors[name] for name in names}, old, damping)
-        pieces = [layout_lib.pack(new.get(name, old[name]))
-                  for name in plan.owned(device)]
-        return layout_lib.fill_segment(pieces, size, row.dtype), rejected
-
-      return branch
-
-    def group_branch(group: int):
-      # The group's row: its members' segments, each cut to its load.
-
-      def branch(gathered):
-        return layout_lib.fill_segment(
-            [gathered[m * size:m * size + plan.load[m]]
-             for m in plan.members(group)], plan.row_size, gathered.dtype)
-
-      return branch
-
-    def body(factors, rows, damping, is_stale):
-      row = rows[0]
-      device = lax.axis_index(axes)
-      segment, rejected = lax.switch(
-          device, [device_branch(d) for d in range(n)], factors, row, damping,
-          is_stale)
-      rejected = lax.psum(rejected, axes)
-      if g == 1:
-        row = segment[:plan.row_size]
-      else:
-        gathered = lax.all_gather(segment, axes, tiled=True)
-        groups = [group_branch(j) for j in range(n // g)]
-        row = groups[0](gathered) if len(groups) == 1 else lax.switch(
-            device // g, groups, gathered)
-      return row[None], rejected
-
-    if size == 0:  # No layers: nothing to decompose (nor to gather).
+    if plan.segment_size == 0:  # No layers: nothing to decompose (nor gather).
       return ShardedPreconditioners(previous.rows,
                                     fingerprint(plan)), jnp.zeros([], jnp.int32)
-    rows, rejected = _manual(
-        body,
-        in_specs=(PartitionSpec(), rows_spec, PartitionSpec(), PartitionSpec()),
-        out_specs=(rows_spec, PartitionSpec()),
-        axes=axes)(_replicated(factors, axes), previous.rows, damping,
-                   stale(dims, previous))
+    rows, rejected = _decompose_rows(method, axes, plan, dims, factors,
+                                     previous.rows, damping,
+                                     stale(dims, previous))
     return ShardedPreconditioners(rows, fingerprint(plan)), rejected
 
   def precondition(dims, preconditioners, gradients, damping, sharded):
@@ -234,58 +184,17 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
     in_place = [name for name in gradients if name in sharded]
     out = {}
     if in_place:
-      fetched = fetch_replicated(plan, preconditioners.rows, in_place)
+      fetched = _fetch_replicated(axes, plan, preconditioners.rows, in_place)
       for name in in_place:
         out[name] = precondition_in_place(method, fetched[name],
                                           gradients[name], damping,
                                           sharded[name])
     gathered = {n: x for n, x in gradients.items() if n not in sharded}
     if gathered:
-      out.update(precondition_gathered(plan, preconditioners.rows, gathered,
-                                       damping))
+      out.update(_precondition_gathered(method, axes, plan,
+                                        preconditioners.rows, gathered,
+                                        damping))
     return out
-
-  def fetch_replicated(plan: ShardedLayout, rows: jax.Array,
-                       names: list[str]) -> dict[str, Preconditioner]:
-    """``names``' preconditioners on every device (a gather unless ``g = n``)."""
-
-    def body(rows):
-      row = rows[0]
-      if plan.group_size == plan.num_devices:
-        return {name: _read(row, plan.row_offset(name), plan, name)
-                for name in names}
-      shared = _share_from_owners(
-          axes, plan, {name: plan.size[name] for name in names},
-          lambda name: row[plan.row_offset(name):][:plan.size[name]],
-          row.dtype)
-      return {name: layout_lib.unpack(shared[name], plan.templates[name])
-              for name in names}
-
-    return _manual(body, in_specs=rows_spec, out_specs=PartitionSpec(),
-                   axes=axes)(rows)
-
-  def precondition_gathered(plan: ShardedLayout, rows: jax.Array,
-                            gradients: Mapping[str, jax.Array],
-                            damping: jax.Array) -> dict[str, jax.Array]:
-    """Replicated ``P`` of replicated gradients (see the module docstring)."""
-
-    def body(rows, gradients, damping):
-      row = rows[0]
-      apply = lambda name: method.precondition(
-          _read(row, plan.row_offset(name), plan, name), gradients[name],
-          damping)
-      if plan.group_size == plan.num_devices:  # Every device holds every layer.
-        return {name: apply(name) for name in gradients}
-      shared = _share_from_owners(
-          axes, plan, {name: g.size for name, g in gradients.items()}, apply,
-          jnp.float32)
-      return {name: shared[name].reshape(g.shape)
-              for name, g in gradients.items()}
-
-    return _manual(
-        body, in_specs=(rows_spec, PartitionSpec(), PartitionSpec()),
-        out_specs=PartitionSpec(), axes=axes)(
-            rows, _replicated(gradients, axes), damping)
 
   def per_layer(dims, preconditioners):
     plan = layout(dims)
@@ -308,6 +217,116 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
 
   return Placement(init, decompose, precondition, per_layer, partition_specs,
                    stale)
+
+
+def _decompose_rows(method: Method, axes: tuple[str, ...], plan: ShardedLayout,
+                    dims: Dims, factors: Mapping[str, LayerFactors],
+                    rows: jax.Array, damping: jax.Array,
+                    is_stale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The decomposition step's rows and rejection count on the mesh.
+
+  Each device decomposes the layers assigned to it (a ``lax.switch`` on its
+  index; a ``stale`` row's blocks start from the identity's) and its
+  group's members' segments are all-gathered into the group's row.
+  """
+  n, g, size = plan.num_devices, plan.group_size, plan.segment_size
+
+  def device_branch(device: int):
+    names = [name for name in plan.owned(device) if name in factors]
+
+    def branch(factors, row, damping, is_stale):
+      # A stale row holds other layers at these offsets.
+      old = {name: finite.select(~is_stale,
+                                 _read(row, plan.row_offset(name), plan,
+                                       name),
+                                 method.init(*dims[name]))
+             for name in plan.owned(device)}
+      new, rejected = decompose_checked(
+          method, {name: factors[name] for name in names}, old, damping)
+      pieces = [layout_lib.pack(new.get(name, old[name]))
+                for name in plan.owned(device)]
+      return layout_lib.fill_segment(pieces, size, row.dtype), rejected
+
+    return branch
+
+  def group_branch(group: int):
+    # The group's row: its members' segments, each cut to its load.
+
+    def branch(gathered):
+      return layout_lib.fill_segment(
+          [gathered[m * size:m * size + plan.load[m]]
+           for m in plan.members(group)], plan.row_size, gathered.dtype)
+
+    return branch
+
+  def body(factors, rows, damping, is_stale):
+    row = rows[0]
+    device = lax.axis_index(axes)
+    segment, rejected = lax.switch(
+        device, [device_branch(d) for d in range(n)], factors, row, damping,
+        is_stale)
+    rejected = lax.psum(rejected, axes)
+    if g == 1:
+      row = segment[:plan.row_size]
+    else:
+      gathered = lax.all_gather(segment, axes, tiled=True)
+      groups = [group_branch(j) for j in range(n // g)]
+      row = groups[0](gathered) if len(groups) == 1 else lax.switch(
+          device // g, groups, gathered)
+    return row[None], rejected
+
+  rows_spec = PartitionSpec(axes)
+  return _manual(
+      body,
+      in_specs=(PartitionSpec(), rows_spec, PartitionSpec(), PartitionSpec()),
+      out_specs=(rows_spec, PartitionSpec()),
+      axes=axes)(_replicated(factors, axes), rows, damping, is_stale)
+
+
+def _fetch_replicated(axes: tuple[str, ...], plan: ShardedLayout,
+                      rows: jax.Array,
+                      names: list[str]) -> dict[str, Preconditioner]:
+  """``names``' preconditioners on every device (a gather unless ``g = n``)."""
+
+  def body(rows):
+    row = rows[0]
+    if plan.group_size == plan.num_devices:
+      return {name: _read(row, plan.row_offset(name), plan, name)
+              for name in names}
+    shared = _share_from_owners(
+        axes, plan, {name: plan.size[name] for name in names},
+        lambda name: row[plan.row_offset(name):][:plan.size[name]],
+        row.dtype)
+    return {name: layout_lib.unpack(shared[name], plan.templates[name])
+            for name in names}
+
+  return _manual(body, in_specs=PartitionSpec(axes),
+                 out_specs=PartitionSpec(), axes=axes)(rows)
+
+
+def _precondition_gathered(method: Method, axes: tuple[str, ...],
+                           plan: ShardedLayout, rows: jax.Array,
+                           gradients: Mapping[str, jax.Array],
+                           damping: jax.Array) -> dict[str, jax.Array]:
+  """Replicated ``P`` of replicated gradients (see the module docstring)."""
+
+  def body(rows, gradients, damping):
+    row = rows[0]
+    apply = lambda name: method.precondition(
+        _read(row, plan.row_offset(name), plan, name), gradients[name],
+        damping)
+    if plan.group_size == plan.num_devices:  # Every device holds every layer.
+      return {name: apply(name) for name in gradients}
+    shared = _share_from_owners(
+        axes, plan, {name: g.size for name, g in gradients.items()}, apply,
+        jnp.float32)
+    return {name: shared[name].reshape(g.shape)
+            for name, g in gradients.items()}
+
+  return _manual(
+      body, in_specs=(PartitionSpec(axes), PartitionSpec(), PartitionSpec()),
+      out_specs=PartitionSpec(), axes=axes)(
+          rows, _replicated(gradients, axes), damping)
 
 
 def _replicated(arrays: Mapping[str, Any],
@@ -349,180 +368,6 @@ def _manual(body: Callable[..., Any], in_specs: Any, out_specs: Any,
     body = lambda *args: pin(unpinned(*pin(args)))
   return jax.jit(jax.shard_map(body, in_specs=in_specs, out_specs=out_specs,
                                axis_names=set(axes), check_vma=False))
-
-
-def context_mesh(axes: tuple[str, ...]) -> jax.sharding.AbstractMesh:
-  """The mesh of ``jax.set_mesh``; a clear error when there is none."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    raise ValueError(
-        f"scale_by_kfac with mesh_axes or params_partition_specs (mesh axes "
-        f"{list(axes)}) needs a mesh: call init and update inside `with "
-        "jax.set_mesh(mesh):` (mesh = jax.make_mesh(...)), and "
-        "get_opt_state_partition_specs and recompute_preconditioners there "
-        "or with mesh=mesh.")
-  return mesh
-
-
-def using_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None,
-               caller: str, abstract_ok: bool = True
-               ) -> contextlib.AbstractContextManager[Any]:
-  """The context in which ``caller`` runs given ``mesh=``.
-
-  ``None``: the context's mesh (``jax.set_mesh``), if any, as it is.
-  A ``Mesh`` is set for the call (an ``AbstractMesh`` too where
-  ``abstract_ok``: enough to lay out shapes), so that shardings can be built
-  before entering the context. Given both, they must be the same mesh.
-
-  Raises:
-    TypeError: ``mesh`` is not a mesh (of the kind allowed).
-    ValueError: the context holds another mesh than ``mesh`` (other axes,
-      sizes or axis types, or the same ones over other devices).
-  """
-  if mesh is None:
-    return contextlib.nullcontext()
-  kinds = ((jax.sharding.Mesh, jax.sharding.AbstractMesh) if abstract_ok else
-           (jax.sharding.Mesh,))
-  if not isinstance(mesh, kinds):
-    raise TypeError(
-        f"{caller}: mesh must be a jax.sharding.Mesh (jax.make_mesh(...))"
-        f"{' or its AbstractMesh' if abstract_ok else ''}, or None for the "
-        f"mesh of jax.set_mesh; got {type(mesh).__name__}.")
-  abstract = (mesh if isinstance(mesh, jax.sharding.AbstractMesh) else
-              mesh.abstract_mesh)
-  context = jax.sharding.get_abstract_mesh()
-  concrete = jax.sharding.get_mesh()
-  if not context.empty and (
-      context != abstract or (isinstance(mesh, jax.sharding.Mesh) and
-                              not concrete.empty and concrete != mesh)):
-    held = concrete if not concrete.empty else context
-    raise ValueError(
-        f"{caller}: mesh={_describe_mesh(mesh)} is not the mesh set by "
-        f"jax.set_mesh, {_describe_mesh(held)}. Pass the context's mesh, or "
-        "leave mesh=None inside the context.")
-  if isinstance(mesh, jax.sharding.AbstractMesh):
-    return jax.sharding.use_abstract_mesh(mesh)
-  return jax.set_mesh(mesh)
-
-
-def _describe_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> str:
-  """Axes, sizes and kinds; a concrete mesh's devices too (two meshes of
-  one shape differ by them)."""
-  axes = ", ".join(f"{name!r}: {size} {kind.name}" for name, size, kind in zip(
-      mesh.axis_names, mesh.axis_sizes, mesh.axis_types))
-  if isinstance(mesh, jax.sharding.Mesh):
-    return f"Mesh({axes}; device ids {mesh.device_ids.ravel().tolist()})"
-  return f"AbstractMesh({axes})"
-
-
-def named_axes(spec: PartitionSpec) -> list[str]:
-  """The mesh axes a spec names (``None`` and ``UNCONSTRAINED`` name none)."""
-  return [name for entry in spec
-          for name in ((entry,) if isinstance(entry, str) else
-                       entry if isinstance(entry, tuple) else ())]
-
-
-def constrain(x: jax.Array, spec: PartitionSpec,
-              axes: tuple[str, ...]) -> jax.Array:
-  """Places ``x`` as ``spec`` on the context mesh, Explicit or Auto axes.
-
-  On Explicit axes the sharding is part of the type and ``reshard`` moves the
-  data; on Auto axes ``with_sharding_constraint`` does. The axes ``spec``
-  names decide (a mesh may mix both kinds); a spec naming both raises.
-  """
-  mesh = context_mesh(axes)
-  named = named_axes(spec)
-  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-              if kind == jax.sharding.AxisType.Explicit}
-  if not named:  # Replicated: the mesh's own kind of placement.
-    if len(explicit) == len(mesh.axis_names):
-      return jax.sharding.reshard(x, spec)
-    return lax.with_sharding_constraint(x, spec)
-  if all(name in explicit for name in named):
-    return jax.sharding.reshard(x, spec)
-  if not any(name in explicit for name in named):
-    return lax.with_sharding_constraint(x, spec)
-  raise ValueError(
-      f"kfac_jax cannot place an array as {spec}: it names Explicit and Auto "
-      "mesh axes together. Give mesh_axes and params_partition_specs axes "
-      "of one kind per spec (jax.make_mesh(..., axis_types=...)).")
-
-
-def constrain_like_params(tree: Any, params_specs: Any) -> Any:
-  """Each array of a params-shaped ``tree`` placed as its params spec."""
-  specs = check_params_specs(tree, params_specs)
-  return jax.tree.map(
-      lambda spec, node: jax.tree.map(lambda x: constrain(x, spec, ()), node),
-      specs, tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-def check_params_specs(params: Any, params_specs: Any) -> Any:
-  """``params_specs`` with ``None`` leaves as ``P()``; must fit ``params``.
-
-  A spec stands for one array: a leaf of ``params``, or a node holding one
-  array (an ``nnx.Param`` of ``nnx.state``, as ``nnx.Optimizer`` hands
-  ``init``, where ``update`` gets the bare arrays). Where ``params`` hold no
-  array (an ``optax.MaskedNode``, ``None``) the result holds that node.
-  """
-  is_spec = lambda x: isinstance(x, PartitionSpec) or x is None
-  specs = _specs_of_held(params_specs, params)
-  is_partition_spec = lambda x: isinstance(x, PartitionSpec)
-  try:
-    arrays = jax.tree.map(lambda _, node: len(jax.tree.leaves(node)), specs,
-                          params, is_leaf=is_partition_spec)
-  except ValueError:
-    arrays = None
-  if arrays is None or any(count != 1 for count in jax.tree.leaves(arrays)):
-    raise ValueError(
-        "params_partition_specs must have the structure of the params, with "
-        "a PartitionSpec (or None) per array; got "
-        f"{jax.tree.structure(params_specs, is_leaf=is_spec)} for params "
-        f"{jax.tree.structure(params)}.")
-  mesh = jax.sharding.get_abstract_mesh()
-  for (path, leaf), spec in zip(
-      jax.tree_util.tree_flatten_with_path(params)[0],
-      jax.tree.leaves(specs, is_leaf=is_partition_spec)):
-    if len(spec) > jnp.ndim(leaf):
-      raise ValueError(
-          f"params_partition_specs at {jax.tree_util.keystr(path)}: {spec} "
-          f"has more entries than the array's {jnp.ndim(leaf)} dimensions.")
-    missing = [a for a in named_axes(spec) if a not in mesh.axis_names]
-    if not mesh.empty and missing:
-      raise ValueError(
-          f"params_partition_specs at {jax.tree_util.keystr(path)}: {spec} "
-          f"names {missing}, not axes of the mesh, whose axes are "
-          f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}.")
-  return specs
-
-
-def _specs_of_held(params_specs: Any, params: Any) -> Any:
-  """``params_specs`` with ``None`` specs as ``P()``, and the params' own
-  node where they hold no array: ``optax.MaskedNode``s where a chain
-  withholds them (``optax.multi_transform``, ``optax.masked``; a whole
-  module at once when the mask is a prefix; ``nnx.Optimizer`` wraps each
-  in its ``nnx.Param``), or ``None``.
-
-  Specs and params are walked a level at a time; where their structures part,
-  the specs are left as given for ``check_params_specs`` to report.
-  """
-  is_masked = lambda node: isinstance(node, optax.MaskedNode)
-  held = jax.tree.leaves(params, is_leaf=is_masked)
-  # nnx.Optimizer wraps them: Param(MaskedNode()).
-  if params is None or (held and all(map(is_masked, held))):
-    return params
-  if params_specs is None:
-    return PartitionSpec()
-  if isinstance(params_specs, PartitionSpec):
-    return params_specs
-  children = lambda tree: jax.tree_util.tree_flatten(
-      tree, is_leaf=lambda node: node is not tree)
-  spec_children, spec_def = children(params_specs)
-  param_children, param_def = children(params)
-  if spec_def != param_def:
-    return params_specs
-  return jax.tree_util.tree_unflatten(spec_def, [
-      _specs_of_held(spec, node)
-      for spec, node in zip(spec_children, param_children)])
 
 
 def precondition_in_place(method: Method, preconditioner: Preconditioner,

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import jax
 
-from kfac_jax.static_args import parse_enum, static_scalar
+from kfac_jax.transform.hyperparameters import parse_enum, static_scalar
 
 
 class DistributedStrategy(enum.Enum):
@@ -78,7 +78,7 @@ def make_config(mesh_axes: str | Sequence[str] | None,
           "device computes and keeps every layer's preconditioner. Pass "
           "mesh_axes=... (the mesh axis names to spread the second-order "
           "work over) to distribute it, or leave them at their defaults.",
-          stacklevel=4)
+          stacklevel=6)
     return None
   axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
   if (not isinstance(axes, Sequence) or not axes or

@@ -23,94 +23,15 @@ cotangents zero) contributes none.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec
 
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
 from kfac_jax.factors.patches import conv_patches
-
-# Factors are accumulated in float32 whatever the activation dtype.
-COMPUTE_DTYPE = jnp.float32
-
-
-def contract_rows(left: jax.Array, right: jax.Array) -> jax.Array:
-  """``leftᵀ right`` over the rows: ``[..., N, d1], [..., N, d2] -> [..., d1, d2]``.
-
-  Accumulated and returned in float32, for float32 or narrower operands.
-  Leading axes are batch axes. On a mesh with Explicit axes and batch-sharded
-  rows, a contraction over them must say where the result lives: here
-  replicated, as the factors and gradients it makes are.
-  """
-  replicated = jax.typeof(left).sharding.update(spec=PartitionSpec())
-  batch_axes = tuple(range(left.ndim - 2))
-  rows_axis = left.ndim - 2
-  return lax.dot_general(left, right, (((rows_axis,), (rows_axis,)),
-                                       (batch_axes, batch_axes)),
-                         precision=lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32,
-                         out_sharding=replicated)
-
-
-def inner_products(arrays: Sequence[jax.Array],
-                   pairs: Sequence[tuple[int, int]]) -> jax.Array:
-  """``[Σ arrays[i] ⊙ arrays[j] for (i, j) in pairs]`` over every axis, float32.
-
-  ``arrays`` share one shape; the result is ``[len(pairs)]``. Several pairs
-  make variadic reductions (each row's sums, then theirs), so each array is
-  read once however many pairs use it. (A ``dot_general`` per pair reads
-  both operands every time, and on XLA:CPU runs single-threaded once fused
-  with the sum over leaves: the adaptive mode's ten inner products of the
-  autoencoder's 2.8M parameters took 17 ms that way, 2 ms in one pass.) On
-  a mesh, a leaf sharded on another axis than its first exchanges its row
-  sums (``rows`` floats per device and pair) where one sum would do: small
-  beside the leaf itself. One pair stays a ``dot_general``:
-  it reads the same two arrays, and is one kernel where XLA:CPU compiles a
-  large reduction as a windowed tree reduction and a reduce (KL clipping's
-  inner product on every step). Not ``jnp.vdot``: flattening a sharded
-  kernel's gradient gathers it whole; both forms stay on each device's shard
-  and the result is replicated.
-  """
-  arrays = [a.astype(COMPUTE_DTYPE) for a in arrays]
-  axes = tuple(range(arrays[0].ndim))
-  if len(pairs) == 1:
-    ((i, j),) = pairs
-    # On a mesh with Explicit axes the contraction must say where its
-    # result lives.
-    replicated = jax.typeof(arrays[i]).sharding.update(spec=PartitionSpec())
-    return lax.dot_general(arrays[i], arrays[j], ((axes, axes), ((), ())),
-                           precision=lax.Precision.HIGHEST,
-                           out_sharding=replicated)[None]
-  products = tuple(arrays[i] * arrays[j] for i, j in pairs)
-  zeros = (np.zeros([], COMPUTE_DTYPE),) * len(products)
-  add = lambda xs, ys: tuple(x + y for x, y in zip(xs, ys))
-  if len(axes) > 1:
-    # Rows first, then their sums: XLA:CPU runs a reduction to a scalar on
-    # one thread, one that keeps the leading axis on all of them (the race
-    # step's inner products: ~1.4x faster on two cores), and for leaves with
-    # a long leading axis summing row sums is far more accurate (the
-    # autoencoder's 2.8M parameters: 9e-6 relative error, against 2.6e-4).
-    products = lax.reduce(products, zeros, add, axes[1:])
-  return jnp.stack(lax.reduce(products, zeros, add, axes[:1]))
-
-
-def tree_inner_products(trees: Sequence[Any],
-                        pairs: Sequence[tuple[int, int]]) -> jax.Array:
-  """``inner_products`` of pytrees of one structure, summed over the leaves.
-
-  ``[Σ_leaves Σ trees[i] ⊙ trees[j] for (i, j) in pairs]``, ``[len(pairs)]``.
-  Trees with different numbers of leaves raise ``ValueError`` (rather than
-  pairing leaves up to the shorter one).
-  """
-  per_leaf = [inner_products(arrays, pairs) for arrays in zip(
-      *(jax.tree.leaves(t) for t in trees), strict=True)]
-  return sum(per_leaf, jnp.zeros([len(pairs)], COMPUTE_DTYPE))
-
+from kfac_jax.linalg import COMPUTE_DTYPE, contract_rows
 
 def covariance(rows: jax.Array) -> jax.Array:
   """``rowsᵀ rows / N`` for ``rows: [..., N, d]``; returns ``[..., d, d]`` float32.
@@ -306,40 +227,3 @@ def gradient_rows_of_dense(
               for g in stats.output_cotangents]
   return (jnp.concatenate(activation, axis=1),
           jnp.concatenate(gradient, axis=1))
-
-
-def diagonal(matrix: jax.Array) -> jax.Array:
-  """The diagonal of ``[..., d, d]``, ``[..., d]``, reading only those entries.
-
-  A strided slice of the flattened matrix (stride ``d + 1``): ``jnp.trace``
-  and ``jnp.diagonal`` select through a ``[d, d]`` mask, a pass over every
-  entry.
-  """
-  size = matrix.shape[-1]
-  flat = matrix.reshape(matrix.shape[:-2] + (size * size,))
-  return flat[..., ::size + 1]
-
-
-def psd_all_finite(matrices: Iterable[jax.Array]) -> jax.Array:
-  """Whether symmetric PSD matrices are all finite, from their diagonals.
-
-  For PSD ``M``, ``|M_ij| ≤ √(M_ii M_jj)``: finite diagonals bound every
-  other entry, so the diagonals decide in O(d) what an elementwise check
-  decides in O(d²). Used for the batch factors ``xᵀx / N`` (a NaN or ±Inf
-  in column i of ``x`` makes ``(i, i)`` non-finite; sums of such factors,
-  as in micro-batch accumulation, qualify too) and for damped inverses (a
-  failed Cholesky comes out NaN throughout). A diagonal sum that overflows
-  float32 counts as non-finite: the safe side for both.
-
-  All diagonals are summed by one dot product with ones: XLA splits a
-  ``sum`` over their concatenation back into one reduction per matrix, on
-  XLA:CPU a slice, a windowed tree reduction and a final reduce each (about
-  60 of the autoencoder step's 300 kernels; ``benchmarks/compile_time.py``).
-  """
-  diagonals = [diagonal(m).astype(COMPUTE_DTYPE) for m in matrices]
-  if not diagonals:
-    return jnp.array(True)
-  stacked = jnp.concatenate(diagonals)
-  total = jnp.dot(stacked, jnp.ones_like(stacked),
-                  precision=lax.Precision.HIGHEST)
-  return jnp.isfinite(total)

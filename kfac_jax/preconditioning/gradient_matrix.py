@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kfac_jax.capture.layers import BIAS, LayerInfo
-from kfac_jax.factors.batch import contract_rows
+from kfac_jax.linalg import contract_rows
 
 # ``(x [dA, dG], axis) -> x``: called on a gradient-shaped operand before a
 # product that contracts ``axis`` (0: Q_Aᵀ·x or A⁻¹·x; 1: x·Q_G or x·G⁻¹),

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kfac_jax.factors.batch import diagonal, psd_all_finite
+from kfac_jax.linalg import diagonal, psd_all_finite
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning.eigen import DECOMPOSITION_DTYPE
 from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
@@ -133,7 +133,7 @@ def invert(factors: LayerFactors, damping: jax.Array,
 def is_finite(preconditioner: InversePreconditioner) -> jax.Array:
   """Whether both inverses are finite, from their diagonals (O(d), bool).
 
-  ``(F + λI)⁻¹`` is symmetric positive definite (``batch.psd_all_finite``);
+  ``(F + λI)⁻¹`` is symmetric positive definite (``linalg.psd_all_finite``);
   the full check was a pass over every inverse on every decomposition step.
   """
   return psd_all_finite(preconditioner)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from kfac_jax.factors.batch import tree_inner_products
+from kfac_jax.linalg import tree_inner_products
 
 
 def kl_clip_scale(preconditioned: Sequence[jax.Array],

@@ -7,9 +7,10 @@ from typing import Any
 
 import optax
 
-from kfac_jax.static_args import static_bool, static_positive_integer
 from kfac_jax.transform.hyperparameters import (ScalarOrSchedule,
-                                                hyperparameter, non_negative)
+                                                hyperparameter, non_negative,
+                                                static_bool,
+                                                static_positive_integer)
 from kfac_jax.transform.scale_by_kfac import DEFAULT_DAMPING, scale_by_kfac
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -10,14 +9,11 @@ import jax
 from jax.sharding import PartitionSpec
 import optax
 
-from kfac_jax.distribution.placement import check_params_specs, using_mesh
-from kfac_jax.transform import nnx_variables
-from kfac_jax.transform import scale_by_kfac as scale_by_kfac_lib
-from kfac_jax.transform.scale_by_kfac import ScaleByKFACState, scale_by_kfac
-
-_PLACEMENT_ARGS = ("compute_method", "compute_eigenvalue_outer_product",
-                   "inv_dtype", "mesh_axes", "grad_worker_fraction",
-                   "assignment_strategy")
+from kfac_jax.distribution.sharding import check_params_specs, using_mesh
+from kfac_jax.transform import state as state_lib
+from kfac_jax.transform.config import KFACConfig
+from kfac_jax.transform.scale_by_kfac import transformation
+from kfac_jax.transform.state import ScaleByKFACState
 
 
 def get_opt_state_partition_specs(
@@ -93,7 +89,8 @@ def _partition_specs(params: Any,
           f"transformation (with init and update); got {value!r}. Pass the "
           "scale_by_kfac arguments by keyword (learning_rate=..., "
           "damping=...).")
-  kfac_tx = scale_by_kfac(**kwargs)
+  config = KFACConfig(**kwargs)
+  kfac_tx = transformation(config)
   given_tx = tx is not None
   if not given_tx:
     tx = kfac_tx if chain_with is None else optax.chain(kfac_tx, chain_with)
@@ -101,12 +98,7 @@ def _partition_specs(params: Any,
     raise ValueError("get_opt_state_partition_specs: pass chain_with (the "
                      "rest of a chain after scale_by_kfac) or tx (the whole "
                      "transformation), not both.")
-  arguments = inspect.signature(scale_by_kfac).bind(**kwargs)
-  arguments.apply_defaults()
-  placement = scale_by_kfac_lib.make_placement(
-      *(arguments.arguments[name] for name in _PLACEMENT_ARGS))
-  params_specs = nnx_variables.values(
-      arguments.arguments["params_partition_specs"])
+  params_specs = config.params_partition_specs
   params_specs = check_params_specs(
       params, jax.tree.map(lambda _: None, params)
       if params_specs is None else params_specs)
@@ -115,8 +107,8 @@ def _partition_specs(params: Any,
   is_state = lambda node: isinstance(node, ScaleByKFACState)
   # The params-shaped parts are left out of the comparison: in a chain that
   # masks part of the params (optax.multi_transform) they are masked too.
-  comparable = lambda state: scale_by_kfac_lib.shapes_and_dtypes(
-      scale_by_kfac_lib.without_params_shaped(state))
+  comparable = lambda state: state_lib.shapes_and_dtypes(
+      state_lib.without_params_shaped(state))
   expected = (comparable(jax.eval_shape(kfac_tx.init, params)) if given_tx
               else None)
   for state in jax.tree.leaves(shapes, is_leaf=is_state):
@@ -130,8 +122,8 @@ def _partition_specs(params: Any,
 
   def spec_of(node: Any) -> Any:
     if isinstance(node, ScaleByKFACState):
-      return scale_by_kfac_lib.state_partition_specs(node, placement,
-                                                     specs_of)
+      return state_lib.state_partition_specs(node, config.placement,
+                                             specs_of)
     specs = specs_of(node)
     return PartitionSpec() if specs is None else specs
 

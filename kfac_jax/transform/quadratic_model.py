@@ -32,8 +32,8 @@ import numpy as np
 import optax
 
 from kfac_jax import finite
-from kfac_jax import static_args
-from kfac_jax.factors.batch import tree_inner_products
+from kfac_jax.transform import hyperparameters as hp
+from kfac_jax.linalg import tree_inner_products
 
 # Below this determinant (relative to the diagonal's product) the 2×2 system
 # is treated as singular: δ is (nearly) parallel to Δ, or δ = 0 at step 0.
@@ -102,7 +102,7 @@ class AdaptiveConfig(NamedTuple):
       raise TypeError(f"adaptive must be a kfac_jax.AdaptiveConfig; got "
                       f"{type(self).__name__}{advice}.")
     for name in ("min_damping", "max_damping", "damping_adaptation_decay"):
-      value = static_args.static_scalar(f"AdaptiveConfig.{name}",
+      value = hp.static_scalar(f"AdaptiveConfig.{name}",
                                         getattr(self, name), "adaptive")
       if isinstance(value, (bool, np.bool_)) or not isinstance(
           value, (numbers.Real, np.floating, np.integer)):
@@ -136,7 +136,7 @@ class AdaptiveConfig(NamedTuple):
     if not 0 < self.damping_adaptation_decay < 1:
       raise ValueError("AdaptiveConfig.damping_adaptation_decay must be in "
                        f"(0, 1); got {self.damping_adaptation_decay!r}.")
-    interval = static_args.static_positive_integer(
+    interval = hp.static_positive_integer(
         "AdaptiveConfig.damping_adaptation_interval",
         self.damping_adaptation_interval, "adaptive")
     if interval > np.iinfo(np.int32).max:
@@ -152,7 +152,7 @@ class AdaptiveConfig(NamedTuple):
           f"{float(self.damping_adaptation_decay)!r}^{interval} rounds to 1 in "
           "float32 (λ's type), so λ would never change; use a smaller decay.")
     for name in ("use_momentum", "include_damping_in_quadratic_change"):
-      static_args.static_bool(f"AdaptiveConfig.{name}", getattr(self, name),
+      hp.static_bool(f"AdaptiveConfig.{name}", getattr(self, name),
                               "adaptive")
     return self
 

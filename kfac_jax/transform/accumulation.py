@@ -1,0 +1,96 @@
+"""Gradient accumulation: ``accumulation_steps`` micro-batches per step.
+
+Each call adds the micro-batch's gradients and (on factor steps) batch
+factors to the ``AccumulatorState``; the k-th emits the optimizer step on
+their means and resets the sums, the others emit zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import optax
+
+from kfac_jax.capture.layers import LayerInfo
+from kfac_jax.factors.running import LayerFactors
+from kfac_jax.transform import step
+from kfac_jax.transform.config import KFACConfig
+from kfac_jax.transform.state import AccumulatorState, ScaleByKFACState
+
+
+def accumulate(
+    config: KFACConfig, state: ScaleByKFACState, grads: Any,
+    layers: Mapping[str, LayerInfo], active: Sequence[str],
+    batch_factors: Callable[[], dict[str, LayerFactors]],
+    sharded: Mapping[str, tuple[str, ...]],
+) -> tuple[Any, ScaleByKFACState]:
+  """One micro-batch: its sums added, and the optimizer step on the last.
+
+  Args:
+    config: the transformation's configuration (``accumulation_steps > 1``).
+    state: the state, with its ``accumulator``.
+    grads: the micro-batch's gradients.
+    layers: the registered layers.
+    active: the layers to precondition.
+    batch_factors: gives the micro-batch's factors of ``active``'s blocks.
+    sharded: as in ``step.optimizer_step``.
+
+  Returns:
+    The updates (zeros before the last micro-batch) and the new state.
+  """
+  accumulator = state.accumulator
+  batch_blocks = step.block_names(layers, active)
+  factor_step = state.count % config.factor_update_steps(state.count) == 0
+  # Off factor steps the sums are not used; adding zeros keeps the factor
+  # computation inside the cond.
+  batch = lax.cond(
+      factor_step, batch_factors,
+      lambda: {b: jax.tree.map(jnp.zeros_like, accumulator.factors[b])
+               for b in batch_blocks})
+  # Pinned: G's sums followed a sharded kernel's sharding, off the specs.
+  factor_sums = step.replicate(config, {
+      block: (LayerFactors(*(s + b for s, b in zip(sums, batch[block])))
+              if block in batch else sums)
+      for block, sums in accumulator.factors.items()
+  })
+  gradient_sums = step.constrain_to_params(config, jax.tree.map(
+      lambda s, g: s + g.astype(s.dtype), accumulator.gradients, grads))
+
+  def emit():
+    # The micro-batches summed: accumulation_steps, unless the state came
+    # from a larger accumulation_steps (emitted at once, see below).
+    k = (accumulator.micro_step + 1).astype(jnp.float32)
+    mean_grads = jax.tree.map(
+        lambda s, g: (s / k.astype(s.dtype)).astype(g.dtype), gradient_sums,
+        grads)
+    # Each micro-batch's cotangents are those of its own mean loss, k
+    # times the concatenated batch's: its G is k² times that batch's.
+    mean_factors = {
+        b: LayerFactors(factor_sums[b].activation_factor / k,
+                        factor_sums[b].gradient_factor / k**3)
+        for b in batch_blocks
+    }
+    new_updates, new_state = step.optimizer_step(
+        config, state, mean_grads, layers, active, lambda: mean_factors,
+        sharded)
+    reset = AccumulatorState(
+        micro_step=jnp.zeros([], jnp.int32),
+        gradients=optax.tree.zeros_like(gradient_sums),
+        factors=step.replicate(config,
+                               jax.tree.map(jnp.zeros_like, factor_sums)))
+    return new_updates, new_state._replace(accumulator=reset)
+
+  def hold():
+    held = AccumulatorState(accumulator.micro_step + 1, gradient_sums,
+                            factor_sums)
+    return optax.tree.zeros_like(grads), state._replace(accumulator=held)
+
+  # ">=": a micro_step past the last (a state from a larger
+  # accumulation_steps that a traced update could not refuse) emits at once
+  # rather than holding forever.
+  return lax.cond(accumulator.micro_step >= config.accumulation_steps - 1,
+                  emit, hold)

@@ -1,0 +1,376 @@
+"""``KFACConfig``: the arguments of ``scale_by_kfac``, validated once.
+
+The argument list of ``scale_by_kfac``, with its defaults and documentation,
+is the field list of ``KFACConfig``. Building one checks every argument and
+normalizes it (hyper-parameters as ``Hyperparameter`` callables of the step
+count, enums parsed, skip patterns compiled, the preconditioners'
+``Placement`` made), so that ``scale_by_kfac``, ``get_opt_state_partition_specs``
+and ``checkpoint.recompute_preconditioners`` read one frozen value built from
+the same keyword arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax.capture import layers as layers_lib
+from kfac_jax.capture.layers import LayerInfo, LayerTable
+from kfac_jax.distribution import placement as placement_lib
+from kfac_jax.distribution import strategy
+from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
+from kfac_jax.preconditioning.methods import make_method
+from kfac_jax.transform import hyperparameters as hp
+from kfac_jax.transform import nnx_variables
+from kfac_jax.transform.hyperparameters import ComputeMethod, ScalarOrSchedule
+from kfac_jax.transform.quadratic_model import AdaptiveConfig
+
+# scale_by_kfac's λ unless given (the kfac alias's too).
+DEFAULT_DAMPING = 0.001
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KFACConfig:
+  """The configuration of ``scale_by_kfac``, checked and normalized.
+
+  Built from ``scale_by_kfac``'s arguments (the fields below, by the same
+  names); afterwards each field holds its normalized value: hyper-parameters
+  as ``hyperparameters.Hyperparameter`` (``kl_clip`` may be ``None``),
+  ``compute_method`` a ``ComputeMethod``, ``skip_layers`` the compiled
+  patterns, dtypes resolved, flags and sizes Python values,
+  ``params_partition_specs`` without NNX Variables; ``placement`` is where
+  the preconditioners are computed and kept.
+
+  Args:
+    learning_rate: the learning rate of the chained optimizer; only KL clipping
+      uses it (``vg = lr² Σ P ⊙ ∇``). Constant or schedule, ≥ 0 (at 0, as
+      a warmup from 0 starts, nothing is clipped: ν = 1).
+    damping: λ in ``(A ⊗ G + λI)⁻¹``. Constant or schedule, > 0.
+    factor_decay: d in ``F ← d·F + (1 − d)·F_batch``. Constant or schedule,
+      in [0, 1]: 0 replaces F by ``F_batch``, 1 keeps F.
+      ``kfac_jax.schedules.exp_decay_factor_averaging()`` is KAISA's
+      ``min(1 − 1/max(step, 1), 0.95)``.
+    kl_clip: KL-clipping bound κ. Constant or schedule, > 0; ``None``
+      turns clipping off.
+    factor_update_steps: factors update when ``step % factor_update_steps ==
+      0``. Positive integer or schedule.
+    inv_update_steps: eigendecompositions (or inverses) are recomputed when
+      ``step % inv_update_steps == 0``. Positive integer or schedule.
+    compute_method: ``"eigen"`` or ``"inverse"``.
+    compute_eigenvalue_outer_product: eigen method only: store
+      ``1/(outer(d_A, d_G) + λ)`` at each decomposition (λ then stays fixed
+      until the next one) instead of forming it every step.
+    accumulation_steps: k > 1 accumulates k micro-batches per optimizer step:
+      gradients and batch factors are averaged over them (G also divided by
+      k²: each micro-batch's loss is its own mean), as for one step on the
+      concatenated batch, and the preconditioned update is emitted on the
+      k-th call (zeros before). Wrap the rest of the chain in
+      ``optax.MultiSteps(..., every_k_schedule=k, use_grad_mean=False)`` so
+      it steps once per k calls (``kfac`` does).
+    skip_layers: regexes (``re.search``) matched against each layer's module
+      path (joined with ``/``) and its Flax class name; matched layers and all
+      modules under them are left to the chained optimizer. Class-name matches
+      are known from the layer table or once stats arrive, so without a
+      table such layers still get (unused) state, and the capture given the
+      same pattern leaves them without stats, which ``update`` refuses: skip
+      by path there.
+    factor_dtype: storage dtype of A and G; default float32 (the kernel's
+      dtype if wider). A bfloat16 running average stalls once
+      ``(1 − d)·|F_batch − F|`` is below half a bfloat16 step of ``F``, so
+      bfloat16 is an explicit choice.
+    inv_dtype: dtype of eigenbases/inverses (decompositions always run in
+      float32): stored in it, and, when bfloat16, applied in it (operands
+      rounded, products accumulated in float32;
+      ``gradient_matrix.product_dtype``). It needs float32's range: float16
+      raises (``hyperparameters.preconditioner_dtype``). The default is a
+      dtype instance, not the callable ``jnp.float32``, which
+      ``optax.inject_hyperparams`` would take for a schedule.
+    mesh_axes: axis names of the mesh set by ``jax.set_mesh`` over which the
+      decompositions and preconditioner memory are spread (KAISA); ``None``
+      computes everything where the program runs.
+    grad_worker_fraction: with ``mesh_axes``, the fraction f of the n devices
+      that keep each layer's eigenbasis/inverse: ``DistributedStrategy``
+      ``COMM_OPT`` (1), ``HYBRID_OPT`` (1/2), ``MEM_OPT`` (1/n), or a float
+      with f·n a divisor of n.
+    assignment_strategy: ``"compute"`` balances the layers over devices by
+      ``dA³ + dG³``, ``"memory"`` by ``dA² + dG²`` (greedy, largest first).
+    params_partition_specs: ``PartitionSpec`` tree of the params (FSDP or
+      tensor parallel); the updates and the accumulated gradients are
+      constrained to it. Inside ``optax.multi_transform`` the full tree:
+      the specs of params withheld from K-FAC (``optax.MaskedNode``) are
+      passed over. For an ``nnx.State`` of Params, a tree of its shape
+      (specs in the Variables, or in their place). ``None``: as the
+      incoming gradients.
+    layers: the layer table from ``kfac_jax.trace_layers(loss_fn, params,
+      ...)``, needed for scanned layers, grouped convolutions and
+      ``DenseGeneral``, whose structure the params alone do not tell. With it,
+      kernels of modules the capture does not know are left to the chained
+      optimizer (with a warning at ``init``). ``None``: every kernel is a
+      ``Dense``/``Conv`` ``[*window, in, out]``.
+    precondition_embeddings: also precondition the table's ``Embed`` layers,
+      with ``A = diag(token frequencies)`` stored and decomposed as a dense
+      ``[vocab, vocab]`` matrix (O(vocab²) memory, O(vocab³) per
+      decomposition: meant for vocabularies of a few thousand at most).
+      Off by default: embedding rows are updated only by the tokens of the
+      batch, so their curvature is a diagonal the first-order optimizer's
+      per-row scaling already approximates well, at no cost.
+    decomposition_batch_size: same-sized factors (e.g. of many scanned
+      layers) are decomposed by one ``vmap`` (one call per factor where
+      that is faster: ``preconditioning.batched``); with a positive integer k,
+      by ``lax.map`` over batches of k instead, bounding the decomposition
+      workspace. ``None``: all at once.
+    factor_batch_size: with a positive integer k, the batch factors come from
+      k examples of each batch (evenly spaced along the inputs' and
+      cotangents' example axis, the first after the stack axes;
+      ``factors.batch.example_subset``) instead of all B: the factor
+      products, ``2·k·Σ(dA² + dG²)`` FLOPs, cost k/B of the whole batch's,
+      and estimate the same factors (Martens & Grosse's curvature
+      mini-batch). The gradients still use the whole batch. ``None``, or
+      k ≥ B: every example.
+    gradient_from_stats: precondition each dense layer's gradient in the
+      factored form its ``kfac_stats`` give, ``∇ = aᵀg`` (``a [N, dA]`` the
+      inputs, with the bias's ones column; ``g [N, dG]`` the output
+      cotangents; ``N`` the rows of all calls), wherever that is cheaper:
+      ``L ∇ R = (a Lᵀ)ᵀ(g R)`` costs ``2·N·(dA² + dG² + dA·dG)`` FLOPs
+      instead of ``2·dA·dG·(dA + dG)`` (``gradient_matrix.sandwich``; the
+      inverse method's one pair of products, the eigen method's first). The
+      result is the same, *provided* the incoming gradients of those layers
+      are exactly the gradient of the loss the stats were captured from: the
+      stats of ``value_grad_and_stats`` of the training loss (not
+      ``sampled_curvature``'s), with nothing before ``scale_by_kfac`` in the
+      chain changing them (weight decay, clipping, noise) and no regularizer
+      inside the loss acting on those kernels. Their gradient values are then
+      read only by KL clipping and the adaptive mode's quadratic model.
+      Convolutions, embeddings and kernels sharded by
+      ``params_partition_specs`` keep the dense form. Needs
+      ``accumulation_steps=1`` and ``mesh_axes=None``.
+    adaptive: an ``AdaptiveConfig`` turns on DeepMind kfac-jax's adaptive
+      mode (``transform.quadratic_model``): the update is ``α Δ + μ δ`` with
+      ``Δ`` the negated K-FAC direction, ``δ`` the previous update and
+      ``(α, μ)`` minimising the exact Gauss-Newton quadratic model of the
+      batch loss, and ``damping`` (the initial λ, a constant) follows the
+      Levenberg-Marquardt rule. ``G`` is kept at the scale of the mean loss's
+      Fisher (``factors.batch.fisher_scales``), so λ means what it means in
+      kfac-jax; the inverse method splits λ between the factors
+      (``inverse.factored_damping_scaled``) instead of adding it to each.
+      The updates are then the final parameter updates (apply them with
+      ``optax.apply_updates``; chain nothing that rescales them), and
+      ``update`` also needs ``params`` and ``split_loss=SplitLoss(...)``.
+      Needs ``kl_clip=None`` and ``accumulation_steps=1``; ``learning_rate``
+      is unused.
+
+  Raises:
+    ValueError, TypeError: an argument out of range or of the wrong kind,
+      or two that do not work together; the message names them.
+  """
+
+  learning_rate: ScalarOrSchedule = 0.1
+  damping: ScalarOrSchedule = DEFAULT_DAMPING
+  factor_decay: ScalarOrSchedule = 0.95
+  kl_clip: ScalarOrSchedule | None = 0.001
+  factor_update_steps: ScalarOrSchedule = 1
+  inv_update_steps: ScalarOrSchedule = 1
+  compute_method: ComputeMethod | str = ComputeMethod.EIGEN
+  compute_eigenvalue_outer_product: bool = True
+  accumulation_steps: int = 1
+  skip_layers: Sequence[str] | str | None = None
+  factor_dtype: jnp.dtype | None = None
+  inv_dtype: jnp.dtype = jnp.dtype(jnp.float32)
+  mesh_axes: str | Sequence[str] | None = None
+  grad_worker_fraction: DistributedStrategy | float = (
+      DistributedStrategy.COMM_OPT)
+  assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE
+  params_partition_specs: Any = None
+  layers: LayerTable | None = None
+  precondition_embeddings: bool = False
+  decomposition_batch_size: int | None = None
+  factor_batch_size: int | None = None
+  gradient_from_stats: bool = False
+  adaptive: AdaptiveConfig | None = None
+  placement: placement_lib.Placement = dataclasses.field(init=False)
+
+  def __post_init__(self) -> None:
+    set_ = functools.partial(object.__setattr__, self)
+    for name, value in _hyperparameters(self).items():
+      set_(name, value)
+    set_("compute_method", ComputeMethod.parse(self.compute_method))
+    set_("accumulation_steps", hp.static_positive_integer(
+        "accumulation_steps", self.accumulation_steps))
+    set_("skip_layers", layers_lib.compile_patterns(self.skip_layers))
+    _check_layer_table(self.layers)
+    if self.adaptive is not None:
+      _check_adaptive(self)
+    set_("precondition_embeddings", hp.static_bool(
+        "precondition_embeddings", self.precondition_embeddings))
+    if self.precondition_embeddings and self.layers is None:
+      raise ValueError(
+          "precondition_embeddings=True needs the layer table: "
+          "scale_by_kfac(..., layers=kfac_jax.trace_layers(loss_fn, params, "
+          "*batch)).")
+    set_("factor_dtype", _factor_dtype(self.factor_dtype, self.compute_method))
+    set_("inv_dtype", hp.preconditioner_dtype("inv_dtype", self.inv_dtype))
+    for name in ("decomposition_batch_size", "factor_batch_size"):
+      if getattr(self, name) is not None:
+        set_(name, hp.static_positive_integer(name, getattr(self, name)))
+    set_("gradient_from_stats", hp.static_bool("gradient_from_stats",
+                                               self.gradient_from_stats))
+    _check_gradient_from_stats(self)
+    set_("placement", make_placement(
+        self.compute_method, self.compute_eigenvalue_outer_product,
+        self.inv_dtype, self.mesh_axes, self.grad_worker_fraction,
+        self.assignment_strategy, self.decomposition_batch_size))
+    set_("compute_eigenvalue_outer_product", bool(
+        self.compute_eigenvalue_outer_product))
+    # Specs made by jax.tree.map over an nnx.State sit in its Variables.
+    set_("params_partition_specs", nnx_variables.values(
+        self.params_partition_specs))
+
+  @property
+  def factored_damping(self) -> bool:
+    """Whether λ is split between the factors (π-damping).
+
+    The adaptive mode's λ is on the Fisher's scale: the inverse method then
+    splits it between the factors instead of adding λ to each.
+    """
+    return (self.adaptive is not None and
+            self.compute_method is ComputeMethod.INVERSE)
+
+  @property
+  def find_layers(self) -> Callable[..., dict[str, LayerInfo]]:
+    """``layers_lib.find_layers`` with this configuration's skips and table."""
+    return functools.partial(
+        layers_lib.find_layers, skip=self.skip_layers, table=self.layers,
+        include_embeddings=self.precondition_embeddings)
+
+
+def _hyperparameters(config: KFACConfig) -> dict[str, Any]:
+  """The constant-or-schedule arguments, checked (``hyperparameters``)."""
+  if config.kl_clip is False:
+    raise TypeError("kl_clip=False: pass kl_clip=None to turn KL clipping "
+                    "off.")
+  return dict(
+      # 0 allowed: a warmup schedule starts there, and KL clipping's ν is 1.
+      learning_rate=hp.non_negative("learning_rate", config.learning_rate),
+      damping=hp.positive("damping", config.damping),
+      factor_decay=hp.decay("factor_decay", config.factor_decay),
+      kl_clip=(None if config.kl_clip is None else
+               hp.positive("kl_clip", config.kl_clip)),
+      factor_update_steps=hp.positive_integer("factor_update_steps",
+                                              config.factor_update_steps),
+      inv_update_steps=hp.positive_integer("inv_update_steps",
+                                           config.inv_update_steps))
+
+
+def _check_layer_table(layers: Any) -> None:
+  if layers is not None and not (isinstance(layers, Mapping) and all(
+      isinstance(layer, LayerInfo) for layer in layers.values())):
+    raise TypeError(
+        "layers must be the table from kfac_jax.trace_layers(loss_fn, params, "
+        f"*batch) or None; got {type(layers).__name__}.")
+
+
+def _check_adaptive(config: KFACConfig) -> None:
+  """The adaptive mode's constraints on the other arguments."""
+  adaptive = config.adaptive
+  AdaptiveConfig.check(adaptive)
+  if config.kl_clip is not None:
+    raise ValueError(
+        "scale_by_kfac(adaptive=...) chooses the step size from the "
+        "quadratic model; pass kl_clip=None (got kl_clip="
+        f"{config.kl_clip.value!r}).")
+  if config.accumulation_steps != 1:
+    raise ValueError(
+        "scale_by_kfac(adaptive=...) evaluates the quadratic model on the "
+        "batch of the step; it does not support accumulation_steps="
+        f"{config.accumulation_steps} (use accumulation_steps=1 and a larger "
+        "batch).")
+  damping = config.damping.value
+  if callable(damping):
+    raise TypeError(
+        "scale_by_kfac(adaptive=...): damping is the initial λ, which the "
+        "Levenberg-Marquardt rule then adapts; pass a number, not a "
+        "schedule.")
+  # Under optax.inject_hyperparams the value is traced in update (it is
+  # only read at init, where it is concrete and checked).
+  if not isinstance(damping, jax.core.Tracer) and not (
+      adaptive.min_damping <= damping <= adaptive.max_damping):
+    raise ValueError(
+        f"scale_by_kfac(adaptive=...): the initial damping={damping!r} "
+        "lies outside the range the rule keeps λ in, AdaptiveConfig's "
+        f"[min_damping={adaptive.min_damping!r}, "
+        f"max_damping={adaptive.max_damping!r}].")
+
+
+def _factor_dtype(dtype: Any, method: ComputeMethod) -> jnp.dtype | None:
+  dtype = hp.factor_dtype("factor_dtype", dtype)
+  if dtype == jnp.bfloat16 and method is ComputeMethod.INVERSE:
+    raise ValueError(
+        "factor_dtype=bfloat16 does not work with compute_method='inverse': "
+        "rounding a running factor to bfloat16 moves each entry by up to "
+        "2⁻⁹ of its size, which makes a rank-deficient factor (a batch "
+        "smaller than the layer's width, correlated inputs) indefinite, so "
+        "F + λI has no Cholesky factor unless λ outweighs the rounding; "
+        "those decompositions are rejected and the layer goes "
+        "unpreconditioned. Use compute_method='eigen' (it clamps the "
+        "negative eigenvalues at 0) or float32 factors (the default).")
+  return dtype
+
+
+def _check_gradient_from_stats(config: KFACConfig) -> None:
+  if config.gradient_from_stats and config.accumulation_steps != 1:
+    raise ValueError(
+        "scale_by_kfac(gradient_from_stats=True) reads each step's gradient "
+        "from that step's kfac_stats, which hold one micro-batch; it does not "
+        f"support accumulation_steps={config.accumulation_steps}.")
+  if config.gradient_from_stats and config.mesh_axes is not None:
+    raise ValueError(
+        "scale_by_kfac(gradient_from_stats=True) preconditions where the "
+        "program runs; it does not support mesh_axes (got "
+        f"{config.mesh_axes!r}). Drop one of the two.")
+
+
+def make_placement(
+    compute_method: ComputeMethod | str,
+    compute_eigenvalue_outer_product: bool,
+    inv_dtype: jnp.dtype,
+    mesh_axes: str | Sequence[str] | None,
+    grad_worker_fraction: DistributedStrategy | float,
+    assignment_strategy: AssignmentStrategy | str,
+    decomposition_batch_size: int | None = None,
+) -> placement_lib.Placement:
+  """Where ``scale_by_kfac``'s preconditioners are computed and kept."""
+  method = make_method(
+      use_eigen=ComputeMethod.parse(compute_method) is ComputeMethod.EIGEN,
+      dtype=hp.preconditioner_dtype("inv_dtype", inv_dtype),
+      precompute_damped_inverse=hp.static_bool(
+          "compute_eigenvalue_outer_product",
+          compute_eigenvalue_outer_product),
+      decomposition_batch_size=decomposition_batch_size)
+  distribution = strategy.make_config(mesh_axes, grad_worker_fraction,
+                                      assignment_strategy)
+  if distribution is None:
+    return placement_lib.local_placement(method)
+  return placement_lib.mesh_placement(method, distribution)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def takes_config_arguments(fn: F) -> F:
+  """Gives ``fn(*args, **kwargs)``, which builds a ``KFACConfig`` from its
+  arguments, ``KFACConfig``'s signature (for ``optax.inject_hyperparams``,
+  ``help`` and Sphinx) and its ``Args`` in place of the line
+  ``Args: KFACConfig's.`` of ``fn``'s docstring."""
+  signature = inspect.signature(KFACConfig)
+  fn.__signature__ = signature.replace(
+      return_annotation=inspect.signature(fn).return_annotation)
+  args = re.search(r"\n  Args:\n.*?\n\n", KFACConfig.__doc__, re.S).group(0)
+  fn.__doc__ = fn.__doc__.replace("\n  Args: KFACConfig's.\n\n", args)
+  return fn

@@ -1,0 +1,384 @@
+"""One K-FAC optimizer step, as functions of the ``KFACConfig``.
+
+``optimizer_step`` runs, for the layers being preconditioned:
+
+1. ``update_factors``: ``F ← d·F + (1 − d)·F_batch`` on factor steps, a
+   batch with NaN/Inf skipped, a corrupted running factor restarted;
+2. ``guarded_decomposition``: the eigendecompositions (or inverses) on
+   decomposition steps, a non-finite one discarded;
+3. ``precondition``: ``P`` of every layer's gradient matrix;
+4. ``kl_clip``: every ``P`` scaled by ``ν``;
+
+and ``adaptive_step`` turns ``−P`` into the adaptive mode's update. The
+sharding helpers (``constrain_to_params``, ``replicate``, ``pin_to_specs``)
+keep the state where ``get_opt_state_partition_specs`` says it is.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from kfac_jax import linalg
+from kfac_jax.capture import layers as layers_lib
+from kfac_jax.capture.layers import LayerInfo
+from kfac_jax.capture.statistics import LayerStatistics
+from kfac_jax.distribution import placement as placement_lib
+from kfac_jax.distribution import sharding
+from kfac_jax.distribution.layout import Dims
+from kfac_jax.factors import batch as batch_lib
+from kfac_jax.factors import running
+from kfac_jax.factors.running import LayerFactors
+from kfac_jax.preconditioning import inverse as inverse_lib
+from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
+                                                     factored_is_cheaper,
+                                                     from_matrix, to_matrix)
+from kfac_jax.preconditioning.kl_clip import kl_clip_scale
+from kfac_jax.transform import hyperparameters as hp
+from kfac_jax.transform import quadratic_model
+from kfac_jax.transform.config import KFACConfig
+from kfac_jax.transform.quadratic_model import SplitLoss
+from kfac_jax.transform.state import ScaleByKFACState
+
+Blocks = dict[str, jax.Array]
+
+
+def optimizer_step(
+    config: KFACConfig, state: ScaleByKFACState, grads: Any,
+    layers: Mapping[str, LayerInfo], active: Sequence[str],
+    batch_factors: Callable[[], dict[str, LayerFactors]],
+    sharded: Mapping[str, tuple[str, ...]],
+    factored: Mapping[str, FactoredGradient] | None = None,
+) -> tuple[Any, ScaleByKFACState]:
+  """Factor update, decomposition and preconditioning of one optimizer step.
+
+  Args:
+    config: the transformation's configuration.
+    state: the state before the step.
+    grads: the (mean) gradients of the step.
+    layers: the registered layers.
+    active: the layers to precondition.
+    batch_factors: gives the batch factors of ``active``'s blocks.
+    sharded: ``{layer: mesh axes}`` of kernels sharded by
+      ``params_partition_specs``.
+    factored: ``{block: aᵀg}`` preconditioned in that form instead of the
+      block of ``grads`` (``gradient_from_stats``).
+
+  Returns:
+    The updates and the state after the step (accumulator untouched).
+  """
+  count = state.count
+  damping = (config.damping(count) if config.adaptive is None else
+             state.quadratic_model.damping)
+  dims = layers_lib.blocks_of(layers)
+  active_blocks = block_names(layers, active)
+  decomposition_step = count % config.inv_update_steps(count) == 0
+  # Scheduled (or traced) values out of range at this step cannot raise
+  # under jit: the parts of the step they feed leave the state as it was
+  # and count it.
+  scheduled_damping = config.damping if config.adaptive is None else None
+  factors, skipped = update_factors(config, state, batch_factors,
+                                    decomposition_step)
+  preconditioners, rejected = guarded_decomposition(
+      config.placement, dims,
+      {block: factors[block] for block in active_blocks},
+      state.preconditioners, state.rejected_decompositions, damping,
+      hp.all_valid(count, scheduled_damping), config.factored_damping,
+      when=decomposition_step)
+  preconditioned, gradient_matrices = precondition(
+      config, grads, layers, active, preconditioners, damping, sharded,
+      factored)
+  updates_ok = hp.all_valid(
+      count, scheduled_damping, config.kl_clip,
+      None if config.kl_clip is None else config.learning_rate)
+  if updates_ok is not None:
+    preconditioned = {b: jnp.where(updates_ok, p, 0.0)
+                      for b, p in preconditioned.items()}
+  if config.kl_clip is not None and active:
+    preconditioned = kl_clip(config, count, preconditioned, gradient_matrices,
+                             active_blocks)
+  layer_updates = {
+      name: from_matrix(
+          jnp.stack([preconditioned[b] for b in layers[name].block_names]),
+          layers[name], layers_lib.get_layer_params(grads, layers[name]))
+      for name in active
+  }
+  factors, preconditioners = pin_to_specs(config, factors, preconditioners,
+                                          dims)
+  new_state = state._replace(
+      count=count + 1, factors=factors, preconditioners=preconditioners,
+      skipped_factor_updates=skipped, rejected_decompositions=rejected)
+  updates = replace_layers(grads, layers, layer_updates)
+  return constrain_to_params(config, updates), new_state
+
+
+def update_factors(
+    config: KFACConfig, state: ScaleByKFACState,
+    batch_factors: Callable[[], dict[str, LayerFactors]],
+    decomposition_step: jax.Array,
+) -> tuple[dict[str, LayerFactors], jax.Array]:
+  """The running factors and skipped-update count after this step's update.
+
+  On factor steps, ``F ← d·F + (1 − d)·F_batch`` for the blocks
+  ``batch_factors`` gives; a batch whose factors hold NaN/Inf (or a
+  scheduled ``d`` out of range) never enters them and is counted. Factor
+  updates only average finite batches into finite factors, so a non-finite
+  running factor comes from outside (a corrupted restore, float16 storage
+  overflowing): the exact O(d²) check runs on decomposition steps only, and
+  a flagged factor restarts from the identity in a factor update forced on
+  that step, before it is decomposed. A step that does neither pays for
+  neither (``lax.cond``).
+  """
+  count = state.count
+  factor_step = count % config.factor_update_steps(count) == 0
+  decay_ok = hp.all_valid(count, config.factor_decay)
+  corrupted = lax.cond(
+      decomposition_step,
+      lambda: {b: running.non_finite(f) for b, f in state.factors.items()},
+      lambda: {b: LayerFactors(jnp.array(False), jnp.array(False))
+               for b in state.factors})
+  any_corrupted = functools.reduce(jnp.logical_or, jax.tree.leaves(corrupted),
+                                   jnp.array(False))  # no layers: False
+
+  def updated():
+    # (The gradients are not checked: they do not enter the factors, and
+    # the check cost ~10 % of a step and of its compile time.)
+    new = batch_factors()
+    ok = linalg.psd_all_finite(
+        f for factors in new.values() for f in factors)
+    if decay_ok is not None:
+      ok = ok & decay_ok
+    decay = config.factor_decay(count)
+    factors = {}
+    for name, old in state.factors.items():
+      start = running.restart(old, corrupted[name])
+      # Selects, not conds: they fuse into the averaging pass.
+      factors[name] = (running.update_factors(start, new[name], decay,
+                                              apply=ok & factor_step)
+                       if name in new else start)
+    skipped = state.skipped_factor_updates + (factor_step & ~ok).astype(
+        jnp.int32)
+    return factors, skipped
+
+  return lax.cond(factor_step | any_corrupted, updated,
+                  lambda: (dict(state.factors), state.skipped_factor_updates))
+
+
+def decomposition_inputs(
+    factors: Mapping[str, LayerFactors], damping: jax.Array,
+    factored_damping: bool) -> tuple[dict[str, LayerFactors], jax.Array]:
+  """The factors and λ a decomposition step hands to the placement.
+
+  As given, or, for the adaptive mode's inverse method (``factored_damping``),
+  pre-scaled for π-split damping (``inverse.factored_damping_scaled``) with
+  λ = 1.
+  """
+  if not factored_damping:
+    return dict(factors), damping
+  return ({block: inverse_lib.factored_damping_scaled(f, damping)
+           for block, f in factors.items()}, jnp.ones([], jnp.float32))
+
+
+def guarded_decomposition(
+    placement: placement_lib.Placement, dims: Dims,
+    factors: Mapping[str, LayerFactors], previous: Any,
+    rejected: jax.Array, damping: jax.Array, damping_ok: jax.Array | None,
+    factored_damping: bool, when: jax.Array | bool = True,
+) -> tuple[Any, jax.Array]:
+  """A decomposition step's preconditioners and rejection count.
+
+  ``factors`` (the blocks to decompose) go through ``decomposition_inputs``
+  and ``placement.decompose`` if ``when``; a block whose decomposition comes
+  out non-finite keeps its ``previous`` preconditioner (in the layout
+  ``placement.init`` makes: a dict, or the packed ``ShardedPreconditioners``)
+  and adds one to ``rejected``. ``damping_ok``: whether a scheduled λ is in
+  range at this step (``None``: not checked); where it is not, nothing is
+  decomposed and every block counts as rejected. Off ``when``, ``previous``
+  and ``rejected`` come back as they are. A ``previous`` packed in another
+  layout (``placement.stale``: a checkpoint restored under another strategy)
+  is decomposed whatever ``when``, from the identity's preconditioners.
+  """
+  stale = placement.stale(dims, previous)
+  if stale is not None and when is not True:
+    when = when | stale
+
+  def decomposed():
+    to_decompose, decomposition_damping = decomposition_inputs(
+        factors, damping, factored_damping)
+    preconditioners, newly_rejected = placement.decompose(
+        dims, to_decompose, previous, decomposition_damping)
+    return preconditioners, rejected + newly_rejected
+
+  if damping_ok is None:
+    if when is True:
+      return decomposed()
+    return lax.cond(when, decomposed, lambda: (previous, rejected))
+  return lax.cond(
+      when & damping_ok, decomposed,
+      lambda: (previous, rejected +
+               (when & ~damping_ok).astype(jnp.int32) * len(factors)))
+
+
+def precondition(
+    config: KFACConfig, grads: Any, layers: Mapping[str, LayerInfo],
+    active: Sequence[str], preconditioners: Any, damping: jax.Array,
+    sharded: Mapping[str, tuple[str, ...]],
+    factored: Mapping[str, FactoredGradient] | None,
+) -> tuple[Blocks, Blocks]:
+  """``P`` of every block of ``active``, and the blocks' gradient matrices.
+
+  ``P = (A ⊗ G + λI)⁻¹ vec(∇)`` (eigen) or ``(A + λI)⁻¹ ∇ (G + λI)⁻¹``
+  (inverse), with ``∇`` the block of ``grads`` or its ``factored`` form.
+  """
+  gradient_matrices = {}
+  for name in active:
+    layer = layers[name]
+    blocks = to_matrix(layers_lib.get_layer_params(grads, layer), layer,
+                       jnp.float32)
+    gradient_matrices.update(zip(layer.block_names, blocks))
+  preconditioned = config.placement.precondition(
+      layers_lib.blocks_of(layers), preconditioners,
+      {**gradient_matrices, **(factored or {})}, damping, sharded)
+  if config.factored_damping:
+    # Undo the λ factor of `factored_damping_scaled` so the layers keep
+    # their scale against unregistered parameters' ∇ (with the current λ,
+    # off from the decomposition's by the adaptations since, a factor ω
+    # each, which the step size absorbs).
+    preconditioned = {b: p / damping for b, p in preconditioned.items()}
+  return preconditioned, gradient_matrices
+
+
+def kl_clip(config: KFACConfig, count: jax.Array, preconditioned: Blocks,
+            gradient_matrices: Blocks, active_blocks: Sequence[str]) -> Blocks:
+  """``preconditioned`` scaled by KL clipping's ``ν`` (``kl_clip_scale``)."""
+  nu = kl_clip_scale([preconditioned[b] for b in active_blocks],
+                     [gradient_matrices[b] for b in active_blocks],
+                     config.learning_rate(count), config.kl_clip(count))
+  return {b: nu * p for b, p in preconditioned.items()}
+
+
+def adaptive_step(config: KFACConfig, state: ScaleByKFACState,
+                  new_state: ScaleByKFACState, preconditioned: Any,
+                  grads: Any, params: Any, split_loss: SplitLoss
+                  ) -> tuple[Any, ScaleByKFACState]:
+  """The adaptive mode's update from ``−P`` and the previous update
+  (``quadratic_model.step``), and ``new_state`` with its model state."""
+  step_updates, model_state = quadratic_model.step(
+      state.quadratic_model, jax.tree.map(jnp.negative, preconditioned),
+      grads, params, split_loss,
+      state.count % config.adaptive.damping_adaptation_interval == 0,
+      config.adaptive)
+  return constrain_to_params(config, step_updates), new_state._replace(
+      quadratic_model=model_state)
+
+
+def constrain_to_params(config: KFACConfig, tree: Any) -> Any:
+  """``tree`` (params-shaped) constrained to ``params_partition_specs``."""
+  if config.params_partition_specs is None:
+    return tree
+  return sharding.constrain_like_params(tree,
+                                             config.params_partition_specs)
+
+
+def replicate(config: KFACConfig, tree: Any) -> Any:
+  """``tree`` pinned replicated, as factors are (with sharded kernels the
+  factor products would otherwise follow them)."""
+  if config.params_partition_specs is None:
+    return tree
+  return jax.tree.map(
+      lambda x: sharding.constrain(x, PartitionSpec(), ()), tree)
+
+
+def pin_to_specs(config: KFACConfig, factors: Any, preconditioners: Any,
+                 dims: Dims) -> tuple[Any, Any]:
+  """Factors replicated, preconditioners as ``placement.partition_specs``.
+
+  With sharded kernels and no ``mesh_axes`` nothing else pins them: the
+  in-place preconditioning of a sharded kernel pulled its preconditioner,
+  the decomposition and the running factors onto the kernel's sharding,
+  off ``get_opt_state_partition_specs`` (a donated step then compiled
+  twice), or into shardings XLA could not lay out.
+  """
+  if config.params_partition_specs is None:
+    return factors, preconditioners
+  place = lambda spec, x: sharding.constrain(x, spec, ())
+  is_spec = lambda x: isinstance(x, PartitionSpec)
+  preconditioners = jax.tree.map(place, config.placement.partition_specs(dims),
+                                 preconditioners, is_leaf=is_spec)
+  return replicate(config, factors), preconditioners
+
+
+def stats_factors(config: KFACConfig, stats: Mapping[str, LayerStatistics],
+                  layers: Mapping[str, LayerInfo],
+                  active: Sequence[str]) -> dict[str, LayerFactors]:
+  """The batch factors ``{block: LayerFactors}`` of ``active`` from the
+  captured stats (``factors.batch.batch_factors``)."""
+  blocks = {}
+  for name in active:
+    factors = batch_lib.batch_factors(stats[name],
+                                      fisher_scaled=config.adaptive is not None,
+                                      examples=config.factor_batch_size)
+    blocks.update((block, LayerFactors(a, g)) for block, a, g in zip(
+        layers[name].block_names, *factors))
+  return blocks
+
+
+def sharded_kernels(layers: Mapping[str, LayerInfo],
+                     params_specs: Any) -> dict[str, tuple[str, ...]]:
+  """``{layer: mesh axes}`` of the layers whose kernel spec shards it."""
+  sharded = {}
+  for name, layer in layers.items():
+    if layer.num_blocks > 1:
+      continue  # its blocks are sliced from the whole gradient.
+    spec = layers_lib.get_layer_params(params_specs, layer)[layer.kernel_key]
+    axes = tuple(sharding.named_axes(spec or PartitionSpec()))
+    if axes:
+      sharded[name] = axes
+  return sharded
+
+
+def block_names(layers: Mapping[str, LayerInfo],
+                 names: Sequence[str]) -> list[str]:
+  """State keys of the blocks of ``names``, in order."""
+  return [block for name in names for block in layers[name].block_names]
+
+
+def factored_gradients(
+    stats: Mapping[str, LayerStatistics], layers: Mapping[str, LayerInfo],
+    active: Sequence[str],
+    sharded: Mapping[str, tuple[str, ...]]) -> dict[str, FactoredGradient]:
+  """``{block: aᵀg}`` of the dense layers for which that form is cheaper.
+
+  Decided per layer from static shapes (``factored_is_cheaper``); sharded
+  kernels keep the dense form, which ``precondition_in_place`` needs.
+  """
+  factored = {}
+  for name in active:
+    layer, signature = layers[name], stats[name].signature
+    if (name in sharded or signature.conv is not None or
+        signature.num_embeddings is not None):
+      continue
+    activation, gradient = batch_lib.gradient_rows_of_dense(stats[name])
+    if factored_is_cheaper(activation.shape[1], layer.activation_dim,
+                           layer.gradient_dim):
+      factored.update(
+          (block, FactoredGradient(a, g))
+          for block, a, g in zip(layer.block_names, activation, gradient))
+  return factored
+
+
+def replace_layers(grads: Any, layers: Mapping[str, LayerInfo],
+                    layer_updates: Mapping[str, Mapping[str, jax.Array]]) -> Any:
+  """``grads`` with each preconditioned layer's kernel/bias swapped in."""
+  def replace(path, leaf):
+    values = layer_updates.get(layers_lib.layer_name(path[:-1]))
+    return leaf if values is None else values.get(
+        layers_lib.path_key_name(path[-1]), leaf)
+
+  return jax.tree_util.tree_map_with_path(replace, grads)
