@@ -13,7 +13,7 @@ from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning.eigen import EigenPreconditioner
 from kfac_jax.preconditioning.inverse import InversePreconditioner
 from kfac_jax.transform.alias import kfac
-from kfac_jax.transform.hyperparameters import ComputeMethod
+from kfac_jax.hyperparameters import ComputeMethod
 from kfac_jax.transform.partition_specs import get_opt_state_partition_specs
 from kfac_jax.transform.quadratic_model import AdaptiveConfig
 from kfac_jax.transform.quadratic_model import QuadraticModelState

@@ -43,10 +43,10 @@ from kfac_jax.capture.layers import path_key_name
 from kfac_jax.distribution.placement import ShardedPreconditioners
 from kfac_jax.distribution.sharding import using_mesh
 from kfac_jax.factors.running import factor_dims
-from kfac_jax.transform import hyperparameters as hp
+from kfac_jax import hyperparameters as hp
 from kfac_jax.transform import quadratic_model
 from kfac_jax.transform.config import KFACConfig
-from kfac_jax.transform.hyperparameters import ComputeMethod, ScalarOrSchedule
+from kfac_jax.hyperparameters import ComputeMethod, ScalarOrSchedule
 from kfac_jax.transform.state import ScaleByKFACState
 from kfac_jax.transform.step import guarded_decomposition
 

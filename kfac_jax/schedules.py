@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kfac_jax.transform import hyperparameters as hp
+from kfac_jax import hyperparameters as hp
 
 
 def exp_decay_factor_averaging(min_value: float = 0.95) -> hp.Schedule:

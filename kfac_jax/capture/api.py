@@ -12,7 +12,7 @@ from kfac_jax.capture import flax_linen
 from kfac_jax.capture import flax_nnx
 from kfac_jax.capture.layers import TracedLayers, compile_patterns
 from kfac_jax.capture.statistics import LayerStatistics
-from kfac_jax.transform.hyperparameters import static_bool
+from kfac_jax.hyperparameters import static_bool
 
 
 def _front_end(params_or_model: Any, caller: str):

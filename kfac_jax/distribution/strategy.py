@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import jax
 
-from kfac_jax.transform.hyperparameters import parse_enum, static_scalar
+from kfac_jax.hyperparameters import parse_enum, static_scalar
 
 
 class DistributedStrategy(enum.Enum):

@@ -7,7 +7,7 @@ from typing import Any
 
 import optax
 
-from kfac_jax.transform.hyperparameters import (ScalarOrSchedule,
+from kfac_jax.hyperparameters import (ScalarOrSchedule,
                                                 hyperparameter, non_negative,
                                                 static_bool,
                                                 static_positive_integer)

@@ -27,9 +27,9 @@ from kfac_jax.distribution import placement as placement_lib
 from kfac_jax.distribution import strategy
 from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
 from kfac_jax.preconditioning.methods import make_method
-from kfac_jax.transform import hyperparameters as hp
+from kfac_jax import hyperparameters as hp
 from kfac_jax.transform import nnx_variables
-from kfac_jax.transform.hyperparameters import ComputeMethod, ScalarOrSchedule
+from kfac_jax.hyperparameters import ComputeMethod, ScalarOrSchedule
 from kfac_jax.transform.quadratic_model import AdaptiveConfig
 
 # scale_by_kfac's λ unless given (the kfac alias's too).

@@ -32,7 +32,7 @@ import numpy as np
 import optax
 
 from kfac_jax import finite
-from kfac_jax.transform import hyperparameters as hp
+from kfac_jax import hyperparameters as hp
 from kfac_jax.linalg import tree_inner_products
 
 # Below this determinant (relative to the diagonal's product) the 2×2 system

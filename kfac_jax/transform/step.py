@@ -40,7 +40,7 @@ from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
                                                      factored_is_cheaper,
                                                      from_matrix, to_matrix)
 from kfac_jax.preconditioning.kl_clip import kl_clip_scale
-from kfac_jax.transform import hyperparameters as hp
+from kfac_jax import hyperparameters as hp
 from kfac_jax.transform import quadratic_model
 from kfac_jax.transform.config import KFACConfig
 from kfac_jax.transform.quadratic_model import SplitLoss
