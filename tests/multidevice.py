@@ -10,6 +10,7 @@ and prints ``ok``.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import flax.linen as nn
@@ -23,6 +24,20 @@ import kfac_jax
 from benchmarks.hlo_cost import per_device_costs
 from kfac_jax.factors.running import factor_dims
 from kfac_jax.transform.config import make_placement
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_on_eight_devices(module: str, program: str, axis_type: str) -> None:
+  """Runs ``python -m module program axis_type`` on 8 simulated devices; the
+  program prints ``ok`` when its checks pass."""
+  result = subprocess.run(
+      [sys.executable, "-m", module, program, axis_type],
+      env=eight_device_env(), cwd=ROOT, capture_output=True, text=True,
+      timeout=280)
+  assert result.returncode == 0, result.stderr[-6000:]
+  assert result.stdout.strip().endswith("ok")
 
 
 def eight_device_env() -> dict[str, str]:
@@ -406,15 +421,23 @@ def mixed(axis_type: AxisType) -> None:
       raise AssertionError(f"no ValueError for both axes of {kinds}")
 
 
-def specs(axis_type: AxisType) -> None:
-  """get_opt_state_partition_specs is what jit(tx.init) produces."""
-  params, _, _ = conv_problem()
+def fsdp_problem(axis_type: AxisType):
+  """``conv_problem``'s params on a (2, 4) ('data', 'fsdp') mesh, kernels
+  sharded over 'fsdp' where they divide; with its loss, batches, mesh and
+  params specs."""
+  params, loss_fn, batches = conv_problem()
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
   params_specs = jax.tree.map(
       lambda p: PartitionSpec("fsdp") if p.shape[0] % 4 == 0 else
       PartitionSpec(), params)
   params = jax.device_put(
       params, jax.tree.map(lambda s: NamedSharding(mesh, s), params_specs))
+  return params, loss_fn, batches, mesh, params_specs
+
+
+def specs(axis_type: AxisType) -> None:
+  """get_opt_state_partition_specs is what jit(tx.init) produces."""
+  params, _, _, mesh, params_specs = fsdp_problem(axis_type)
   chains = [None]
   if axis_type == AxisType.Explicit:  # optax's own states follow the params.
     chains.append(optax.sgd(0.1, momentum=0.9))

@@ -6,9 +6,6 @@ simulated CPU devices (marker ``multidevice``); the rest runs here on one.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -27,16 +24,8 @@ from kfac_jax.preconditioning.methods import make_method
 from tests import multidevice
 from tests import reference
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def run_on_eight_devices(program: str, axis_type: str) -> None:
-  result = subprocess.run(
-      [sys.executable, "-m", "tests.multidevice", program, axis_type],
-      env=multidevice.eight_device_env(), cwd=ROOT, capture_output=True,
-      text=True, timeout=280)
-  assert result.returncode == 0, result.stderr[-6000:]
-  assert result.stdout.strip().endswith("ok")
+  multidevice.run_on_eight_devices("tests.multidevice", program, axis_type)
 
 
 @pytest.mark.multidevice

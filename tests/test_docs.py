@@ -71,22 +71,33 @@ def blocks(path: pathlib.Path) -> list[tuple[int, str | None, str]]:
   return found
 
 
-def programs() -> list[Program]:
-  result = []
-  for path in pages():
-    page = str(path.relative_to(DOCS))
-    last: Program | None = None
-    for line, marker, code in blocks(path):
-      if marker == "fragment":
-        continue
-      if marker == "continue":
-        assert last is not None, f"{page}:{line}: nothing to continue"
-        last.parts.append((line, code))
-        continue
-      assert marker is None, f"{page}:{line}: unknown marker {marker!r}"
-      last = Program(page, line, [(line, code)])
-      result.append(last)
+def programs_of(path: pathlib.Path, page: str) -> list[Program]:
+  """The programs of one page: its python blocks less the fragments, a
+  ``continue`` block appended to the program before it."""
+  result: list[Program] = []
+  for line, marker, code in blocks(path):
+    if marker == "fragment":
+      continue
+    if marker == "continue":
+      assert result, f"{page}:{line}: nothing to continue"
+      result[-1].parts.append((line, code))
+      continue
+    assert marker is None, f"{page}:{line}: unknown marker {marker!r}"
+    result.append(Program(page, line, [(line, code)]))
   return result
+
+
+def programs() -> list[Program]:
+  return [program for path in pages()
+          for program in programs_of(path, str(path.relative_to(DOCS)))]
+
+
+def run(program: Program, where: str) -> None:
+  """Runs ``program`` as ``__main__`` in a fresh namespace; ``where`` names
+  its page in tracebacks."""
+  namespace = {"__name__": "__main__"}
+  for line, code in program.parts:
+    exec(compile(code, f"{where}:{line}", "exec"), namespace)  # pylint: disable=exec-used
 
 
 PROGRAMS = programs()
@@ -105,9 +116,7 @@ def test_the_guide_has_programs_and_known_markers():
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.id)
 def test_guide_program_runs(program, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  namespace = {"__name__": "__main__"}
-  for line, code in program.parts:
-    exec(compile(code, f"docs/{program.page}:{line}", "exec"), namespace)  # pylint: disable=exec-used
+  run(program, f"docs/{program.page}")
 
 
 def test_api_reference_documents_every_public_name():

@@ -10,8 +10,6 @@ that need no mesh axes run here.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import jax
@@ -24,21 +22,7 @@ import kfac_jax
 from kfac_jax import checkpoint
 from tests import multidevice
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 is_spec = lambda x: isinstance(x, PartitionSpec)
-
-
-def fsdp_setup(axis_type: AxisType):
-  """ConvNet params on a (2, 4) ('data', 'fsdp') mesh, kernels sharded over
-  'fsdp' where they divide."""
-  params, loss_fn, batches = multidevice.conv_problem()
-  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
-  params_specs = jax.tree.map(
-      lambda p: PartitionSpec("fsdp") if p.shape[0] % 4 == 0 else
-      PartitionSpec(), params)
-  params = jax.device_put(
-      params, jax.tree.map(lambda s: NamedSharding(mesh, s), params_specs))
-  return params, loss_fn, batches, mesh, params_specs
 
 
 def expect_error(error, match: str, call) -> None:
@@ -53,7 +37,7 @@ def expect_error(error, match: str, call) -> None:
 def specs(axis_type: AxisType) -> None:
   """Specs from ``mesh=`` outside any context equal those inside it, and
   the state ``init`` makes there is laid out as they say."""
-  params, _, _, mesh, params_specs = fsdp_setup(axis_type)
+  params, _, _, mesh, params_specs = multidevice.fsdp_problem(axis_type)
   chain_with = optax.sgd(0.1, momentum=0.9)
   for strategy in multidevice.STRATEGIES:
     for method in ("eigen", "inverse"):
@@ -112,7 +96,7 @@ def check_mismatches(mesh, call) -> None:
 def recompute(axis_type: AxisType) -> None:
   """``recompute_preconditioners(..., mesh=mesh)`` outside the context
   decomposes as it does inside."""
-  params, loss_fn, batches, mesh, _ = fsdp_setup(axis_type)
+  params, loss_fn, batches, mesh, _ = multidevice.fsdp_problem(axis_type)
   kwargs = dict(mesh_axes=("data", "fsdp"), grad_worker_fraction="hybrid_opt")
   with jax.set_mesh(mesh):
     _, state, _ = multidevice.train(params, loss_fn, batches, kwargs, mesh,
@@ -142,12 +126,8 @@ PROGRAMS = {f.__name__: f for f in (specs, recompute)}
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_mesh_argument_on_eight_devices(program, axis_type):
-  result = subprocess.run(
-      [sys.executable, "-m", "tests.test_mesh_argument", program, axis_type],
-      env=multidevice.eight_device_env(), cwd=ROOT, capture_output=True,
-      text=True, timeout=280)
-  assert result.returncode == 0, result.stderr[-6000:]
-  assert result.stdout.strip().endswith("ok")
+  multidevice.run_on_eight_devices("tests.test_mesh_argument", program,
+                                   axis_type)
 
 
 def test_specs_without_mesh_axes_take_a_mesh_or_none():

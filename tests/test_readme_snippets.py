@@ -3,7 +3,7 @@
 Each ```` ```python ```` block of the README is a complete program, run here
 as ``__main__`` in a fresh namespace from a temporary working directory,
 unless the line before its fence marks it, as in the docs pages
-(``tests/test_docs.py``, whose block reader this uses):
+(``tests/test_docs.py``, whose block reader and runner this uses):
 
 * ``<!-- snippet: fragment -->``: not run (a piece shown for its shape);
 * ``<!-- snippet: continue -->``: run after the block before it, in its
@@ -21,21 +21,7 @@ from tests import test_docs
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
-def programs() -> list[test_docs.Program]:
-  result: list[test_docs.Program] = []
-  for line, marker, code in test_docs.blocks(README):
-    if marker == "fragment":
-      continue
-    if marker == "continue":
-      assert result, f"README.md:{line}: nothing to continue"
-      result[-1].parts.append((line, code))
-      continue
-    assert marker is None, f"README.md:{line}: unknown marker {marker!r}"
-    result.append(test_docs.Program("README.md", line, [(line, code)]))
-  return result
-
-
-PROGRAMS = programs()
+PROGRAMS = test_docs.programs_of(README, "README.md")
 
 
 def test_the_readme_has_an_example_that_runs():
@@ -45,6 +31,4 @@ def test_the_readme_has_an_example_that_runs():
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.id)
 def test_readme_program_runs(program, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  namespace = {"__name__": "__main__"}
-  for line, code in program.parts:
-    exec(compile(code, f"README.md:{line}", "exec"), namespace)  # pylint: disable=exec-used
+  test_docs.run(program, "README.md")
