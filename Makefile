@@ -36,9 +36,13 @@ PYTEST_WORKERS ?= 2
 # small for the generated code's speed to matter.
 # TEST_XLA_FLAGS= (empty) runs them as users' programs are compiled.
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true
+# Set only when non-empty: XLA reads a blank XLA_FLAGS as a file name and aborts.
+TEST_XLA_ENV = $(strip $(XLA_FLAGS) $(TEST_XLA_FLAGS))
+# PYTEST_ARGS="-k name" (or test paths) narrows the run.
+PYTEST_ARGS ?=
 
 test: install-test
-	OPENBLAS_NUM_THREADS=1 XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" $(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS)
+	OPENBLAS_NUM_THREADS=1 $(if $(TEST_XLA_ENV),XLA_FLAGS="$(TEST_XLA_ENV)") $(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # make docs: the Sphinx site (docs/) into docs/_build/html, warnings as
 # errors; a name of kfac_jax.__all__ missing from docs/api.md fails it too
