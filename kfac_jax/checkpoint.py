@@ -47,7 +47,8 @@ from kfac_jax import hyperparameters as hp
 from kfac_jax.transform import quadratic_model
 from kfac_jax.transform.config import KFACConfig
 from kfac_jax.hyperparameters import ComputeMethod, ScalarOrSchedule
-from kfac_jax.transform.state import ScaleByKFACState
+from kfac_jax.transform.state import (ScaleByKFACState, decomposition_counts,
+                                     with_counts)
 from kfac_jax.transform.step import guarded_decomposition
 
 _KeyPath = tuple[str, ...]
@@ -276,13 +277,12 @@ def _decompose_all(config: KFACConfig,
     damping = quadratic_model.clip_damping(state.quadratic_model.damping,
                                            config.adaptive)
   placement = config.placement
-  preconditioners, rejected = guarded_decomposition(
+  preconditioners, counts = guarded_decomposition(
       placement, dims, state.factors, placement.init(dims),
-      state.rejected_decompositions, damping,
+      decomposition_counts(state), damping,
       None if is_adaptive else hp.all_valid(state.count, config.damping),
       is_adaptive and config.compute_method is ComputeMethod.INVERSE)
-  return state._replace(preconditioners=preconditioners,
-                        rejected_decompositions=rejected)
+  return with_counts(state._replace(preconditioners=preconditioners), counts)
 
 
 def _abstract(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:

@@ -59,11 +59,12 @@ class Placement(NamedTuple):
 
   Attributes:
     init: ``dims -> state`` of identity factors' preconditioners.
-    decompose: ``(dims, factors, previous, λ) -> (state, rejected)``:
+    decompose: ``(dims, factors, previous, λ) -> (state, counts)``:
       decomposes ``factors`` (a subset of the layers), keeps ``previous`` for
       the others and for any decomposition that comes out non-finite;
-      ``rejected`` counts those (int32). A stale ``previous`` is not read:
-      the identity's preconditioners stand in for it.
+      ``counts`` (``DecompositionCounts``) counts those and the eigh
+      fallbacks. A stale ``previous`` is not read: the identity's
+      preconditioners stand in for it.
     precondition: ``(dims, state, {layer: ∇ [dA, dG]}, λ, sharded) ->
       {layer: P}``, float32. Layers in ``sharded`` (``{layer: mesh axes}``,
       kernels sharded over those axes) are preconditioned in place, sharded
@@ -79,7 +80,7 @@ class Placement(NamedTuple):
 
   init: Callable[[Dims], Any]
   decompose: Callable[[Dims, Mapping[str, LayerFactors], Any, jax.Array],
-                      tuple[Any, jax.Array]]
+                      tuple[Any, DecompositionCounts]]
   precondition: Callable[[Dims, Any, Mapping[str, jax.Array], jax.Array,
                           Mapping[str, tuple[str, ...]]], dict[str, jax.Array]]
   per_layer: Callable[[Dims, Any], dict[str, Preconditioner]]
@@ -87,22 +88,53 @@ class Placement(NamedTuple):
   stale: Callable[[Dims, Any], jax.Array | None]
 
 
+class DecompositionCounts(NamedTuple):
+  """What a decomposition step counts (int32 scalars).
+
+  Attributes:
+    rejected: decompositions that came out non-finite and were discarded.
+    fallbacks: factors whose subspace refresh drifted too far and were
+      decomposed by ``eigh`` instead (``preconditioning.subspace``).
+  """
+
+  rejected: jax.Array
+  fallbacks: jax.Array
+
+
+def no_counts() -> DecompositionCounts:
+  return DecompositionCounts(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
+
+
 def decompose_checked(
     method: Method, factors: Mapping[str, LayerFactors],
     previous: Mapping[str, Preconditioner], damping: jax.Array
-) -> tuple[dict[str, Preconditioner], jax.Array]:
-  """Decomposes ``factors`` (batched by size); non-finite results keep ``previous``."""
+) -> tuple[dict[str, Preconditioner], DecompositionCounts]:
+  """Decomposes ``factors`` (batched by size); non-finite results keep ``previous``.
+
+  A method with a ``warm_start`` refines ``previous``'s eigenbases, and its
+  ``finish`` runs per factor (``Method``).
+  """
+  warm = None
+  if method.warm_start is not None:
+    warm = {name: method.warm_start(previous[name]) for name in factors}
   decomposed = batched.decompose_layers(
       factors, method.factor_fn, damping,
       batch_size=method.decomposition_batch_size, crop=method.crop,
-      each_on=method.decompose_each_on)
-  new, rejected = {}, jnp.zeros([], jnp.int32)
-  for name, (activation, gradient) in decomposed.items():
-    candidate = method.assemble(activation, gradient, damping)
+      each_on=method.decompose_each_on, warm=warm)
+  new, counts = {}, no_counts()
+  for name, pair in decomposed.items():
+    if method.finish is not None:
+      finished = [method.finish(factor, results, start) for factor, results,
+                  start in zip(factors[name], pair, warm[name])]
+      pair = tuple(results for results, _ in finished)
+      counts = counts._replace(fallbacks=counts.fallbacks +
+                               sum(fell_back for _, fell_back in finished))
+    candidate = method.assemble(*pair, damping)
     ok = method.is_finite(candidate)
     new[name] = finite.select(ok, candidate, previous[name])
-    rejected = rejected + (~ok).astype(jnp.int32)
-  return new, rejected
+    counts = counts._replace(rejected=counts.rejected +
+                             (~ok).astype(jnp.int32))
+  return new, counts
 
 
 def local_placement(method: Method) -> Placement:
@@ -113,8 +145,8 @@ def local_placement(method: Method) -> Placement:
 
   def decompose(dims, factors, previous, damping):
     del dims
-    new, rejected = decompose_checked(method, factors, previous, damping)
-    return {**previous, **new}, rejected
+    new, counts = decompose_checked(method, factors, previous, damping)
+    return {**previous, **new}, counts
 
   def precondition(dims, preconditioners, gradients, damping, sharded):
     del dims
@@ -173,11 +205,11 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
     plan = layout(dims)
     if plan.segment_size == 0:  # No layers: nothing to decompose (nor gather).
       return ShardedPreconditioners(previous.rows,
-                                    fingerprint(plan)), jnp.zeros([], jnp.int32)
-    rows, rejected = _decompose_rows(method, axes, plan, dims, factors,
-                                     previous.rows, damping,
-                                     stale(dims, previous))
-    return ShardedPreconditioners(rows, fingerprint(plan)), rejected
+                                    fingerprint(plan)), no_counts()
+    rows, counts = _decompose_rows(method, axes, plan, dims, factors,
+                                   previous.rows, damping,
+                                   stale(dims, previous))
+    return ShardedPreconditioners(rows, fingerprint(plan)), counts
 
   def precondition(dims, preconditioners, gradients, damping, sharded):
     plan = layout(dims)
@@ -222,8 +254,9 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
 def _decompose_rows(method: Method, axes: tuple[str, ...], plan: ShardedLayout,
                     dims: Dims, factors: Mapping[str, LayerFactors],
                     rows: jax.Array, damping: jax.Array,
-                    is_stale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The decomposition step's rows and rejection count on the mesh.
+                    is_stale: jax.Array
+                    ) -> tuple[jax.Array, DecompositionCounts]:
+  """The decomposition step's rows and counts on the mesh.
 
   Each device decomposes the layers assigned to it (a ``lax.switch`` on its
   index; a ``stale`` row's blocks start from the identity's) and its
@@ -241,11 +274,11 @@ def _decompose_rows(method: Method, axes: tuple[str, ...], plan: ShardedLayout,
                                        name),
                                  method.init(*dims[name]))
              for name in plan.owned(device)}
-      new, rejected = decompose_checked(
+      new, counts = decompose_checked(
           method, {name: factors[name] for name in names}, old, damping)
       pieces = [layout_lib.pack(new.get(name, old[name]))
                 for name in plan.owned(device)]
-      return layout_lib.fill_segment(pieces, size, row.dtype), rejected
+      return layout_lib.fill_segment(pieces, size, row.dtype), counts
 
     return branch
 
@@ -262,10 +295,10 @@ def _decompose_rows(method: Method, axes: tuple[str, ...], plan: ShardedLayout,
   def body(factors, rows, damping, is_stale):
     row = rows[0]
     device = lax.axis_index(axes)
-    segment, rejected = lax.switch(
+    segment, counts = lax.switch(
         device, [device_branch(d) for d in range(n)], factors, row, damping,
         is_stale)
-    rejected = lax.psum(rejected, axes)
+    counts = lax.psum(counts, axes)
     if g == 1:
       row = segment[:plan.row_size]
     else:
@@ -273,7 +306,7 @@ def _decompose_rows(method: Method, axes: tuple[str, ...], plan: ShardedLayout,
       groups = [group_branch(j) for j in range(n // g)]
       row = groups[0](gathered) if len(groups) == 1 else lax.switch(
           device // g, groups, gathered)
-    return row[None], rejected
+    return row[None], counts
 
   rows_spec = PartitionSpec(axes)
   return _manual(

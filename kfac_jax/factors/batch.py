@@ -159,6 +159,39 @@ def _example_axis(tensor: jax.Array, signature: LayerSignature,
   return None if axis >= tensor.ndim or axis in features else axis
 
 
+def _calls(stats: LayerStatistics, fisher_scaled: bool, examples: int | None
+           ) -> tuple[list[jax.Array], list[jax.Array],
+                      list[tuple[float, float]]]:
+  """Per call: the inputs and cotangents ``batch_factors`` reads (their
+  ``example_subset``) and the ``(A, G)`` scales it gives them."""
+  signature = stats.signature
+  scales = [fisher_scales(g, signature) if fisher_scaled else (1.0, 1.0)
+            for g in stats.output_cotangents]
+  inputs = [example_subset(x, _example_axis(x, signature, True), examples)
+            for x in stats.inputs]
+  cotangents = [
+      example_subset(g, _example_axis(g, signature, False), examples)
+      for g in stats.output_cotangents]
+  return inputs, cotangents, scales
+
+
+def dense_calls(stats: LayerStatistics, fisher_scaled: bool = False,
+                examples: int | None = None
+                ) -> list[tuple[jax.Array, jax.Array, float]]:
+  """Per call of a dense layer, the rows of ``batch_factors``' A and G.
+
+  Returns:
+    ``[(a [blocks, N, dA], g [blocks, N, dG], scale)]``, one entry per call,
+    with ``A = Σ_calls s_A·aᵀa/N``, ``G = Σ_calls s_G·gᵀg/N`` and
+    ``scale = s_A·s_G``.
+  """
+  signature = stats.signature
+  inputs, cotangents, scales = _calls(stats, fisher_scaled, examples)
+  return [(_per_block(activation_rows, x, signature),
+           _per_block(gradient_rows, g, signature), a_scale * g_scale)
+          for x, g, (a_scale, g_scale) in zip(inputs, cotangents, scales)]
+
+
 def batch_factors(stats: LayerStatistics, fisher_scaled: bool = False,
                   examples: int | None = None) -> tuple[jax.Array, jax.Array]:
   """``(A [blocks, dA, dA], G [blocks, dG, dG])`` of one batch, summed over calls.
@@ -174,13 +207,7 @@ def batch_factors(stats: LayerStatistics, fisher_scaled: bool = False,
   whole batch's loss, so the factors estimate the same ``A`` and ``G``.
   """
   signature = stats.signature
-  scales = [fisher_scales(g, signature) if fisher_scaled else (1.0, 1.0)
-            for g in stats.output_cotangents]
-  inputs = [example_subset(x, _example_axis(x, signature, True), examples)
-            for x in stats.inputs]
-  cotangents = [
-      example_subset(g, _example_axis(g, signature, False), examples)
-      for g in stats.output_cotangents]
+  inputs, cotangents, scales = _calls(stats, fisher_scaled, examples)
   rows = [_per_block(gradient_rows, g, signature) for g in cotangents]
   gradient_factor = sum(covariance(g) * scale
                         for g, (_, scale) in zip(rows, scales))

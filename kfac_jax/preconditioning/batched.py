@@ -40,10 +40,14 @@ from jax import lax
 
 from kfac_jax.factors.running import LayerFactors
 
-# factor [d, d], damping -> per-factor results (eigenvalues/vectors or inverse).
-FactorFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, ...]]
+# factor [d, d], damping[, warm start [d, d]] -> per-factor results
+# (eigenvalues/vectors or inverse).
+FactorFn = Callable[..., tuple[jax.Array, ...]]
 Results = tuple[jax.Array, ...]
 Decomposed = dict[str, tuple[Results, Results]]
+# {layer: (warm start of A, of G)}: the previous eigenbases, for a
+# ``factor_fn(factor, damping, warm)`` that refines them.
+WarmStarts = Mapping[str, tuple[jax.Array, jax.Array]]
 # (factor_fn's results for diag(F, I) [size, size], d) -> those for F [d, d].
 Crop = Callable[[Results, int], Results]
 
@@ -78,35 +82,40 @@ def _sizes(factors: Mapping[str, LayerFactors]) -> list[int]:
 
 
 def decompose_each(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
-                   damping: jax.Array, crop: Crop | None = None) -> Decomposed:
+                   damping: jax.Array, crop: Crop | None = None,
+                   warm: WarmStarts | None = None) -> Decomposed:
   """``{layer: (factor_fn(A), factor_fn(G))}``, one call per factor.
 
   ``crop``: pad factors to shared sizes (``padded_sizes``) and cut their
-  results back with it; ``None``: no padding.
+  results back with it; ``None``: no padding. ``warm``: passed to
+  ``factor_fn`` as its third argument, per factor (never with ``crop``).
   """
   targets = padded_sizes(_sizes(factors)) if crop is not None else {}
 
-  def decompose(factor):
+  def decompose(factor, *start):
     size = factor.shape[-1]
     if size not in targets:
-      return factor_fn(factor, damping)
+      return factor_fn(factor, damping, *start)
     return crop(factor_fn(pad_with_identity(factor, targets[size]), damping),
                 size)
 
-  return {name: (decompose(pair.activation_factor),
-                 decompose(pair.gradient_factor))
+  return {name: tuple(decompose(factor, *([] if warm is None else
+                                          [warm[name][which]]))
+                      for which, factor in enumerate(pair))
           for name, pair in factors.items()}
 
 
 def decompose_stacked(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
                       damping: jax.Array, batch_size: int | None = None,
-                      crop: Crop | None = None) -> Decomposed:
+                      crop: Crop | None = None,
+                      warm: WarmStarts | None = None) -> Decomposed:
   """``decompose_each``'s result from one call per ``(size, dtype)`` stack.
 
   ``batch_size``: decompose at most this many factors of a stack at once
   (``lax.map`` over ``vmap``ped batches); ``None``: the whole stack.
   ``crop``: as for ``decompose_each`` (padded factors join the stack of the
-  size they are padded to).
+  size they are padded to). ``warm``: as for ``decompose_each``, stacked
+  with the factors.
   """
   targets = padded_sizes(_sizes(factors)) if crop is not None else {}
   groups: dict[tuple[int, jnp.dtype], list[tuple[str, int, jax.Array]]] = {}
@@ -120,14 +129,18 @@ def decompose_stacked(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
       name: [None, None] for name in factors
   }
   for (size, _), members in groups.items():
-    stack = jnp.stack([pad_with_identity(factor, size)
-                       for _, _, factor in members])
-    if batch_size is None or batch_size >= len(stack):
+    stack = [jnp.stack([pad_with_identity(factor, size)
+                        for _, _, factor in members])]
+    if warm is not None:
+      stack.append(jnp.stack([warm[name][which] for name, which, _ in members]))
+    if batch_size is None or batch_size >= len(stack[0]):
       decomposed: Sequence[jax.Array] = jax.vmap(
-          factor_fn, in_axes=(0, None))(stack, damping)
+          lambda operands: factor_fn(operands[0], damping, *operands[1:]))(
+              stack)
     else:
-      decomposed = lax.map(lambda factor: factor_fn(factor, damping), stack,
-                           batch_size=batch_size)
+      decomposed = lax.map(
+          lambda operands: factor_fn(operands[0], damping, *operands[1:]),
+          stack, batch_size=batch_size)
     for index, (name, which, factor) in enumerate(members):
       member = tuple(array[index] for array in decomposed)
       if factor.shape[-1] != size:
@@ -144,7 +157,8 @@ EACH_ON_CPU = ("cpu",)
 def decompose_layers(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
                      damping: jax.Array, batch_size: int | None = None,
                      crop: Crop | None = None,
-                     each_on: Sequence[str] = EACH_ON_CPU) -> Decomposed:
+                     each_on: Sequence[str] = EACH_ON_CPU,
+                     warm: WarmStarts | None = None) -> Decomposed:
   """Applies ``factor_fn`` to every A and G: one by one on ``each_on``, else stacked.
 
   Args:
@@ -158,16 +172,18 @@ def decompose_layers(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
     each_on: the platforms (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``)
       where each factor gets its own call (``decompose_each``); the others
       stack them (``decompose_stacked``).
+    warm: ``{layer: (start for A, start for G)}``, each ``[d, d]``, passed
+      to ``factor_fn`` as a third argument; ``None``: ``factor_fn(F, λ)``.
 
   Returns:
     ``{layer: (factor_fn(A), factor_fn(G))}``.
   """
-  stacked = lambda factors, damping: decompose_stacked(
-      factors, factor_fn, damping, batch_size, crop)
+  stacked = lambda factors, damping, warm: decompose_stacked(
+      factors, factor_fn, damping, batch_size, crop, warm)
   if batch_size is not None:
-    return stacked(factors, damping)
-  each = lambda factors, damping: decompose_each(factors, factor_fn, damping,
-                                                crop)
+    return stacked(factors, damping, warm)
+  each = lambda factors, damping, warm: decompose_each(
+      factors, factor_fn, damping, crop, warm)
   return lax.platform_dependent(
-      dict(factors), damping, default=stacked,
-      **{platform: each for platform in each_on})
+      dict(factors), damping, None if warm is None else dict(warm),
+      default=stacked, **{platform: each for platform in each_on})

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax import finite
-from kfac_jax.preconditioning import batched, eigen, inverse
+from kfac_jax.preconditioning import batched, eigen, inverse, subspace
 from kfac_jax.preconditioning.batched import Crop, FactorFn, Results
 
 Preconditioner = eigen.EigenPreconditioner | inverse.InversePreconditioner
@@ -23,7 +23,8 @@ class Method(NamedTuple):
     init: ``(activation_dim, gradient_dim) -> Preconditioner`` of identity
       factors.
     factor_fn: decomposition of one factor ``[d, d]`` (batched by
-      ``batched.decompose_layers``).
+      ``batched.decompose_layers``): ``factor_fn(F, λ)``, or with
+      ``warm_start``, ``factor_fn(F, λ, warm start [d, d])``.
     assemble: ``(factor_fn(A), factor_fn(G), λ) -> Preconditioner``.
     precondition: ``(Preconditioner, ∇ [dA, dG], λ[, reshard]) -> P [dA, dG]``
       (``reshard``: see ``gradient_matrix.Reshard``; ``∇`` may be a
@@ -37,6 +38,12 @@ class Method(NamedTuple):
       to shared sizes. ``None``: never padded.
     decompose_each_on: platforms where each factor is decomposed by a call
       of its own, not stacked by size (``batched.decompose_layers``).
+    warm_start: ``Preconditioner -> (start for A, start for G)``, what
+      ``factor_fn`` refines (the previous eigenbases); ``None``: it starts
+      from nothing.
+    finish: ``(F, factor_fn(F, …), start) -> (results for assemble,
+      fell_back int32)``, run per factor outside ``vmap`` (it may
+      ``lax.cond``); ``None``: ``factor_fn``'s results as they are.
   """
 
   init: Callable[[int, int], Preconditioner]
@@ -47,12 +54,47 @@ class Method(NamedTuple):
   decomposition_batch_size: int | None = None
   crop: Crop | None = None
   decompose_each_on: tuple[str, ...] = batched.EACH_ON_CPU
+  warm_start: Callable[[Preconditioner], tuple[jax.Array, jax.Array]] | None = (
+      None)
+  finish: Callable[[jax.Array, Results, jax.Array],
+                   tuple[Results, jax.Array]] | None = None
+
+
+class SubspaceSolver(NamedTuple):
+  """The eigen method's ``eigen_solver="subspace"`` (``subspace``).
+
+  Attributes:
+    steps: k, subspace-iteration steps per refresh.
+    drift_threshold: a refresh whose drift exceeds it falls back to ``eigh``.
+  """
+
+  steps: int = 1
+  drift_threshold: float = subspace.DEFAULT_DRIFT_THRESHOLD
+
+
+def _eigenbases(preconditioner: eigen.EigenPreconditioner
+                ) -> tuple[jax.Array, jax.Array]:
+  return (preconditioner.activation_eigenvectors,
+          preconditioner.gradient_eigenvectors)
 
 
 def make_method(use_eigen: bool, dtype: jnp.dtype,
                 precompute_damped_inverse: bool,
-                decomposition_batch_size: int | None = None) -> Method:
-  """The eigen (``use_eigen``) or inverse method, storing results as ``dtype``."""
+                decomposition_batch_size: int | None = None,
+                solver: SubspaceSolver | None = None) -> Method:
+  """The eigen (``use_eigen``) or inverse method, storing results as ``dtype``.
+
+  ``solver``: the eigen method refreshes its eigenbases by subspace
+  iteration (``SubspaceSolver``); ``None``: a full ``eigh`` each time.
+  """
+  if use_eigen and solver is not None:
+    return make_method(True, dtype, precompute_damped_inverse,
+                       decomposition_batch_size)._replace(
+        factor_fn=lambda factor, damping, start: subspace.subspace_refresh(
+            factor, start, solver.steps),
+        warm_start=_eigenbases,
+        finish=lambda factor, refreshed, start: subspace.refresh_or_eigh(
+            factor, refreshed, start, solver.drift_threshold))
   if use_eigen:
     return Method(
         init=functools.partial(

@@ -20,6 +20,7 @@ import jax
 from kfac_jax.capture import layers as layers_lib
 from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.capture.statistics import LayerStatistics
+from kfac_jax.transform.config import KFACConfig
 from kfac_jax.transform.quadratic_model import SplitLoss
 from kfac_jax.transform.state import ScaleByKFACState, shapes_and_dtypes
 
@@ -43,17 +44,22 @@ def check_not_params_placeholder(params: Any) -> None:
 
 
 def check_state(layers: Mapping[str, LayerInfo], state: ScaleByKFACState,
-                 accumulation_steps: int, adaptive: bool) -> None:
+                config: KFACConfig) -> None:
   """The state must have been made by ``init`` for these params and this
   configuration."""
   if not isinstance(state, ScaleByKFACState):
     raise TypeError(
         "scale_by_kfac.update: expected the state made by its init, got "
         f"{type(state).__name__}.")
-  accumulating = accumulation_steps > 1
+  accumulation_steps = config.accumulation_steps
   for field, needed, setting in (
-      ("accumulator", accumulating, "accumulation_steps > 1"),
-      ("quadratic_model", adaptive, "adaptive=AdaptiveConfig(...)")):
+      ("accumulator", accumulation_steps > 1, "accumulation_steps > 1"),
+      ("quadratic_model", config.adaptive is not None,
+       "adaptive=AdaptiveConfig(...)"),
+      ("eigh_fallbacks", config.subspace_solver is not None,
+       'eigen_solver="subspace"'),
+      ("eigenvalue_scales", config.eigenvalue_correction,
+       "eigenvalue_correction=True")):
     if (getattr(state, field) is not None) != needed:
       raise ValueError(
           f"scale_by_kfac.update: the state {'lacks' if needed else 'has'} "
@@ -97,6 +103,20 @@ def check_state(layers: Mapping[str, LayerInfo], state: ScaleByKFACState,
             f"Layer {block!r}: state factors A{a_shape}, G{g_shape} do not fit "
             f"a kernel {layer.kernel_shape} (bias={layer.has_bias}); re-run "
             "tx.init with the current params.")
+
+
+def check_dense_only(stats: Mapping[str, LayerStatistics],
+                     active: Sequence[str], setting: str) -> None:
+  """``setting`` reads dense layers' rows: refuses convolutions and embeddings."""
+  for name in active:
+    signature = stats[name].signature
+    if signature.conv is not None or signature.num_embeddings is not None:
+      raise ValueError(
+          f"scale_by_kfac({setting}) works on dense layers' gradient rows; "
+          f"layer {name!r} is a {signature.module_type}, whose per-example "
+          "gradients are not the product of its rows. Skip it "
+          f"(skip_layers=[{name!r}] in scale_by_kfac and in the capture) to "
+          "leave it to the chained optimizer, or drop the setting.")
 
 
 def check_preconditioners(preconditioners: Any, expected: Any) -> None:

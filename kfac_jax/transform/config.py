@@ -26,7 +26,8 @@ from kfac_jax.capture.layers import LayerInfo, LayerTable
 from kfac_jax.distribution import placement as placement_lib
 from kfac_jax.distribution import strategy
 from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
-from kfac_jax.preconditioning.methods import make_method
+from kfac_jax.preconditioning import subspace
+from kfac_jax.preconditioning.methods import SubspaceSolver, make_method
 from kfac_jax import hyperparameters as hp
 from kfac_jax.transform import nnx_variables
 from kfac_jax.hyperparameters import ComputeMethod, ScalarOrSchedule
@@ -165,6 +166,30 @@ class KFACConfig:
       ``update`` also needs ``params`` and ``split_loss=SplitLoss(...)``.
       Needs ``kl_clip=None`` and ``accumulation_steps=1``; ``learning_rate``
       is unused.
+    eigen_solver: eigen method: how each decomposition step refreshes the
+      eigenbases. ``"eigh"``: a full ``eigh`` of every factor.
+      ``"subspace"``: ``subspace_steps`` steps of warm-started subspace
+      iteration from the stored basis, ``Q ← qr(F·Q)`` with its columns
+      sorted by decreasing Rayleigh quotient ``diag(Qᵀ F Q)``, which give
+      the eigenvalues (``preconditioning.subspace``): two ``[d, d]``
+      products and a QR per step instead of an ``eigh``. A factor's first
+      decomposition (its basis still the identity), and a refresh that
+      drifted, ``‖F − Q diag(d) Qᵀ‖_F > subspace_drift_threshold·‖F‖_F``,
+      use ``eigh``; the state counts the drifted ones
+      (``eigh_fallbacks``).
+    subspace_steps: with ``eigen_solver="subspace"``, k ≥ 1 steps per
+      refresh.
+    subspace_drift_threshold: with ``eigen_solver="subspace"``, the relative
+      error ``‖F − Q diag(d) Qᵀ‖_F / ‖F‖_F`` in ``(0, 1]`` past which a
+      refresh is replaced by ``eigh``.
+    eigenvalue_correction: eigen method: EKFAC (George et al. 2018). The
+      scaling ``outer(d_A, d_G)`` is replaced by running second moments of
+      the gradient rows in the Kronecker eigenbasis,
+      ``S ← d·S + (1 − d)·mean_n((Q_Aᵀ a_n)² (Q_Gᵀ g_n)²ᵀ)`` on factor
+      steps, and ``P = Q_A [(Q_Aᵀ ∇ Q_G) / (S + λ)] Q_Gᵀ``
+      (``preconditioning.ekfac``, which gives the costs). Dense and
+      ``DenseGeneral`` layers only: a registered convolution or embedding
+      is refused by name.
 
   Raises:
     ValueError, TypeError: an argument out of range or of the wrong kind,
@@ -194,6 +219,10 @@ class KFACConfig:
   factor_batch_size: int | None = None
   gradient_from_stats: bool = False
   adaptive: AdaptiveConfig | None = None
+  eigen_solver: str = "eigh"
+  subspace_steps: int = 1
+  subspace_drift_threshold: float = subspace.DEFAULT_DRIFT_THRESHOLD
+  eigenvalue_correction: bool = False
   placement: placement_lib.Placement = dataclasses.field(init=False)
 
   def __post_init__(self) -> None:
@@ -222,10 +251,16 @@ class KFACConfig:
     set_("gradient_from_stats", hp.static_bool("gradient_from_stats",
                                                self.gradient_from_stats))
     _check_gradient_from_stats(self)
+    set_("eigenvalue_correction", hp.static_bool(
+        "eigenvalue_correction", self.eigenvalue_correction))
+    set_("subspace_steps", hp.static_positive_integer(
+        "subspace_steps", self.subspace_steps))
+    _check_eigen_options(self)
     set_("placement", make_placement(
         self.compute_method, self.compute_eigenvalue_outer_product,
         self.inv_dtype, self.mesh_axes, self.grad_worker_fraction,
-        self.assignment_strategy, self.decomposition_batch_size))
+        self.assignment_strategy, self.decomposition_batch_size,
+        self.subspace_solver))
     set_("compute_eigenvalue_outer_product", bool(
         self.compute_eigenvalue_outer_product))
     # Specs made by jax.tree.map over an nnx.State sit in its Variables.
@@ -241,6 +276,13 @@ class KFACConfig:
     """
     return (self.adaptive is not None and
             self.compute_method is ComputeMethod.INVERSE)
+
+  @property
+  def subspace_solver(self) -> SubspaceSolver | None:
+    """The subspace solver's settings with ``eigen_solver="subspace"``."""
+    if self.eigen_solver != "subspace":
+      return None
+    return SubspaceSolver(self.subspace_steps, self.subspace_drift_threshold)
 
   @property
   def find_layers(self) -> Callable[..., dict[str, LayerInfo]]:
@@ -336,6 +378,45 @@ def _check_gradient_from_stats(config: KFACConfig) -> None:
         f"{config.mesh_axes!r}). Drop one of the two.")
 
 
+def _check_eigen_options(config: KFACConfig) -> None:
+  """The eigen method's solver and EKFAC settings."""
+  eigen = config.compute_method is ComputeMethod.EIGEN
+  if config.eigen_solver not in ("eigh", "subspace"):
+    raise ValueError(
+        f"eigen_solver must be 'eigh' or 'subspace', got "
+        f"{config.eigen_solver!r}.")
+  subspace_set = (config.subspace_steps != 1 or config.subspace_drift_threshold
+                  != subspace.DEFAULT_DRIFT_THRESHOLD)
+  if subspace_set and config.eigen_solver != "subspace":
+    raise ValueError(
+        "subspace_steps and subspace_drift_threshold set the subspace "
+        "solver; they have no effect with eigen_solver="
+        f"{config.eigen_solver!r}: pass eigen_solver='subspace' too.")
+  threshold = config.subspace_drift_threshold
+  if (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+      or not 0 < threshold <= 1):
+    raise ValueError(
+        "subspace_drift_threshold must be a number in (0, 1] (a relative "
+        f"Frobenius error), got {threshold!r}.")
+  if config.eigenvalue_correction and config.mesh_axes is not None:
+    raise ValueError(
+        "eigenvalue_correction=True keeps its scaling beside the eigenbases "
+        "on one device; it does not support mesh_axes (got "
+        f"{config.mesh_axes!r}) yet. Drop one of the two.")
+  if config.eigenvalue_correction and config.accumulation_steps != 1:
+    raise ValueError(
+        "eigenvalue_correction=True does not support accumulation_steps="
+        f"{config.accumulation_steps} yet: use accumulation_steps=1.")
+  for name, on in (("eigen_solver='subspace'",
+                    config.eigen_solver == "subspace"),
+                   ("eigenvalue_correction=True",
+                    config.eigenvalue_correction)):
+    if on and not eigen:
+      raise ValueError(
+          f"{name} works on eigenbases: it needs compute_method='eigen' (got "
+          f"{config.compute_method.value!r}).")
+
+
 def make_placement(
     compute_method: ComputeMethod | str,
     compute_eigenvalue_outer_product: bool,
@@ -344,6 +425,7 @@ def make_placement(
     grad_worker_fraction: DistributedStrategy | float,
     assignment_strategy: AssignmentStrategy | str,
     decomposition_batch_size: int | None = None,
+    solver: SubspaceSolver | None = None,
 ) -> placement_lib.Placement:
   """Where ``scale_by_kfac``'s preconditioners are computed and kept."""
   method = make_method(
@@ -352,7 +434,7 @@ def make_placement(
       precompute_damped_inverse=hp.static_bool(
           "compute_eigenvalue_outer_product",
           compute_eigenvalue_outer_product),
-      decomposition_batch_size=decomposition_batch_size)
+      decomposition_batch_size=decomposition_batch_size, solver=solver)
   distribution = strategy.make_config(mesh_axes, grad_worker_fraction,
                                       assignment_strategy)
   if distribution is None:

@@ -40,6 +40,7 @@ from kfac_jax.capture import layers as layers_lib
 from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.distribution import sharding
 from kfac_jax.factors.running import LayerFactors, init_factors
+from kfac_jax.preconditioning import ekfac
 from kfac_jax.transform import checks
 from kfac_jax.transform import nnx_variables
 from kfac_jax.transform import quadratic_model
@@ -138,7 +139,11 @@ def init(config: KFACConfig, params: Any) -> ScaleByKFACState:
       quadratic_model=(None if config.adaptive is None else
                        quadratic_model.init(
                            step.constrain_to_params(config, params),
-                           config.damping.value, config.adaptive)))
+                           config.damping.value, config.adaptive)),
+      eigh_fallbacks=(None if config.subspace_solver is None else
+                      jnp.zeros([], jnp.int32)),
+      eigenvalue_scales=(None if not config.eigenvalue_correction else {
+          block: ekfac.init_scales(*dims) for block, dims in blocks.items()}))
 
 
 def update(
@@ -181,8 +186,7 @@ def _update_values(
   if config.params_partition_specs is not None:
     sharded = step.sharded_kernels(layers, sharding.check_params_specs(
         updates, config.params_partition_specs))
-  checks.check_state(layers, state, config.accumulation_steps,
-                     adaptive is not None)
+  checks.check_state(layers, state, config)
   if adaptive is not None:
     # Only a restored λ can be out of range (NaN/Inf from a corrupted
     # checkpoint): it would enter this step's decompositions and step sizes
@@ -204,8 +208,14 @@ def _update_values(
                       sharded)
   factored = (step.factored_gradients(kfac_stats, layers, active, sharded)
               if config.gradient_from_stats else None)
+  batch_scales = None
+  if config.eigenvalue_correction:
+    checks.check_dense_only(kfac_stats, active, "eigenvalue_correction=True")
+    batch_scales = functools.partial(step.stats_scales, config, kfac_stats,
+                                     layers, active)
   preconditioned, new_state = step.optimizer_step(
-      config, state, updates, layers, active, batch_factors, sharded, factored)
+      config, state, updates, layers, active, batch_factors, sharded, factored,
+      batch_scales)
   if adaptive is None:
     return preconditioned, new_state
   return step.adaptive_step(config, state, new_state, preconditioned, updates,

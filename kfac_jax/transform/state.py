@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from kfac_jax.distribution import placement as placement_lib
-from kfac_jax.distribution.placement import ShardedPreconditioners
+from kfac_jax.distribution.placement import (DecompositionCounts,
+                                             ShardedPreconditioners)
 from kfac_jax.factors.running import LayerFactors, factor_dims
 from kfac_jax.preconditioning.methods import Preconditioner
 from kfac_jax.transform.quadratic_model import QuadraticModelState
@@ -54,6 +55,12 @@ class ScaleByKFACState(NamedTuple):
       and were discarded, keeping the previous one (int32 scalar).
     quadratic_model: with ``adaptive``, the damping, previous update and
       step sizes (``QuadraticModelState``); else None.
+    eigh_fallbacks: with ``eigen_solver="subspace"``, the factors whose
+      subspace refresh drifted past ``subspace_drift_threshold`` and were
+      decomposed by ``eigh`` instead (int32 scalar); else None.
+    eigenvalue_scales: with ``eigenvalue_correction``, EKFAC's running
+      second moments of the gradients in the Kronecker eigenbasis,
+      ``{layer: S [activation_dim, gradient_dim]}`` (float32); else None.
   """
 
   count: jax.Array
@@ -63,6 +70,25 @@ class ScaleByKFACState(NamedTuple):
   skipped_factor_updates: jax.Array
   rejected_decompositions: jax.Array
   quadratic_model: QuadraticModelState | None = None
+  eigh_fallbacks: jax.Array | None = None
+  eigenvalue_scales: dict[str, jax.Array] | None = None
+
+
+def decomposition_counts(state: ScaleByKFACState) -> DecompositionCounts:
+  """The state's counters of decomposition outcomes."""
+  fallbacks = state.eigh_fallbacks
+  return DecompositionCounts(
+      state.rejected_decompositions,
+      jnp.zeros([], jnp.int32) if fallbacks is None else fallbacks)
+
+
+def with_counts(state: ScaleByKFACState,
+                counts: DecompositionCounts) -> ScaleByKFACState:
+  """``state`` with ``counts`` (fallbacks only where the state keeps them)."""
+  return state._replace(
+      rejected_decompositions=counts.rejected,
+      eigh_fallbacks=(None if state.eigh_fallbacks is None else
+                      counts.fallbacks))
 
 
 def without_params_shaped(state: ScaleByKFACState) -> ScaleByKFACState:
@@ -114,7 +140,11 @@ def state_partition_specs(state: ScaleByKFACState,
       accumulator=accumulator,
       skipped_factor_updates=PartitionSpec(),
       rejected_decompositions=PartitionSpec(),
-      quadratic_model=model)
+      quadratic_model=model,
+      eigh_fallbacks=(None if state.eigh_fallbacks is None else
+                      PartitionSpec()),
+      eigenvalue_scales=(None if state.eigenvalue_scales is None else
+                         replicated(state.eigenvalue_scales)))
 
 
 def shapes_and_dtypes(tree: Any) -> Any:

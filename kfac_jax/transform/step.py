@@ -25,17 +25,20 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from kfac_jax import linalg
+from kfac_jax import finite, linalg
 from kfac_jax.capture import layers as layers_lib
 from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.distribution import placement as placement_lib
+from kfac_jax.distribution.placement import DecompositionCounts
 from kfac_jax.distribution import sharding
 from kfac_jax.distribution.layout import Dims
 from kfac_jax.factors import batch as batch_lib
 from kfac_jax.factors import running
 from kfac_jax.factors.running import LayerFactors
+from kfac_jax.preconditioning import ekfac
 from kfac_jax.preconditioning import inverse as inverse_lib
+from kfac_jax.preconditioning.eigen import EigenPreconditioner
 from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
                                                      factored_is_cheaper,
                                                      from_matrix, to_matrix)
@@ -44,9 +47,12 @@ from kfac_jax import hyperparameters as hp
 from kfac_jax.transform import quadratic_model
 from kfac_jax.transform.config import KFACConfig
 from kfac_jax.transform.quadratic_model import SplitLoss
-from kfac_jax.transform.state import ScaleByKFACState
+from kfac_jax.transform.state import (ScaleByKFACState, decomposition_counts,
+                                     with_counts)
 
 Blocks = dict[str, jax.Array]
+# {block: eigenbases} -> {block: EKFAC's S_batch} (``stats_scales``).
+BatchScales = Callable[[Mapping[str, EigenPreconditioner]], Blocks]
 
 
 def optimizer_step(
@@ -55,6 +61,7 @@ def optimizer_step(
     batch_factors: Callable[[], dict[str, LayerFactors]],
     sharded: Mapping[str, tuple[str, ...]],
     factored: Mapping[str, FactoredGradient] | None = None,
+    batch_scales: BatchScales | None = None,
 ) -> tuple[Any, ScaleByKFACState]:
   """Factor update, decomposition and preconditioning of one optimizer step.
 
@@ -69,6 +76,8 @@ def optimizer_step(
       ``params_partition_specs``.
     factored: ``{block: aᵀg}`` preconditioned in that form instead of the
       block of ``grads`` (``gradient_from_stats``).
+    batch_scales: with ``eigenvalue_correction``, gives EKFAC's batch
+      ``S_batch`` of ``active``'s blocks in the given eigenbases.
 
   Returns:
     The updates and the state after the step (accumulator untouched).
@@ -85,15 +94,19 @@ def optimizer_step(
   scheduled_damping = config.damping if config.adaptive is None else None
   factors, skipped = update_factors(config, state, batch_factors,
                                     decomposition_step)
-  preconditioners, rejected = guarded_decomposition(
+  preconditioners, counts = guarded_decomposition(
       config.placement, dims,
       {block: factors[block] for block in active_blocks},
-      state.preconditioners, state.rejected_decompositions, damping,
+      state.preconditioners, decomposition_counts(state), damping,
       hp.all_valid(count, scheduled_damping), config.factored_damping,
       when=decomposition_step)
+  scales = None
+  if config.eigenvalue_correction:
+    scales = update_scales(config, state, preconditioners, batch_scales,
+                           active_blocks, decomposition_step)
   preconditioned, gradient_matrices = precondition(
       config, grads, layers, active, preconditioners, damping, sharded,
-      factored)
+      factored, scales)
   updates_ok = hp.all_valid(
       count, scheduled_damping, config.kl_clip,
       None if config.kl_clip is None else config.learning_rate)
@@ -111,9 +124,9 @@ def optimizer_step(
   }
   factors, preconditioners = pin_to_specs(config, factors, preconditioners,
                                           dims)
-  new_state = state._replace(
+  new_state = with_counts(state._replace(
       count=count + 1, factors=factors, preconditioners=preconditioners,
-      skipped_factor_updates=skipped, rejected_decompositions=rejected)
+      skipped_factor_updates=skipped, eigenvalue_scales=scales), counts)
   updates = replace_layers(grads, layers, layer_updates)
   return constrain_to_params(config, updates), new_state
 
@@ -188,41 +201,86 @@ def decomposition_inputs(
 def guarded_decomposition(
     placement: placement_lib.Placement, dims: Dims,
     factors: Mapping[str, LayerFactors], previous: Any,
-    rejected: jax.Array, damping: jax.Array, damping_ok: jax.Array | None,
-    factored_damping: bool, when: jax.Array | bool = True,
-) -> tuple[Any, jax.Array]:
-  """A decomposition step's preconditioners and rejection count.
+    counts: DecompositionCounts, damping: jax.Array,
+    damping_ok: jax.Array | None, factored_damping: bool,
+    when: jax.Array | bool = True,
+) -> tuple[Any, DecompositionCounts]:
+  """A decomposition step's preconditioners and counts.
 
   ``factors`` (the blocks to decompose) go through ``decomposition_inputs``
   and ``placement.decompose`` if ``when``; a block whose decomposition comes
   out non-finite keeps its ``previous`` preconditioner (in the layout
   ``placement.init`` makes: a dict, or the packed ``ShardedPreconditioners``)
-  and adds one to ``rejected``. ``damping_ok``: whether a scheduled λ is in
+  and adds one to ``counts.rejected``; eigh fallbacks of the subspace solver
+  add to ``counts.fallbacks``. ``damping_ok``: whether a scheduled λ is in
   range at this step (``None``: not checked); where it is not, nothing is
   decomposed and every block counts as rejected. Off ``when``, ``previous``
-  and ``rejected`` come back as they are. A ``previous`` packed in another
+  and ``counts`` come back as they are. A ``previous`` packed in another
   layout (``placement.stale``: a checkpoint restored under another strategy)
   is decomposed whatever ``when``, from the identity's preconditioners.
   """
   stale = placement.stale(dims, previous)
   if stale is not None and when is not True:
     when = when | stale
+  add = lambda new: jax.tree.map(jnp.add, counts, new)
 
   def decomposed():
     to_decompose, decomposition_damping = decomposition_inputs(
         factors, damping, factored_damping)
-    preconditioners, newly_rejected = placement.decompose(
+    preconditioners, new_counts = placement.decompose(
         dims, to_decompose, previous, decomposition_damping)
-    return preconditioners, rejected + newly_rejected
+    return preconditioners, add(new_counts)
 
   if damping_ok is None:
     if when is True:
       return decomposed()
-    return lax.cond(when, decomposed, lambda: (previous, rejected))
+    return lax.cond(when, decomposed, lambda: (previous, counts))
+  skipped = (when & ~damping_ok).astype(jnp.int32) * len(factors)
   return lax.cond(
       when & damping_ok, decomposed,
-      lambda: (previous, rejected +
-               (when & ~damping_ok).astype(jnp.int32) * len(factors)))
+      lambda: (previous, add(DecompositionCounts(skipped, jnp.zeros_like(
+          skipped)))))
+
+
+def update_scales(config: KFACConfig, state: ScaleByKFACState,
+                  preconditioners: Mapping[str, EigenPreconditioner],
+                  batch_scales: BatchScales, active_blocks: Sequence[str],
+                  decomposition_step: jax.Array) -> Blocks:
+  """EKFAC's running ``S`` after this step (``preconditioning.ekfac``).
+
+  On decomposition steps ``S`` is carried from the state's eigenbases into
+  the new ones (``ekfac.reproject``); a non-finite ``S`` (a corrupted
+  restore) restarts there from K-FAC's ``outer(d_A, d_G)``. On factor
+  steps it is then averaged with the batch's, ``S ← d·S + (1 − d)·S_batch``,
+  in the new bases; a batch with NaN/Inf (or a scheduled ``d`` out of
+  range) is left out, as it is from the factors.
+  """
+  count = state.count
+  old = state.preconditioners
+  current = dict(state.eigenvalue_scales)
+
+  def reprojected():
+    carried = dict(current)
+    for b in active_blocks:
+      moved = ekfac.reproject(current[b], old[b], preconditioners[b])
+      carried[b] = jnp.where(jnp.isfinite(jnp.sum(moved)), moved,
+                             ekfac.kfac_scales(preconditioners[b]))
+    return carried
+
+  scales = lax.cond(decomposition_step, reprojected, lambda: current)
+  factor_step = count % config.factor_update_steps(count) == 0
+
+  def averaged():
+    new = batch_scales(preconditioners)
+    ok = finite.all_finite(new)
+    decay_ok = hp.all_valid(count, config.factor_decay)
+    if decay_ok is not None:
+      ok = ok & decay_ok
+    decay = config.factor_decay(count)
+    return {b: (jnp.where(ok, decay * s + (1 - decay) * new[b], s)
+                if b in new else s) for b, s in scales.items()}
+
+  return lax.cond(factor_step, averaged, lambda: scales)
 
 
 def precondition(
@@ -230,11 +288,13 @@ def precondition(
     active: Sequence[str], preconditioners: Any, damping: jax.Array,
     sharded: Mapping[str, tuple[str, ...]],
     factored: Mapping[str, FactoredGradient] | None,
+    scales: Blocks | None = None,
 ) -> tuple[Blocks, Blocks]:
   """``P`` of every block of ``active``, and the blocks' gradient matrices.
 
   ``P = (A ⊗ G + λI)⁻¹ vec(∇)`` (eigen) or ``(A + λI)⁻¹ ∇ (G + λI)⁻¹``
-  (inverse), with ``∇`` the block of ``grads`` or its ``factored`` form.
+  (inverse), with ``∇`` the block of ``grads`` or its ``factored`` form;
+  with EKFAC's ``scales``, ``Q_A [(Q_Aᵀ ∇ Q_G) / (S + λ)] Q_Gᵀ``.
   """
   gradient_matrices = {}
   for name in active:
@@ -242,6 +302,10 @@ def precondition(
     blocks = to_matrix(layers_lib.get_layer_params(grads, layer), layer,
                        jnp.float32)
     gradient_matrices.update(zip(layer.block_names, blocks))
+  if scales is not None:
+    preconditioners = {
+        b: ekfac.with_scales(p, scales[b], damping) if b in scales else p
+        for b, p in preconditioners.items()}
   preconditioned = config.placement.precondition(
       layers_lib.blocks_of(layers), preconditioners,
       {**gradient_matrices, **(factored or {})}, damping, sharded)
@@ -312,6 +376,23 @@ def pin_to_specs(config: KFACConfig, factors: Any, preconditioners: Any,
   preconditioners = jax.tree.map(place, config.placement.partition_specs(dims),
                                  preconditioners, is_leaf=is_spec)
   return replicate(config, factors), preconditioners
+
+
+def stats_scales(config: KFACConfig, stats: Mapping[str, LayerStatistics],
+                 layers: Mapping[str, LayerInfo], active: Sequence[str],
+                 preconditioners: Mapping[str, EigenPreconditioner]) -> Blocks:
+  """EKFAC's batch ``{block: S_batch}`` of ``active`` in ``preconditioners``'
+  eigenbases, from the rows of the batch factors (``factors.batch``)."""
+  blocks = {}
+  for name in active:
+    calls = batch_lib.dense_calls(stats[name],
+                                  fisher_scaled=config.adaptive is not None,
+                                  examples=config.factor_batch_size)
+    for index, block in enumerate(layers[name].block_names):
+      blocks[block] = ekfac.batch_scales(
+          [(a[index], g[index], scale) for a, g, scale in calls],
+          preconditioners[block])
+  return blocks
 
 
 def stats_factors(config: KFACConfig, stats: Mapping[str, LayerStatistics],
