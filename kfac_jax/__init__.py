@@ -12,6 +12,7 @@ from kfac_jax.distribution.strategy import DistributedStrategy
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning.eigen import EigenPreconditioner
 from kfac_jax.preconditioning.inverse import InversePreconditioner
+from kfac_jax.preconditioning.subspace import SubspaceSolver
 from kfac_jax.transform.alias import kfac
 from kfac_jax.hyperparameters import ComputeMethod
 from kfac_jax.transform.partition_specs import get_opt_state_partition_specs
@@ -39,6 +40,7 @@ __all__ = [
     "ScaleByKFACState",
     "ShardedPreconditioners",
     "SplitLoss",
+    "SubspaceSolver",
     "get_opt_state_partition_specs",
     "kfac",
     "sampled_curvature",

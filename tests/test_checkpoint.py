@@ -102,7 +102,11 @@ def assert_bit_exact(actual, expected):
     dict(compute_method="inverse", accumulation_steps=2,
          inv_dtype=jnp.bfloat16),
     dict(compute_method="eigen", factor_dtype=jnp.bfloat16),
-], ids=["eigen", "inverse-accumulating-bf16", "eigen-bf16-factors"])
+    # The subspace solver's counter and EKFAC's scaling are state too.
+    dict(compute_method="eigen", eigen_solver="subspace",
+         eigenvalue_correction=True),
+], ids=["eigen", "inverse-accumulating-bf16", "eigen-bf16-factors",
+        "eigen-subspace-ekfac"])
 def test_round_trip_is_bit_exact_and_training_continues(tmp_path, kfac_kwargs):
   params, tx, step = make_training(**kfac_kwargs)
   data = batches()

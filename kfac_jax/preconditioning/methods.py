@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from kfac_jax import finite
 from kfac_jax.preconditioning import batched, eigen, inverse, subspace
 from kfac_jax.preconditioning.batched import Crop, FactorFn, Results
+from kfac_jax.preconditioning.subspace import SubspaceSolver
 
 Preconditioner = eigen.EigenPreconditioner | inverse.InversePreconditioner
 
@@ -58,18 +59,6 @@ class Method(NamedTuple):
       None)
   finish: Callable[[jax.Array, Results, jax.Array],
                    tuple[Results, jax.Array]] | None = None
-
-
-class SubspaceSolver(NamedTuple):
-  """The eigen method's ``eigen_solver="subspace"`` (``subspace``).
-
-  Attributes:
-    steps: k, subspace-iteration steps per refresh.
-    drift_threshold: a refresh whose drift exceeds it falls back to ``eigh``.
-  """
-
-  steps: int = 1
-  drift_threshold: float = subspace.DEFAULT_DRIFT_THRESHOLD
 
 
 def _eigenbases(preconditioner: eigen.EigenPreconditioner

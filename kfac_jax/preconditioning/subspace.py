@@ -36,6 +36,8 @@ References:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -45,6 +47,27 @@ from kfac_jax.preconditioning.eigen import DECOMPOSITION_DTYPE, eigh_factor
 # ‖F − Q diag(ρ) Qᵀ‖_F ≤ 5 % of ‖F‖_F: a basis further off is replaced by
 # eigh's (see ``KFACConfig.subspace_drift_threshold``).
 DEFAULT_DRIFT_THRESHOLD = 0.05
+
+
+class SubspaceSolver(NamedTuple):
+  """``scale_by_kfac(eigen_solver=SubspaceSolver(...))``: the eigen method's
+  eigenbases refreshed by subspace iteration (``eigen_solver="subspace"``
+  is ``SubspaceSolver()``).
+
+  Attributes:
+    steps: k ≥ 1 steps of ``Q ← qr(F·Q)`` per refresh.
+    drift_threshold: in ``(0, 1]``: a refresh with
+      ``‖F − Q diag(d) Qᵀ‖_F > drift_threshold·‖F‖_F`` is replaced by a
+      full ``eigh`` (and counted in the state's ``eigh_fallbacks``).
+
+  Example:
+    >>> import kfac_jax
+    >>> tx = kfac_jax.scale_by_kfac(
+    ...     eigen_solver=kfac_jax.SubspaceSolver(steps=2))
+  """
+
+  steps: int = 1
+  drift_threshold: float = DEFAULT_DRIFT_THRESHOLD
 
 
 def rayleigh_quotients(basis: jax.Array, product: jax.Array) -> jax.Array:

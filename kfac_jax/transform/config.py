@@ -26,8 +26,8 @@ from kfac_jax.capture.layers import LayerInfo, LayerTable
 from kfac_jax.distribution import placement as placement_lib
 from kfac_jax.distribution import strategy
 from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
-from kfac_jax.preconditioning import subspace
-from kfac_jax.preconditioning.methods import SubspaceSolver, make_method
+from kfac_jax.preconditioning.methods import make_method
+from kfac_jax.preconditioning.subspace import SubspaceSolver
 from kfac_jax import hyperparameters as hp
 from kfac_jax.transform import nnx_variables
 from kfac_jax.hyperparameters import ComputeMethod, ScalarOrSchedule
@@ -168,20 +168,15 @@ class KFACConfig:
       is unused.
     eigen_solver: eigen method: how each decomposition step refreshes the
       eigenbases. ``"eigh"``: a full ``eigh`` of every factor.
-      ``"subspace"``: ``subspace_steps`` steps of warm-started subspace
+      ``"subspace"`` (``SubspaceSolver()``) or a ``SubspaceSolver(steps,
+      drift_threshold)``: ``steps`` steps of warm-started subspace
       iteration from the stored basis, ``Q ← qr(F·Q)`` with its columns
       sorted by decreasing Rayleigh quotient ``diag(Qᵀ F Q)``, which give
       the eigenvalues (``preconditioning.subspace``): two ``[d, d]``
       products and a QR per step instead of an ``eigh``. A factor's first
       decomposition (its basis still the identity), and a refresh that
-      drifted, ``‖F − Q diag(d) Qᵀ‖_F > subspace_drift_threshold·‖F‖_F``,
-      use ``eigh``; the state counts the drifted ones
-      (``eigh_fallbacks``).
-    subspace_steps: with ``eigen_solver="subspace"``, k ≥ 1 steps per
-      refresh.
-    subspace_drift_threshold: with ``eigen_solver="subspace"``, the relative
-      error ``‖F − Q diag(d) Qᵀ‖_F / ‖F‖_F`` in ``(0, 1]`` past which a
-      refresh is replaced by ``eigh``.
+      drifted, ``‖F − Q diag(d) Qᵀ‖_F > drift_threshold·‖F‖_F``, use
+      ``eigh``; the state counts the drifted ones (``eigh_fallbacks``).
     eigenvalue_correction: eigen method: EKFAC (George et al. 2018). The
       scaling ``outer(d_A, d_G)`` is replaced by running second moments of
       the gradient rows in the Kronecker eigenbasis,
@@ -219,9 +214,7 @@ class KFACConfig:
   factor_batch_size: int | None = None
   gradient_from_stats: bool = False
   adaptive: AdaptiveConfig | None = None
-  eigen_solver: str = "eigh"
-  subspace_steps: int = 1
-  subspace_drift_threshold: float = subspace.DEFAULT_DRIFT_THRESHOLD
+  eigen_solver: str | SubspaceSolver = "eigh"
   eigenvalue_correction: bool = False
   placement: placement_lib.Placement = dataclasses.field(init=False)
 
@@ -253,8 +246,7 @@ class KFACConfig:
     _check_gradient_from_stats(self)
     set_("eigenvalue_correction", hp.static_bool(
         "eigenvalue_correction", self.eigenvalue_correction))
-    set_("subspace_steps", hp.static_positive_integer(
-        "subspace_steps", self.subspace_steps))
+    set_("eigen_solver", _eigen_solver(self.eigen_solver))
     _check_eigen_options(self)
     set_("placement", make_placement(
         self.compute_method, self.compute_eigenvalue_outer_product,
@@ -279,10 +271,9 @@ class KFACConfig:
 
   @property
   def subspace_solver(self) -> SubspaceSolver | None:
-    """The subspace solver's settings with ``eigen_solver="subspace"``."""
-    if self.eigen_solver != "subspace":
-      return None
-    return SubspaceSolver(self.subspace_steps, self.subspace_drift_threshold)
+    """The subspace solver's settings, or ``None`` for ``eigh``."""
+    return (self.eigen_solver if isinstance(self.eigen_solver, SubspaceSolver)
+            else None)
 
   @property
   def find_layers(self) -> Callable[..., dict[str, LayerInfo]]:
@@ -378,26 +369,27 @@ def _check_gradient_from_stats(config: KFACConfig) -> None:
         f"{config.mesh_axes!r}). Drop one of the two.")
 
 
-def _check_eigen_options(config: KFACConfig) -> None:
-  """The eigen method's solver and EKFAC settings."""
-  eigen = config.compute_method is ComputeMethod.EIGEN
-  if config.eigen_solver not in ("eigh", "subspace"):
+def _eigen_solver(solver: Any) -> str | SubspaceSolver:
+  """``"eigh"``, or the ``SubspaceSolver`` of ``"subspace"`` or of one given."""
+  if isinstance(solver, str) and solver in ("eigh", "subspace"):
+    return "eigh" if solver == "eigh" else SubspaceSolver()
+  if not isinstance(solver, SubspaceSolver):
     raise ValueError(
-        f"eigen_solver must be 'eigh' or 'subspace', got "
-        f"{config.eigen_solver!r}.")
-  subspace_set = (config.subspace_steps != 1 or config.subspace_drift_threshold
-                  != subspace.DEFAULT_DRIFT_THRESHOLD)
-  if subspace_set and config.eigen_solver != "subspace":
-    raise ValueError(
-        "subspace_steps and subspace_drift_threshold set the subspace "
-        "solver; they have no effect with eigen_solver="
-        f"{config.eigen_solver!r}: pass eigen_solver='subspace' too.")
-  threshold = config.subspace_drift_threshold
+        "eigen_solver must be 'eigh', 'subspace' or a "
+        f"kfac_jax.SubspaceSolver(steps, drift_threshold); got {solver!r}.")
+  steps = hp.static_positive_integer("SubspaceSolver.steps", solver.steps)
+  threshold = solver.drift_threshold
   if (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
       or not 0 < threshold <= 1):
     raise ValueError(
-        "subspace_drift_threshold must be a number in (0, 1] (a relative "
-        f"Frobenius error), got {threshold!r}.")
+        "SubspaceSolver.drift_threshold must be a number in (0, 1] (a "
+        f"relative Frobenius error); got {threshold!r}.")
+  return SubspaceSolver(steps, float(threshold))
+
+
+def _check_eigen_options(config: KFACConfig) -> None:
+  """The subspace solver and EKFAC need the eigen method (and EKFAC one
+  device and one micro-batch per step)."""
   if config.eigenvalue_correction and config.mesh_axes is not None:
     raise ValueError(
         "eigenvalue_correction=True keeps its scaling beside the eigenbases "
@@ -408,10 +400,10 @@ def _check_eigen_options(config: KFACConfig) -> None:
         "eigenvalue_correction=True does not support accumulation_steps="
         f"{config.accumulation_steps} yet: use accumulation_steps=1.")
   for name, on in (("eigen_solver='subspace'",
-                    config.eigen_solver == "subspace"),
+                    config.subspace_solver is not None),
                    ("eigenvalue_correction=True",
                     config.eigenvalue_correction)):
-    if on and not eigen:
+    if on and config.compute_method is not ComputeMethod.EIGEN:
       raise ValueError(
           f"{name} works on eigenbases: it needs compute_method='eigen' (got "
           f"{config.compute_method.value!r}).")
