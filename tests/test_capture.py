@@ -519,8 +519,11 @@ def test_a_lax_scan_over_a_stacked_params_tree_captures_each_layer():
         stacked)
     return jnp.sum(h**2)
 
-  assert kfac_jax.trace_layers(loss_fn, stacked)["dense"].stack_ndim == 1
+  table = kfac_jax.trace_layers(loss_fn, stacked)
   _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(stacked)
+  # One description: the table reads the kernel by the call's signature.
+  assert table["dense"].signature == stats["dense"].signature
+  assert table["dense"].stack_ndim == 1
 
   kernel, bias = stacked["dense"]["kernel"], stacked["dense"]["bias"]
 

@@ -206,7 +206,7 @@ class _ShapeRecorder:
     return outputs
 
   def kernel(self, name: str) -> Any:
-    key = probes_lib.kernel_key(self.calls[name][0].signature)
+    key = self.calls[name][0].signature.kernel_key
     return _lookup(self.params, self.paths[name] + (key,))
 
   def check_traces(self) -> None:

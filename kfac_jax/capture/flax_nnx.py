@@ -313,7 +313,7 @@ def _kernels(model: nnx.Module, calls: Mapping[str, Sequence[probes_lib.Call]]
   for name, layer_calls in calls.items():
     path, module = modules[name]
     kernels[name] = (path, getattr(
-        module, probes_lib.kernel_key(layer_calls[0].signature)))
+        module, layer_calls[0].signature.kernel_key))
   return kernels
 
 

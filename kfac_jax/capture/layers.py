@@ -37,7 +37,11 @@ import math
 import re
 import warnings
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  # Annotation only: this module imports neither jax nor flax.
+  from kfac_jax.capture.statistics import LayerSignature
 
 KERNEL = "kernel"
 BIAS = "bias"
@@ -46,33 +50,51 @@ EMBEDDING = "embedding"
 
 @dataclasses.dataclass(frozen=True)
 class LayerInfo:
-  """Static description of one registered layer.
+  """Static description of one registered layer: its params and its call.
+
+  The params give where the layer sits and its kernel's shape; how the
+  kernel's axes read (stack, contracted, groups) is the traced call's, the
+  ``signature`` that ``value_grad_and_stats`` also carries in the layer's
+  stats. Without one (a layer read from its params alone), the kernel is a
+  ``Dense``/``Conv`` ``[*window, in, out]``: no stack, one group.
 
   Attributes:
     name: module path joined with ``/`` (``"encoder/Dense_0"``).
     path: the module path as a tuple of keys into the params tree (strings,
       or integers for an NNX list).
     kernel_shape: ``[*stack, *contracted, *output]``.
-    has_bias: whether a ``bias`` ``[*stack, *output]`` sits beside the kernel.
-    stack_ndim: number of leading layer (``nn.scan``) axes.
-    contracted_ndim: number of kernel axes contracted with the input; ``None``
-      means all but the last (``Dense``/``Conv``).
-    groups: convolution ``feature_group_count``.
-    module_type: the Flax class name when traced (``skip_layers`` patterns
-      match it), else ``None``.
-    kernel_key: the params entry of the kernel: ``"kernel"``, or
-      ``"embedding"`` for an ``Embed`` table.
+    has_bias: whether the params hold a bias ``[*stack, *output]`` beside the
+      kernel; the call's ``signature.has_bias`` (A's bias row) must agree,
+      which ``find_layers`` and ``update`` check.
+    signature: the layer's call as ``trace_layers`` traced it, or ``None``
+      when read from the params alone.
   """
 
   name: str
   path: tuple[Any, ...]
   kernel_shape: tuple[int, ...]
   has_bias: bool
-  stack_ndim: int = 0
-  contracted_ndim: int | None = None
-  groups: int = 1
-  module_type: str | None = None
-  kernel_key: str = KERNEL
+  signature: LayerSignature | None = None
+
+  @property
+  def stack_ndim(self) -> int:
+    """Number of leading layer (``nn.scan``) axes of the kernel."""
+    return 0 if self.signature is None else self.signature.stack_ndim
+
+  @property
+  def groups(self) -> int:
+    """Convolution ``feature_group_count``."""
+    return 1 if self.signature is None else self.signature.groups
+
+  @property
+  def module_type(self) -> str | None:
+    """The traced Flax class name (``skip_layers`` patterns match it)."""
+    return None if self.signature is None else self.signature.module_type
+
+  @property
+  def kernel_key(self) -> str:
+    """The params entry of the kernel (``"embedding"`` for an ``Embed``)."""
+    return KERNEL if self.signature is None else self.signature.kernel_key
 
   @property
   def stack_shape(self) -> tuple[int, ...]:
@@ -80,9 +102,10 @@ class LayerInfo:
 
   @property
   def contracted_shape(self) -> tuple[int, ...]:
-    count = self.contracted_ndim
-    if count is None:
-      count = len(self.kernel_shape) - self.stack_ndim - 1
+    """The kernel axes contracted with the input (all but the last when read
+    from the params alone)."""
+    count = (len(self.kernel_shape) - 1 if self.signature is None else
+             self.signature.contracted_ndim)
     return self.kernel_shape[self.stack_ndim:self.stack_ndim + count]
 
   @property
@@ -298,8 +321,7 @@ def find_layers(params: Any,
           name=name,
           path=path,
           kernel_shape=tuple(int(d) for d in kernel.shape),
-          has_bias=node.get(BIAS) is not None,
-          kernel_key=key)
+          has_bias=node.get(BIAS) is not None)
       if table is not None:
         layer = _from_table(table, layer, warn_untraced, skip)
       if layer is not None and not matches_any(skip, layer.module_type or ""):

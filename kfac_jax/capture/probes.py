@@ -29,7 +29,7 @@ import jax.extend.core
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kfac_jax.capture.layers import EMBEDDING, KERNEL, LayerInfo, skip_pattern
+from kfac_jax.capture.layers import LayerInfo, skip_pattern
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
 
 # One call's (input probe, output perturbation).
@@ -260,11 +260,6 @@ def statistics(calls: Mapping[str, Sequence[Call]],
   }
 
 
-def kernel_key(signature: LayerSignature) -> str:
-  """The params entry holding the layer's kernel."""
-  return EMBEDDING if signature.num_embeddings is not None else KERNEL
-
-
 def layer_info(name: str, path: tuple[Any, ...], kernel_shape: Sequence[int],
                signature: LayerSignature) -> LayerInfo:
   """A layer table entry from a captured call's signature."""
@@ -272,12 +267,9 @@ def layer_info(name: str, path: tuple[Any, ...], kernel_shape: Sequence[int],
       name=name,
       path=path,
       kernel_shape=tuple(int(d) for d in kernel_shape),
+      # A Flax layer holds a bias param exactly when its call adds one.
       has_bias=signature.has_bias,
-      stack_ndim=signature.stack_ndim,
-      contracted_ndim=signature.contracted_ndim,
-      groups=signature.groups,
-      module_type=signature.module_type,
-      kernel_key=kernel_key(signature))
+      signature=signature)
 
 
 class TraceCheck:

@@ -12,6 +12,8 @@ from typing import Union
 
 import jax
 
+from kfac_jax.capture.layers import EMBEDDING, KERNEL
+
 # Flax's canonical padding: a lax padding string, "CIRCULAR"/"REFLECT"/"CAUSAL",
 # or explicit (low, high) pairs per spatial dimension.
 Padding = Union[str, tuple[tuple[int, int], ...]]
@@ -40,7 +42,12 @@ class ConvGeometry:
 
 @dataclasses.dataclass(frozen=True)
 class LayerSignature:
-  """Static identity of a captured layer.
+  """Static identity of a captured layer: how its call reads its kernel.
+
+  The stats carry it alone, so it holds all that the factors need. It is
+  also the one description of how the kernel's axes read: a layer table's
+  ``LayerInfo`` holds the traced signature and derives its stack,
+  contracted and group axes, class name and kernel entry from it.
 
   Attributes:
     module_type: the Flax class name (``"Dense"``, ``"Conv"``); ``skip_layers``
@@ -76,6 +83,11 @@ class LayerSignature:
   @property
   def groups(self) -> int:
     return 1 if self.conv is None else self.conv.feature_group_count
+
+  @property
+  def kernel_key(self) -> str:
+    """The params entry holding the layer's kernel."""
+    return EMBEDDING if self.num_embeddings is not None else KERNEL
 
 
 @jax.tree_util.register_dataclass
