@@ -221,6 +221,22 @@ def equality(axis_type: AxisType) -> None:
                     "hybrid_opt over 'fsdp' of (2, 4)")
 
 
+def subspace_solver(axis_type: AxisType) -> None:
+  """The subspace solver refines each layer's basis on the device that keeps
+  it, from the basis stored there: as on one device."""
+  params, loss_fn, batches = conv_problem()
+  solver = dict(eigen_solver="subspace")
+  reference = train(params, loss_fn, batches, solver)
+  kwargs = dict(solver, mesh_axes=("data", "fsdp"),
+                grad_worker_fraction="hybrid_opt")
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
+  with jax.set_mesh(mesh):
+    run = train(params, loss_fn, batches, kwargs, mesh,
+                PartitionSpec(("data", "fsdp")))
+    assert_same_run(run, reference, kwargs, solver, "subspace hybrid_opt")
+  assert int(run[1].eigh_fallbacks) == int(reference[1].eigh_fallbacks)
+
+
 def fsdp(axis_type: AxisType) -> None:
   """Kernels sharded over 'fsdp': same training, updates keep their specs."""
   params, loss_fn, batches = conv_problem()
@@ -922,7 +938,7 @@ PROGRAMS = {f.__name__: f for f in (adaptive, equality, fsdp, local_fsdp,
                                     mixed, division, specs, checkpoint, blocks,
                                     gradient_from_stats, edges,
                                     restored_layout, stable_state,
-                                    multi_transform_fsdp)}
+                                    multi_transform_fsdp, subspace_solver)}
 
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()
