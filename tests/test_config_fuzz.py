@@ -89,6 +89,11 @@ VALID = {
     "factor_batch_size": st.one_of(st.none(), st.integers(1, 64)),
     "gradient_from_stats": st.one_of(st.booleans(),
                                      st.sampled_from([np.bool_(True)])),
+    "eigen_solver": st.one_of(
+        st.sampled_from(["eigh", "subspace"]),
+        st.builds(kfac_jax.SubspaceSolver, st.integers(1, 3),
+                  st.floats(1e-6, 1.0))),
+    "eigenvalue_correction": st.booleans(),
 }
 
 
@@ -107,6 +112,13 @@ def valid_configs(draw):
     # Rounding to bfloat16 turns rank-deficient factors indefinite, where
     # the inverse method's Cholesky fails (test_validation.py).
     config["compute_method"] = "eigen"
+  if config.get("eigen_solver", "eigh") != "eigh" or config.get(
+      "eigenvalue_correction"):
+    # Both work on eigenbases.
+    config["compute_method"] = "eigen"
+  if config.get("eigenvalue_correction"):
+    # EKFAC's scaling is updated from one micro-batch per step.
+    config["accumulation_steps"] = 1
   return config
 
 
