@@ -11,6 +11,11 @@ platform it runs on:
   one by one   one solver call per factor
 
 and marks the layout the library picks there (``Method.decompose_each_on``).
+The eigen method is timed with ``eigh`` and with the subspace solver
+(``eigen_solver="subspace"``, k = 1 and 2) refreshing the eigenbases of the
+same factors one averaging step earlier, ``F₀ = 0.95·F + 0.05·F'`` (a
+running factor's change between two refreshes at decay 0.95; its
+``fallbacks`` column counts the factors that fell back to ``eigh``).
 The factors are ``XᵀX/n + 10⁻³I`` of random rows with decaying scales.
 Run it on each platform whose choice is in question (CPU, a GPU):
 
@@ -38,6 +43,7 @@ import bench_common
 from kfac_jax.distribution import placement
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import methods
+from kfac_jax.preconditioning.subspace import SubspaceSolver
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -69,17 +75,23 @@ def autoencoder_factors(widths: Sequence[int], pixels: int, rows: int,
 
 
 def time_layout(method: methods.Method, factors: dict[str, LayerFactors],
-                repeats: int) -> dict[str, Any]:
-  """Compile time and median/min call time of ``decompose_checked``."""
-  previous = {name: method.init(pair.activation_factor.shape[0],
-                                pair.gradient_factor.shape[0])
-              for name, pair in factors.items()}
+                repeats: int, previous: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+  """Compile time and median/min call time of ``decompose_checked``.
+
+  ``previous``: the preconditioners refined (the subspace solver's warm
+  start); ``None``: those of identity factors.
+  """
+  if previous is None:
+    previous = {name: method.init(pair.activation_factor.shape[0],
+                                  pair.gradient_factor.shape[0])
+                for name, pair in factors.items()}
   damping = jnp.float32(1e-3)
   start = time.perf_counter()
   compiled = jax.jit(lambda fs, ps, d: placement.decompose_checked(
       method, fs, ps, d)).lower(factors, previous, damping).compile()
   compile_s = time.perf_counter() - start
-  _, rejected = jax.block_until_ready(compiled(factors, previous, damping))
+  _, counts = jax.block_until_ready(compiled(factors, previous, damping))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
@@ -87,7 +99,23 @@ def time_layout(method: methods.Method, factors: dict[str, LayerFactors],
     times.append(time.perf_counter() - start)
   return dict(compile_s=round(compile_s, 3),
               median_ms=round(1e3 * statistics.median(times), 2),
-              min_ms=round(1e3 * min(times), 2), rejected=int(rejected))
+              min_ms=round(1e3 * min(times), 2),
+              rejected=int(counts.rejected), fallbacks=int(counts.fallbacks))
+
+
+def previous_bases(factors: dict[str, LayerFactors], rows: int,
+                   method: methods.Method) -> dict[str, Any]:
+  """``eigh``'s preconditioners of ``0.95·F + 0.05·F'`` (``F'`` fresh
+  factors of the same sizes): the bases of one averaging step earlier."""
+  widths = [pair.gradient_factor.shape[0] for pair in factors.values()][:-1]
+  pixels = factors["dense_0"].activation_factor.shape[0] - 1
+  other = autoencoder_factors(widths, pixels, rows, seed=1)
+  earlier = jax.tree.map(lambda f, g: 0.95 * f + 0.05 * g, factors, other)
+  return jax.jit(lambda fs: placement.decompose_checked(
+      method, fs, {name: method.init(pair.activation_factor.shape[0],
+                                     pair.gradient_factor.shape[0])
+                   for name, pair in fs.items()}, jnp.float32(1e-3))[0])(
+                       earlier)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -99,28 +127,35 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   factors = autoencoder_factors(widths, pixels, args.rows)
   platform = jax.default_backend()
   rows = []
-  cases = [(use_eigen, layout) for use_eigen in (True, False)
+  solvers = {"eigen": None, "eigen subspace k=1": SubspaceSolver(1),
+             "eigen subspace k=2": SubspaceSolver(2), "inverse": None}
+  cases = [(name, layout) for name in solvers
            for layout in ("stacked", "one by one")]
-  for use_eigen, layout in tqdm(cases, disable=args.no_progress):
-    method = methods.make_method(use_eigen, jnp.float32,
-                                 precompute_damped_inverse=False)
+  eigh = methods.make_method(True, jnp.float32, precompute_damped_inverse=False)
+  previous = previous_bases(factors, args.rows, eigh)
+  for name, layout in tqdm(cases, disable=args.no_progress):
+    method = methods.make_method(name != "inverse", jnp.float32,
+                                 precompute_damped_inverse=False,
+                                 solver=solvers[name])
     library_choice = ("one by one" if platform in method.decompose_each_on
                       else "stacked")
     method = method._replace(
         decompose_each_on=(platform,) if layout == "one by one" else ())
-    rows.append(dict(method="eigen" if use_eigen else "inverse",
-                     layout=layout, library_choice=layout == library_choice,
-                     **time_layout(method, factors, repeats)))
+    rows.append(dict(method=name, layout=layout,
+                     library_choice=layout == library_choice,
+                     **time_layout(method, factors, repeats,
+                                   previous if solvers[name] else None)))
 
   print(f"{len(factors) * 2} factors, sizes "
         f"{sorted({f.shape[0] for pair in factors.values() for f in pair})}, "
         f"on {platform} ({jax.devices()[0]})")
-  print("| method | layout | compile s | median ms | min ms | library's choice |")
-  print("|---|---|---:|---:|---:|:-:|")
+  print("| method | layout | compile s | median ms | min ms | fallbacks | "
+        "library's choice |")
+  print("|---|---|---:|---:|---:|---:|:-:|")
   for row in rows:
     print(f"| {row['method']} | {row['layout']} | {row['compile_s']:.2f} | "
           f"{row['median_ms']:.1f} | {row['min_ms']:.1f} | "
-          f"{'✓' if row['library_choice'] else ''} |")
+          f"{row['fallbacks']} | {'✓' if row['library_choice'] else ''} |")
   record = dict(environment=bench_common.environment(), args=vars(args),
                 results=rows)
   out = pathlib.Path(args.out)
