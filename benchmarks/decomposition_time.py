@@ -16,6 +16,10 @@ The eigen method is timed with ``eigh`` and with the subspace solver
 same factors one averaging step earlier, ``F₀ = 0.95·F + 0.05·F'`` (a
 running factor's change between two refreshes at decay 0.95; its
 ``fallbacks`` column counts the factors that fell back to ``eigh``).
+A second table times the two orthogonalizations the subspace step could
+use on ``F·Q`` per factor size: Householder (``jnp.linalg.qr``, the one
+built) and CholeskyQR2 (two passes of ``R = chol(XᵀX)``, ``X ← X R⁻¹``:
+matmuls, a Cholesky and a triangular solve), beside ``eigh`` and one matmul.
 The factors are ``XᵀX/n + 10⁻³I`` of random rows with decaying scales.
 Run it on each platform whose choice is in question (CPU, a GPU):
 
@@ -103,6 +107,39 @@ def time_layout(method: methods.Method, factors: dict[str, LayerFactors],
               rejected=int(counts.rejected), fallbacks=int(counts.fallbacks))
 
 
+def cholesky_qr2(x: jax.Array) -> jax.Array:
+  """``Q`` of ``x`` by CholeskyQR2 (the alternative measured, not built)."""
+  for _ in range(2):
+    r = jnp.linalg.cholesky(x.T @ x).T
+    x = jax.scipy.linalg.solve_triangular(r, x.T, trans="T").T
+  return x
+
+
+def orthogonalization_ms(factors: dict[str, LayerFactors],
+                         repeats: int) -> list[dict[str, Any]]:
+  """Median ms of eigh, one matmul, Householder QR and CholeskyQR2 per size."""
+  sizes = {f.shape[0]: f for pair in factors.values() for f in pair}
+  kernels = {"eigh": lambda f, q: jnp.linalg.eigh(f)[1],
+             "matmul F·Q": lambda f, q: f @ q,
+             "householder qr(F·Q)": lambda f, q: jnp.linalg.qr(f @ q)[0],
+             "cholesky_qr2(F·Q)": lambda f, q: cholesky_qr2(f @ q)}
+  rows = []
+  for size, factor in sorted(sizes.items()):
+    basis = jnp.linalg.eigh(factor)[1]
+    row = dict(size=size)
+    for name, kernel in kernels.items():
+      compiled = jax.jit(kernel)
+      jax.block_until_ready(compiled(factor, basis))
+      times = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(factor, basis))
+        times.append(time.perf_counter() - start)
+      row[name] = round(1e3 * statistics.median(times), 2)
+    rows.append(row)
+  return rows
+
+
 def previous_bases(factors: dict[str, LayerFactors], rows: int,
                    method: methods.Method) -> dict[str, Any]:
   """``eigh``'s preconditioners of ``0.95·F + 0.05·F'`` (``F'`` fresh
@@ -156,8 +193,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"| {row['method']} | {row['layout']} | {row['compile_s']:.2f} | "
           f"{row['median_ms']:.1f} | {row['min_ms']:.1f} | "
           f"{row['fallbacks']} | {'✓' if row['library_choice'] else ''} |")
+  orthogonalization = orthogonalization_ms(factors, repeats)
+  names = [k for k in orthogonalization[0] if k != "size"]
+  print("\n| size | " + " | ".join(f"{n} ms" for n in names) + " |")
+  print("|---:|" + "---:|" * len(names))
+  for row in orthogonalization:
+    print(f"| {row['size']} | " + " | ".join(f"{row[n]:.1f}" for n in names)
+          + " |")
   record = dict(environment=bench_common.environment(), args=vars(args),
-                results=rows)
+                results=rows, orthogonalization=orthogonalization)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
