@@ -15,9 +15,9 @@ left after XLA:CPU compiles identical ones once) and windowed (tree)
 reductions, the instructions XLA:CPU compiles one by one. Same
 models, data and optimizer settings as ``step_time.py`` (autoencoder).
 
-  python benchmarks/compile_time.py                         # sgd, K-FAC inverse -gfs
-  python benchmarks/compile_time.py --kfac-revs HEAD~1      # A/B against a commit
-  python benchmarks/compile_time.py --smoke --out /tmp/x    # CI-cheap
+  python -m benchmarks.compile_time                         # sgd, K-FAC inverse -gfs
+  python -m benchmarks.compile_time --kfac-revs HEAD~1      # A/B against a commit
+  python -m benchmarks.compile_time --smoke --out /tmp/x    # CI-cheap
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
-import step_time
+from benchmarks import step_time
 
 _FUSION = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = \S+ fusion\(", re.M)
 _REDUCE_WINDOW = re.compile(r"\breduce-window\(")
