@@ -31,6 +31,7 @@ import optax
 
 from examples import datasets
 from examples import flags
+from examples import mnist_classifier
 from examples import models
 from examples import reporting
 from examples import training
@@ -39,21 +40,9 @@ from examples import training
 # takes ~2 s: 3 epochs (234 steps). The factors of the 32x32 stage (131,072
 # patch rows per layer) cost more than the forward/backward pass, so they are
 # refreshed every 10 steps, as KAISA does for its ResNets; inverses too.
-DEFAULTS = dict(
-    epochs=3,
-    batch_size=128,
-    kfac_lr=0.1,
-    sgd_lr=0.1,
-    adam_lr=1e-3,
-    compute_method="inverse",
-    damping=0.3,
-    kl_clip=1e-3,
-    inv_update_steps=10,
-    factor_update_steps=10,
-    factor_decay=0.95,
-    optimizers="kfac,sgd,adamw",
-    weight_decay=1e-4,
-)
+DEFAULTS = dict(mnist_classifier.DEFAULTS, epochs=3, batch_size=128,
+                factor_update_steps=10, optimizers="kfac,sgd,adamw",
+                weight_decay=1e-4)
 
 
 def augment(images: np.ndarray, rng: np.random.Generator) -> np.ndarray:

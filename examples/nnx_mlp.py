@@ -31,23 +31,13 @@ from tqdm.auto import tqdm
 import kfac_jax
 from examples import datasets
 from examples import flags
+from examples import mnist_classifier
 from examples import reporting
 from examples import training
 
 # The MNIST classifier's settings (see mnist_classifier.py), 2 epochs.
-DEFAULTS = dict(
-    epochs=2,
-    batch_size=256,
-    kfac_lr=0.1,
-    sgd_lr=0.1,
-    adam_lr=1e-3,
-    compute_method="inverse",
-    damping=0.3,
-    kl_clip=1e-3,
-    inv_update_steps=10,
-    factor_decay=0.95,
-    optimizers="kfac,sgd,adamw",
-)
+DEFAULTS = dict(mnist_classifier.DEFAULTS, epochs=2,
+                optimizers="kfac,sgd,adamw")
 
 
 class MLP(nnx.Module):

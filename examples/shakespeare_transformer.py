@@ -32,6 +32,7 @@ import optax
 import kfac_jax
 from examples import datasets
 from examples import flags
+from examples import mnist_classifier
 from examples import models
 from examples import reporting
 from examples import training
@@ -40,20 +41,8 @@ from examples import training
 # SGD+momentum lr 0.01/0.03/0.1/0.3/1.0 -> 2.98/2.75/3.06/3.36/NaN; AdamW
 # 1e-3/3e-3/1e-2 -> 2.56/2.60/2.81.
 # K-FAC keeps the MNIST classifier's settings, untuned here.
-DEFAULTS = dict(
-    epochs=1,
-    batch_size=64,
-    kfac_lr=0.1,
-    sgd_lr=0.03,
-    adam_lr=1e-3,
-    compute_method="inverse",
-    damping=0.3,
-    kl_clip=1e-3,
-    inv_update_steps=10,
-    factor_decay=0.95,
-    optimizers="kfac,sgd,adamw",
-    weight_decay=1e-4,
-)
+DEFAULTS = dict(mnist_classifier.DEFAULTS, epochs=1, batch_size=64,
+                sgd_lr=0.03, optimizers="kfac,sgd,adamw", weight_decay=1e-4)
 
 
 def sequences(ids: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray]:

@@ -98,6 +98,18 @@ def truncated_fan_in_normal(key, shape, dtype=jnp.float32):
           math.sqrt(shape[0]))
 
 
+def softmax_gauss_newton(model: Any) -> Callable[..., jax.Array]:
+  """``gauss_newton_fn(params, key, x, y)`` of a classifier's softmax
+  cross-entropy: it samples the model's own predictions, so ``y`` is unused."""
+
+  def gauss_newton_fn(params, key, x, y):
+    del y
+    return kfac_jax.sampled_curvature.softmax_cross_entropy(
+        model.apply({"params": params}, x), key)
+
+  return gauss_newton_fn
+
+
 def autoencoder_task(eval_examples: int | None, batch_size: int) -> Task:
   mnist = datasets.load_mnist()
   model = models.Autoencoder(kernel_init=truncated_fan_in_normal)
@@ -165,11 +177,6 @@ def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
             logits, y).mean(),
         regularizer=lambda params: weight_decay * l2_penalty(params))
 
-  def gauss_newton_fn(params, key, x, y):
-    del y  # the curvature samples the model's own predictions
-    return kfac_jax.sampled_curvature.softmax_cross_entropy(
-        model.apply({"params": params}, x), key)
-
   @jax.jit
   def correct(params, x, y):
     return jnp.argmax(model.apply({"params": params}, x), -1) == y
@@ -189,7 +196,7 @@ def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
       evaluate=lambda params: 100 * chunked_mean(
           lambda x, y: correct(params, x, y), test, 1000),
       split_loss=split_loss,
-      gauss_newton_fn=gauss_newton_fn)
+      gauss_newton_fn=softmax_gauss_newton(model))
 
 
 def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
@@ -208,11 +215,6 @@ def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
         outputs_fn=lambda params: model.apply({"params": params}, x),
         loss_fn=lambda logits: optax.softmax_cross_entropy_with_integer_labels(
             logits, y).mean())
-
-  def gauss_newton_fn(params, key, x, y):
-    del y  # the curvature samples the model's own predictions
-    return kfac_jax.sampled_curvature.softmax_cross_entropy(
-        model.apply({"params": params}, x), key)
 
   @jax.jit
   def per_sequence(params, x, y):
@@ -235,7 +237,7 @@ def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
           lambda x, y: per_sequence(params, x, y), val, 512),
       layers=kfac_jax.trace_layers(loss_fn, init(0), *example),
       split_loss=split_loss,
-      gauss_newton_fn=gauss_newton_fn)
+      gauss_newton_fn=softmax_gauss_newton(model))
 
 
 TASK_BUILDERS = {"autoencoder": (autoencoder_task, 1000),
