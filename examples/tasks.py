@@ -204,7 +204,7 @@ def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
   vocab_size, (x_train, y_train), val = shakespeare_transformer.load_sequences(
       context)
   val = flags.head(val, eval_examples)
-  model = shakespeare_transformer.CharTransformer(
+  model = models.CharTransformer(
       vocab_size, context, width=64, depth=2, num_heads=4)
 
   def loss_fn(params, x, y):
