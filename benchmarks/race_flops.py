@@ -119,9 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(f"| piece (batch {result['batch']}, curvature examples "
         f"{result['curvature_examples']}) | XLA GFLOP | from the shapes |")
   print("|---|---:|---:|")
-  for name, flops in xla.items():
+  for name, count in xla.items():
     shape = shapes.get(name)
-    print(f"| {name} | {flops / 1e9:.2f} | "
+    print(f"| {name} | {count / 1e9:.2f} | "
           + ("" if shape is None else f"{shape / 1e9:.2f}") + " |")
   apart = xla["capture"] + xla["quadratic_model"]
   print(f"\nTogether {xla['capture_and_quadratic_model'] / 1e9:.2f} against "

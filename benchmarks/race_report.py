@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import race
-from examples import targets
+from examples.targets import first_reach, median_reach, readouts
 from examples import tasks
 
 
@@ -26,7 +26,7 @@ def readouts_table(task: tasks.Task, runs: Sequence[tuple[str, dict[str, Any]]],
   lines = ["| " + " | ".join(header) + " |",
            "|---" + "|---:" * (len(header) - 1) + "|"]
   for label, run in runs:
-    values = targets.readouts(task, run, targets, at_seconds)
+    values = readouts(task, run, targets, at_seconds)
     cells = [label]
     for target in targets:
       hit = values["reached"][f"{target:g}"]
@@ -46,11 +46,11 @@ def summary_table(result: dict[str, Any]) -> str:
   task, target = result["task"], result["target"]
   reach = {}
   for name, runs in result["finals"].items():
-    reach[name] = [targets.first_reach(task, r, target) if target is not None
+    reach[name] = [first_reach(task, r, target) if target is not None
                    else None for r in runs]
   base_seconds = None
   if result["target_name"] is not None:
-    base_seconds = targets.median_reach(reach[result["target_name"]], 1)
+    base_seconds = median_reach(reach[result["target_name"]], 1)
   header = ("| optimizer | lr or λ₀ | final " + task.metric +
             " (median; min–max) | reached target | steps to target (median) "
             "| seconds to target (median) | × best baseline's seconds | "
@@ -59,9 +59,9 @@ def summary_table(result: dict[str, Any]) -> str:
   for name, runs in result["finals"].items():
     values = [r["final"] for r in runs]
     hits = [h for h in reach[name] if h is not None]
-    median_steps = targets.median_reach(reach[name], 0)
+    median_steps = median_reach(reach[name], 0)
     steps = "—" if median_steps is None else f"{median_steps:.0f}"
-    seconds = targets.median_reach(reach[name], 1)
+    seconds = median_reach(reach[name], 1)
     ratio = (f"{seconds / base_seconds:.2f}" if seconds is not None and
              base_seconds else "—")
     spread = (f" ({min(values):.4g}–{max(values):.4g})" if len(values) > 1

@@ -156,8 +156,8 @@ def test_race_flops_match_the_shapes_and_share_a_forward_pass(tmp_path):
   counts = json.loads(path.read_text())
   xla, shapes = counts["xla_flops"], counts["shape_flops"]
   assert sorted(shapes) == ["capture", "gradient", "quadratic_model"]
-  for name, flops in shapes.items():
-    assert abs(xla[name] / flops - 1) < 0.02, (name, xla[name], flops)
+  for name, count in shapes.items():
+    assert abs(xla[name] / count - 1) < 0.02, (name, xla[name], count)
   weights = sum(layer["fan_in"] * layer["fan_out"]
                 for layer in _autoencoder_shapes(1))
   forward = 2 * counts["curvature_examples"] * weights
