@@ -22,7 +22,7 @@ install-test: $(VENV)/bin/python
 	$(INSTALL) -e ".[test]"
 
 demo: install-examples
-	$(VENV)/bin/python examples/mnist_classifier.py
+	$(VENV)/bin/python -m examples.mnist_classifier
 
 # Tests run on PYTEST_WORKERS processes (pytest-xdist): XLA compiles on one
 # thread, so two tests at a time keep both cores of the CI machine busy,

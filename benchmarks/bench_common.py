@@ -1,13 +1,10 @@
 """Pieces shared by ``step_time.py`` and ``dm_kfac_step_time.py``.
 
 This module must not import ``kfac_jax``: ``dm_kfac_step_time.py`` runs in a
-separate virtual environment where ``kfac_jax`` is DeepMind's package.
+separate virtual environment where ``kfac_jax`` is DeepMind's package. (The
+autoencoder they time is ``examples.models.Autoencoder``.)
 
-* ``Autoencoder``: the MNIST deep autoencoder of Hinton & Salakhutdinov (2006)
-  used in the K-FAC papers, 784-1000-500-250-30-250-500-1000-784, tanh hidden
-  units, a linear 30-unit code and logits out.
-* ``autoencoder_loss``: sigmoid cross-entropy summed over pixels, averaged over
-  the batch.
+* ``random_images``: the timed batch.
 * ``Contestant`` and ``run_interleaved``: the round-robin timing loop.
 * ``summarize``: medians and ratios to the SGD baseline.
 """
@@ -22,48 +19,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-AUTOENCODER_WIDTHS = (1000, 500, 250, 30, 250, 500, 1000)
 SMOKE_AUTOENCODER_WIDTHS = (8,)
-MNIST_PIXELS = 784
 SMOKE_PIXELS = 64
-
-
-class Autoencoder(nn.Module):
-  """Dense autoencoder: tanh hidden layers, linear code layer, logits out.
-
-  ``widths`` are the hidden widths; the middle one is the (linear) code.
-  """
-
-  widths: Sequence[int] = AUTOENCODER_WIDTHS
-  out_features: int = MNIST_PIXELS
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    code = len(self.widths) // 2
-    for i, width in enumerate(self.widths):
-      x = nn.Dense(width)(x)
-      if i != code:
-        x = jnp.tanh(x)
-    return nn.Dense(self.out_features)(x)
-
-
-def autoencoder_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Sigmoid cross-entropy summed over pixels, averaged over the batch."""
-  return optax.sigmoid_binary_cross_entropy(logits, targets).sum(-1).mean()
-
-
-def autoencoder_shapes(widths: Sequence[int], batch: int,
-                       in_features: int = MNIST_PIXELS) -> list[dict[str, int]]:
-  """Dense layer shapes for the FLOP floor: rows, in, out, bias."""
-  dims = [in_features, *widths, in_features]
-  return [dict(rows=batch, fan_in=i, fan_out=o, bias=1)
-          for i, o in zip(dims[:-1], dims[1:])]
 
 
 def random_images(key: jax.Array, batch: int, features: int) -> jax.Array:

@@ -15,9 +15,9 @@ left after XLA:CPU compiles identical ones once) and windowed (tree)
 reductions, the instructions XLA:CPU compiles one by one. Same
 models, data and optimizer settings as ``step_time.py`` (autoencoder).
 
-  python benchmarks/compile_time.py                         # sgd, K-FAC inverse -gfs
-  python benchmarks/compile_time.py --kfac-revs HEAD~1      # A/B against a commit
-  python benchmarks/compile_time.py --smoke --out /tmp/x    # CI-cheap
+  python -m benchmarks.compile_time                         # sgd, K-FAC inverse -gfs
+  python -m benchmarks.compile_time --kfac-revs HEAD~1      # A/B against a commit
+  python -m benchmarks.compile_time --smoke --out /tmp/x    # CI-cheap
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
-import step_time
+import kfac_jax
+from benchmarks import step_time
+from benchmarks import step_variants
 
 _FUSION = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = \S+ fusion\(", re.M)
 _REDUCE_WINDOW = re.compile(r"\breduce-window\(")
@@ -118,21 +120,21 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   # step_time's configuration flags (model sizes, K-FAC settings), defaults.
   bench_args = step_time.parse_args(["--smoke"] if args.smoke else [])
-  config = step_time.autoencoder_config(args.batch, bench_args)
-  libraries = {"": step_time.kfac_jax}
+  config = step_variants.autoencoder_config(args.batch, bench_args)
+  libraries = {"": kfac_jax}
   for rev in args.kfac_revs:
-    commit, module = step_time.load_kfac_revision(rev)
+    commit, module = step_variants.load_kfac_revision(rev)
     libraries[f"@{commit}"] = module
   names = [(variant + suffix, variant, lib)
            for variant in args.variants
            for suffix, lib in libraries.items()
-           if suffix == "" or step_time.is_kfac(variant)]
+           if suffix == "" or step_variants.is_kfac(variant)]
   samples: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in names}
   progress = tqdm(total=args.repeats * len(names), disable=args.no_progress,
                   desc="trace + lower + compile")
   for _ in range(args.repeats):
     for name, variant, lib in names:
-      contestant = step_time.make_contestant(variant, config, bench_args, lib)
+      contestant = step_variants.make_contestant(variant, config, bench_args, lib)
       samples[name].append(time_first_call(contestant))
       progress.update()
   progress.close()

@@ -23,8 +23,8 @@ matmuls, a Cholesky and a triangular solve), beside ``eigh`` and one matmul.
 The factors are ``XᵀX/n + 10⁻³I`` of random rows with decaying scales.
 Run it on each platform whose choice is in question (CPU, a GPU):
 
-  python benchmarks/decomposition_time.py
-  python benchmarks/decomposition_time.py --smoke --out /tmp/x   # CI-cheap
+  python -m benchmarks.decomposition_time
+  python -m benchmarks.decomposition_time --smoke --out /tmp/x   # CI-cheap
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-import bench_common
+from benchmarks import bench_common
+from examples import models
 from kfac_jax.distribution import placement
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import methods
@@ -159,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   widths, pixels = ((bench_common.SMOKE_AUTOENCODER_WIDTHS,
                      bench_common.SMOKE_PIXELS) if args.smoke else
-                    (bench_common.AUTOENCODER_WIDTHS, bench_common.MNIST_PIXELS))
+                    (models.AUTOENCODER_WIDTHS, models.MNIST_PIXELS))
   repeats = 2 if args.smoke else args.repeats
   factors = autoencoder_factors(widths, pixels, args.rows)
   platform = jax.default_backend()

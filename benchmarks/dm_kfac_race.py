@@ -11,7 +11,7 @@ name, so this runs in its own virtual environment::
   python3 -m venv /tmp/dm-venv
   /tmp/dm-venv/bin/pip install kfac-jax==0.0.8 jax==0.8.2 jaxlib==0.8.2 \\
       flax optax tqdm
-  OPENBLAS_NUM_THREADS=1 /tmp/dm-venv/bin/python benchmarks/dm_kfac_race.py \\
+  OPENBLAS_NUM_THREADS=1 /tmp/dm-venv/bin/python -m benchmarks.dm_kfac_race \\
       --out results/dm_race.json
 
 The optimizer is ``examples/autoencoder_mnist/pipeline.py``'s: adaptive
@@ -23,6 +23,10 @@ and kfac-jax's default curvature estimator (``ggn_curvature_prop``).
 
 from __future__ import annotations
 
+# DeepMind's kfac_jax first: nothing may import the repository's before it.
+from benchmarks.deepmind_kfac import check_deepmind_kfac, kfac_jax  # pylint: disable=g-bad-import-order
+
+# pylint: disable=g-import-not-at-top,wrong-import-order
 import argparse
 import json
 import pathlib
@@ -32,17 +36,15 @@ from collections.abc import Sequence
 
 import jax
 
-import kfac_jax  # DeepMind's: imported before the repo's path is added.
-
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
-# pylint: disable=g-import-not-at-top,wrong-import-position
-import bench_common
-import common
-import convergence
-import dm_kfac_step_time
-import mnist_autoencoder
-# pylint: enable=g-import-not-at-top,wrong-import-position
+from benchmarks import bench_common
+from benchmarks import race
+from benchmarks import race_report
+from benchmarks import race_runs
+from examples import models
+from examples import targets
+from examples import tasks
+from examples import training
+# pylint: enable=g-import-not-at-top,wrong-import-order
 
 BURNIN_STEPS = 5
 
@@ -51,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--budget", type=float, default=convergence.BUDGETS[
+  p.add_argument("--budget", type=float, default=race.BUDGETS[
       "autoencoder"], help="training seconds")
   p.add_argument("--eval-every", type=float, default=10.0,
                  help="training seconds between evaluations")
@@ -69,22 +71,22 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--no-progress", action="store_true")
   args = p.parse_args(argv)
   environment = bench_common.environment()
-  environment.update(dm_kfac_step_time.check_deepmind_kfac())
+  environment.update(check_deepmind_kfac())
 
-  task = convergence.autoencoder_task(args.eval_examples, batch_size=1000)
-  model = mnist_autoencoder.Autoencoder(
-      kernel_init=convergence.truncated_fan_in_normal)
+  task = tasks.autoencoder_task(args.eval_examples, batch_size=1000)
+  model = models.Autoencoder(
+      kernel_init=tasks.truncated_fan_in_normal)
 
   def loss_fn(params, x):
     logits = model.apply({"params": params}, x)
     kfac_jax.register_sigmoid_cross_entropy_loss(logits, x)
-    return (mnist_autoencoder.reconstruction_losses(logits, x).mean() +
-            convergence.AUTOENCODER_WEIGHT_DECAY *
-            convergence.l2_penalty(params))
+    return (models.autoencoder_losses(logits, x).mean() +
+            tasks.AUTOENCODER_WEIGHT_DECAY *
+            tasks.l2_penalty(params))
 
   optimizer = kfac_jax.Optimizer(
       value_and_grad_func=jax.value_and_grad(loss_fn),
-      l2_reg=convergence.AUTOENCODER_WEIGHT_DECAY,
+      l2_reg=tasks.AUTOENCODER_WEIGHT_DECAY,
       use_adaptive_learning_rate=True,
       use_adaptive_momentum=True,
       use_adaptive_damping=True,
@@ -106,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Burn-in batches come from their own shuffle, as DeepMind's loop draws
     # them from the training iterator before the first step.
     burnin = (jax.device_put(task.data[0][idx])
-              for idx in common.epoch_batches(len(task.data[0]),
+              for idx in training.epoch_batches(len(task.data[0]),
                                               task.batch_size, epochs=1,
                                               seed=args.seed + 1))
     opt_state = optimizer.init(params, jax.random.key_data(key),
@@ -140,11 +142,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   jax.block_until_ready(loss)
   compile_seconds = time.perf_counter() - start
   params, opt_state, step = fresh_run()
-  record = convergence.timed_training(
+  record = race_runs.timed_training(
       task, step, params, opt_state, args.seed, args.budget, args.eval_every,
       args.max_steps, not args.no_progress, "DeepMind kfac-jax adaptive")
-  reached = convergence.readouts(task, record, args.targets, ())["reached"]
-  print(convergence.readouts_table(task, [("DeepMind kfac-jax", record)],
+  reached = targets.readouts(task, record, args.targets, ())["reached"]
+  print(race_report.readouts_table(task, [("DeepMind kfac-jax", record)],
                                    args.targets, ()))
   print(f"final {record['final']:.3f} after {record['steps']} steps, "
         f"{record['ms_per_step']:.0f} ms/step")

@@ -10,7 +10,7 @@ Runs in its own virtual environment, because DeepMind's PyPI package
 
 (kfac-jax 0.0.8 fails to trace under jax 0.9.2: ``benchmarks/README.md``,
 *DeepMind's kfac-jax*.)
-  /tmp/dm-venv/bin/python benchmarks/dm_kfac_step_time.py --out /tmp/dm.json
+  /tmp/dm-venv/bin/python -m benchmarks.dm_kfac_step_time --out /tmp/dm.json  # from the repo root
 
 ``step_time.py --dm`` runs it for you. Same autoencoder, batch, random data and
 timing loop as ``step_time.py`` (``bench_common``): SGD+momentum and the K-FAC
@@ -22,25 +22,25 @@ learning rate, momentum and damping are fixed (no adaptation), no burn-in.
 
 from __future__ import annotations
 
-import argparse
-import functools
-import json
-import os
-import pathlib
-import sys
-import time
-from collections.abc import Sequence
+# DeepMind's kfac_jax first: nothing may import the repository's before it.
+from benchmarks.deepmind_kfac import check_deepmind_kfac, kfac_jax  # pylint: disable=g-bad-import-order
 
-import jax
-import jax.numpy as jnp
-import optax
+import argparse  # pylint: disable=g-import-not-at-top,wrong-import-order
+import functools  # pylint: disable=g-import-not-at-top,wrong-import-order
+import json  # pylint: disable=g-import-not-at-top,wrong-import-order
+import os  # pylint: disable=g-import-not-at-top,wrong-import-order
+import pathlib  # pylint: disable=g-import-not-at-top,wrong-import-order
+import sys  # pylint: disable=g-import-not-at-top,wrong-import-order
+import time  # pylint: disable=g-import-not-at-top,wrong-import-order
+from collections.abc import Sequence  # pylint: disable=g-import-not-at-top,wrong-import-order
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import bench_common  # pylint: disable=g-import-not-at-top,wrong-import-position
-from bench_common import Contestant  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+import optax  # pylint: disable=g-import-not-at-top
 
-import kfac_jax  # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
+from benchmarks import bench_common  # pylint: disable=g-import-not-at-top
+from benchmarks.bench_common import Contestant  # pylint: disable=g-import-not-at-top
+from examples import models  # pylint: disable=g-import-not-at-top
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -75,31 +75,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
-def check_deepmind_kfac() -> dict[str, str]:
-  if not hasattr(kfac_jax, "Optimizer") or not hasattr(
-      kfac_jax, "register_sigmoid_cross_entropy_loss"):
-    raise SystemExit(
-        f"kfac_jax at {kfac_jax.__file__} is not DeepMind's kfac-jax; run "
-        "this script with the python of a venv that has kfac-jax==0.0.8.")
-  return dict(kfac_jax=kfac_jax.__version__, kfac_jax_path=kfac_jax.__file__)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   started = time.time()
   env = bench_common.environment()
   env.update(check_deepmind_kfac())
   widths = (bench_common.SMOKE_AUTOENCODER_WIDTHS if args.smoke else
-            bench_common.AUTOENCODER_WIDTHS)
-  pixels = bench_common.SMOKE_PIXELS if args.smoke else bench_common.MNIST_PIXELS
-  model = bench_common.Autoencoder(widths, out_features=pixels)
+            models.AUTOENCODER_WIDTHS)
+  pixels = bench_common.SMOKE_PIXELS if args.smoke else models.MNIST_PIXELS
+  model = models.Autoencoder(widths, out_features=pixels)
   key_data, key_init = jax.random.split(jax.random.PRNGKey(args.seed))
   x = bench_common.random_images(key_data, args.batch_size, pixels)
   params = model.init(key_init, x[:1])["params"]
 
   def loss_fn(params, x):
     logits = model.apply({"params": params}, x)
-    return bench_common.autoencoder_loss(logits, x)
+    return models.autoencoder_losses(logits, x).mean()
 
   # --- SGD + momentum baseline (same step as step_time.py's, donated buffers
   # included: under jax 0.8.2 an undonated step took 3-4 % longer).
@@ -123,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   def kfac_loss_fn(params, x):
     logits = model.apply({"params": params}, x)
     kfac_jax.register_sigmoid_cross_entropy_loss(logits, x)
-    return bench_common.autoencoder_loss(logits, x)
+    return models.autoencoder_losses(logits, x).mean()
 
   optimizer = kfac_jax.Optimizer(
       value_and_grad_func=jax.value_and_grad(kfac_loss_fn),

@@ -50,12 +50,12 @@ git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$log"
 part tests 220 "$python" -m pytest $tests -m "not multidevice" -n 12 -v \
   -p no:cacheprovider --timeout 120 -o addopts="-ra" \
   --junitxml="$out/junit.xml"
-part compile_time 70 "$python" benchmarks/compile_time.py --no-progress \
+part compile_time 70 "$python" -m benchmarks.compile_time --no-progress \
   --variants adamw kfac-eigen kfac-adaptive --repeats 1 --out "$scratch/ct"
-part step_time 80 "$python" benchmarks/step_time.py --no-progress \
+part step_time 80 "$python" -m benchmarks.step_time --no-progress \
   --models autoencoder --batch-sizes 256 --rounds 3 \
   --variants sgd adamw kfac-eigen kfac-inverse --out "$scratch/st"
-part race 100 "$python" benchmarks/convergence.py --no-progress \
+part race 100 "$python" -m benchmarks.convergence --no-progress \
   --tasks autoencoder --optimizers adam kfac_adaptive --no-sweep --seeds 0 \
   --budget 20 --out "$scratch/race"
 

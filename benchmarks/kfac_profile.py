@@ -22,7 +22,7 @@ so they do not add up exactly to a step (XLA fuses across them in a step).
 It calls kfac_jax internals (``factors.batch``, ``preconditioning.eigen`` /
 ``inverse``), so it may need updating when those change.
 
-  python benchmarks/kfac_profile.py --batch 256 --blas-threads 1
+  python -m benchmarks.kfac_profile --batch 256 --blas-threads 1
 """
 
 from __future__ import annotations
@@ -51,9 +51,8 @@ from kfac_jax.factors import batch as batch_lib  # pylint: disable=g-import-not-
 from kfac_jax.factors.running import LayerFactors  # pylint: disable=g-import-not-at-top,wrong-import-position
 from kfac_jax.preconditioning import batched, eigen, inverse  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import bench_common  # pylint: disable=g-import-not-at-top,wrong-import-position
+from benchmarks import bench_common  # pylint: disable=g-import-not-at-top,wrong-import-position
+from examples import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def timeit(fn: Callable[..., Any], *args: Any, repeats: int) -> dict[str, float]:
@@ -74,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--batch", type=int, default=256)
   p.add_argument("--widths", type=int, nargs="+",
-                 default=list(bench_common.AUTOENCODER_WIDTHS))
+                 default=list(models.AUTOENCODER_WIDTHS))
   p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--blas-threads", type=int, default=None,
                  help="OPENBLAS_NUM_THREADS for this run")
@@ -83,14 +82,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = p.parse_args(argv)
   if min(args.batch, args.repeats, *args.widths) < 1:
     p.error("--batch, --repeats and every --widths must be >= 1")
-  model = bench_common.Autoencoder(tuple(args.widths))
+  model = models.Autoencoder(tuple(args.widths))
   key_data, key_init = jax.random.split(jax.random.PRNGKey(0))
   x = bench_common.random_images(key_data, args.batch,
-                                 bench_common.MNIST_PIXELS)
+                                 models.MNIST_PIXELS)
   params = model.init(key_init, x[:1])["params"]
 
   def loss_fn(params, x):
-    return bench_common.autoencoder_loss(model.apply({"params": params}, x), x)
+    return models.autoencoder_losses(model.apply({"params": params}, x), x).mean()
 
   r = args.repeats
   out: dict[str, Any] = dict(batch=args.batch, widths=args.widths,

@@ -20,12 +20,12 @@ shapes (``W = Σ in·out`` over the kernels, batch ``N``, curvature examples
 "capture + quadratic model" below the sum of the two apart is the forward
 pass over the same examples that XLA computes once. "all, the gradient
 split" jits the three together with the gradient's loss split into the
-curvature examples and the rest (``convergence.curvature_shared_loss``, as
+curvature examples and the rest (``examples.training.curvature_shared_loss``, as
 the race does): below "gradient" + "capture + quadratic model" by the
 gradient's forward pass over the curvature examples, computed once too.
 
-  python benchmarks/race_flops.py
-  python benchmarks/race_flops.py --out results/
+  python -m benchmarks.race_flops
+  python -m benchmarks.race_flops --out results/
 """
 
 from __future__ import annotations
@@ -41,17 +41,11 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
-import convergence
 import kfac_jax
+from examples import flops
+from examples import tasks
+from examples import training
 from kfac_jax.transform import quadratic_model
-
-
-def compiled_flops(fun: Callable[..., Any], *args: Any) -> float:
-  """FLOPs of ``jax.jit(fun)(*args)`` by XLA's cost analysis."""
-  analysis = jax.jit(fun).lower(*args).compile().cost_analysis()
-  if isinstance(analysis, list):  # One entry per device program in old jax.
-    analysis = analysis[0]
-  return float(analysis["flops"])
 
 
 def shape_counts(params: Any, batch: int, examples: int) -> dict[str, float]:
@@ -67,7 +61,7 @@ def shape_counts(params: Any, batch: int, examples: int) -> dict[str, float]:
 
 def measure(examples: int, progress: bool = True) -> dict[str, Any]:
   """XLA's and the shapes' counts on the race's autoencoder, seed 0."""
-  task = convergence.autoencoder_task(None, 1000)
+  task = tasks.autoencoder_task(None, 1000)
   params = task.init(0)
   batch = tuple(array[:task.batch_size] for array in task.data)
   # Two different directions (identical ones XLA would merge too), passed
@@ -75,7 +69,7 @@ def measure(examples: int, progress: bool = True) -> dict[str, Any]:
   directions = (jax.tree.map(lambda p: p * 0.5, params),
                 jax.tree.map(lambda p: p * 0.25, params))
   key = jax.random.key(0)
-  curvature = lambda b: convergence.curvature_batch(b, examples)
+  curvature = lambda b: training.curvature_batch(b, examples)
 
   def gradient(p, directions, key, *b):
     del directions, key
@@ -93,7 +87,7 @@ def measure(examples: int, progress: bool = True) -> dict[str, Any]:
 
   def split_gradient(p, directions, key, *b):
     del directions, key
-    return jax.value_and_grad(convergence.curvature_shared_loss(
+    return jax.value_and_grad(training.curvature_shared_loss(
         task.loss_fn, examples))(p, *b)
 
   pieces: Sequence[tuple[str, Callable[..., Any]]] = (
@@ -103,7 +97,7 @@ def measure(examples: int, progress: bool = True) -> dict[str, Any]:
        lambda *args: (capture(*args), model(*args))),
       ("all_gradient_split",
        lambda *args: (split_gradient(*args), capture(*args), model(*args))))
-  xla = {name: compiled_flops(fun, params, directions, key, *batch)
+  xla = {name: flops.compiled_flops(fun, params, directions, key, *batch)
          for name, fun in tqdm(pieces, disable=not progress, desc="compiling")}
   return {"batch": task.batch_size, "curvature_examples": examples,
           "xla_flops": xla,
@@ -125,9 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(f"| piece (batch {result['batch']}, curvature examples "
         f"{result['curvature_examples']}) | XLA GFLOP | from the shapes |")
   print("|---|---:|---:|")
-  for name, flops in xla.items():
+  for name, count in xla.items():
     shape = shapes.get(name)
-    print(f"| {name} | {flops / 1e9:.2f} | "
+    print(f"| {name} | {count / 1e9:.2f} | "
           + ("" if shape is None else f"{shape / 1e9:.2f}") + " |")
   apart = xla["capture"] + xla["quadratic_model"]
   print(f"\nTogether {xla['capture_and_quadratic_model'] / 1e9:.2f} against "

@@ -17,8 +17,8 @@ On this CPU the devices are simulated (``--xla_force_host_platform_device_count`
 and share the cores, so wall time means nothing and is left out; ``--time``
 measures the median step on real devices (GPUs, TPUs).
 
-  python benchmarks/scaling.py --out results/          # the README table
-  python benchmarks/scaling.py --smoke --out /tmp/s    # seconds, for CI
+  python -m benchmarks.scaling --out results/          # the README table
+  python -m benchmarks.scaling --smoke --out /tmp/s    # seconds, for CI
 """
 
 from __future__ import annotations
@@ -87,10 +87,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-  import bench_common  # pylint: disable=g-import-not-at-top
-  import hlo_cost  # pylint: disable=g-import-not-at-top
   import kfac_jax  # pylint: disable=g-import-not-at-top
+  from benchmarks import bench_common  # pylint: disable=g-import-not-at-top
+  from examples import hlo_cost  # pylint: disable=g-import-not-at-top
+  from examples import models  # pylint: disable=g-import-not-at-top
 
   if jax.device_count() < max(args.devices):
     raise SystemExit(f"{max(args.devices)} devices requested, "
@@ -106,11 +106,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         x = jnp.tanh(nn.Dense(self.width)(x))
       return x
 
-  pixels = bench_common.SMOKE_PIXELS if args.smoke else bench_common.MNIST_PIXELS
+  pixels = bench_common.SMOKE_PIXELS if args.smoke else models.MNIST_PIXELS
   widths = (bench_common.SMOKE_AUTOENCODER_WIDTHS if args.smoke else
-            bench_common.AUTOENCODER_WIDTHS)
+            models.AUTOENCODER_WIDTHS)
   models = {
-      "autoencoder": (bench_common.Autoencoder(widths, pixels), pixels),
+      "autoencoder": (models.Autoencoder(widths, pixels), pixels),
       "balanced": (Balanced(8 if args.smoke else 512), 8 if args.smoke else 512),
   }
   x = jax.random.uniform(jax.random.key(0), (args.batch, pixels))
@@ -127,8 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def loss_fn(p, batch):
       if model_name == "autoencoder":
-        return bench_common.autoencoder_loss(model.apply({"params": p}, batch),
-                                             batch)
+        return models.autoencoder_losses(model.apply({"params": p}, batch), batch).mean()
       return jnp.mean(model.apply({"params": p}, batch)**2)
 
     mesh = jax.make_mesh((n,), ("devices",), devices=jax.devices()[:n],

@@ -18,8 +18,8 @@ every ``--log-every`` steps, the final parameter norm, and wall time (with the
 first step, compilation included, also on its own). Exit status 0 when no step
 was non-finite and the final loss is below the initial one, 1 otherwise.
 
-  python benchmarks/soak.py                     # 10,000 steps on digits
-  python benchmarks/soak.py --steps 50 --out /tmp/soak
+  python -m benchmarks.soak                     # 10,000 steps on digits
+  python -m benchmarks.soak --steps 50 --out /tmp/soak
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,24 +42,8 @@ from tqdm import tqdm
 
 import kfac_jax
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "examples"))
-import datasets  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-
-class MLP(nn.Module):
-  """tanh MLP computing and storing its params in ``dtype``."""
-
-  widths: Sequence[int]
-  classes: int
-  dtype: Any = jnp.bfloat16
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    for width in self.widths:
-      x = jnp.tanh(nn.Dense(width, dtype=self.dtype,
-                            param_dtype=self.dtype)(x))
-    return nn.Dense(self.classes, dtype=self.dtype, param_dtype=self.dtype)(x)
+from examples import datasets
+from examples import models
 
 
 def load_dataset(name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -153,7 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   x, y = load_dataset(args.dataset)
   classes = int(y.max()) + 1
-  model = MLP(tuple(args.widths), classes, jnp.dtype(args.dtype))
+  dtype = jnp.dtype(args.dtype)
+  model = models.MLP(tuple(args.widths), classes, activation=jnp.tanh,
+                     dtype=dtype, param_dtype=dtype)
   params = model.init(jax.random.PRNGKey(args.seed), x[:1])["params"]
   tx = kfac_jax.kfac(
       args.learning_rate, momentum=args.momentum, damping=args.damping,

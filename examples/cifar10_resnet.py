@@ -12,9 +12,9 @@ and bias are not Kronecker layers and pass through to the SGD that follows.
 
 Run from the repository root::
 
-  python examples/cifar10_resnet.py               # defaults, ~25 min on 2 cores
-  python examples/cifar10_resnet.py --steps 20    # smoke run
-  python examples/cifar10_resnet.py --help
+  python -m examples.cifar10_resnet               # defaults, ~25 min on 2 cores
+  python -m examples.cifar10_resnet --steps 20    # smoke run
+  python -m examples.cifar10_resnet --help
 
 Without the CIFAR-10 files (``../shared/data/cifar10`` or ``$KFAC_JAX_DATA``)
 it trains on scikit-learn's 8x8 digits instead, and says so.
@@ -22,80 +22,27 @@ it trains on scikit-learn's 8x8 digits instead, and says so.
 
 from __future__ import annotations
 
-import functools
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-import flax.linen as nn  # pylint: disable=g-import-not-at-top
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-import common  # pylint: disable=g-import-not-at-top
-import datasets  # pylint: disable=g-import-not-at-top
+from examples import datasets
+from examples import flags
+from examples import mnist_classifier
+from examples import models
+from examples import reporting
+from examples import training
 
 # Defaults sized for 2 CPU cores, where one SGD step of ResNet-20 at batch 128
 # takes ~2 s: 3 epochs (234 steps). The factors of the 32x32 stage (131,072
 # patch rows per layer) cost more than the forward/backward pass, so they are
 # refreshed every 10 steps, as KAISA does for its ResNets; inverses too.
-DEFAULTS = dict(
-    epochs=3,
-    batch_size=128,
-    kfac_lr=0.1,
-    sgd_lr=0.1,
-    adam_lr=1e-3,
-    compute_method="inverse",
-    damping=0.3,
-    kl_clip=1e-3,
-    inv_update_steps=10,
-    factor_update_steps=10,
-    factor_decay=0.95,
-    optimizers="kfac,sgd,adamw",
-    weight_decay=1e-4,
-)
-
-
-class ResidualBlock(nn.Module):
-  """conv3x3-BN-ReLU-conv3x3-BN, plus the (projected) input, then ReLU."""
-
-  features: int
-  strides: int
-
-  @nn.compact
-  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-    norm = functools.partial(nn.BatchNorm, use_running_average=not train,
-                             momentum=0.9)
-    h = nn.Conv(self.features, (3, 3), self.strides, use_bias=False)(x)
-    h = nn.relu(norm()(h))
-    h = nn.Conv(self.features, (3, 3), use_bias=False)(h)
-    h = norm()(h)
-    if self.strides != 1 or x.shape[-1] != self.features:
-      x = nn.Conv(self.features, (1, 1), self.strides, use_bias=False,
-                  name="projection")(x)
-      x = norm()(x)
-    return nn.relu(h + x)
-
-
-class ResNet(nn.Module):
-  """ResNet-(6n+2) for small images (He et al. 2016, section 4.2)."""
-
-  depth: int = 20
-  num_classes: int = 10
-
-  @nn.compact
-  def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
-    blocks_per_stage = (self.depth - 2) // 6
-    x = nn.Conv(16, (3, 3), use_bias=False)(x)
-    x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
-    for stage, features in enumerate((16, 32, 64)):
-      for block in range(blocks_per_stage):
-        strides = 2 if stage > 0 and block == 0 else 1
-        x = ResidualBlock(features, strides)(x, train)
-    x = jnp.mean(x, axis=(1, 2))
-    return nn.Dense(self.num_classes)(x)
+DEFAULTS = dict(mnist_classifier.DEFAULTS, epochs=3, batch_size=128,
+                factor_update_steps=10, optimizers="kfac,sgd,adamw",
+                weight_decay=1e-4)
 
 
 def augment(images: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -114,22 +61,18 @@ def augment(images: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = common.base_parser(__doc__.split("\n\n")[0], **DEFAULTS)
+  parser = flags.base_parser(__doc__.split("\n\n")[0], **DEFAULTS)
   parser.add_argument("--depth", type=int, default=20, choices=(20, 32),
                       help="ResNet depth")
   args = parser.parse_args(argv)
-  common.check_args(args)
+  flags.check_args(args)
 
   data = datasets.load_image_classification()
-  model = ResNet(depth=args.depth, num_classes=data.num_classes)
+  model = models.CifarResNet(depth=args.depth, num_classes=data.num_classes)
   variables = model.init(jax.random.key(args.seed), data.x_train[:1])
   params, batch_stats = variables["params"], variables["batch_stats"]
 
-  def loss_fn(params, batch_stats, x, y):
-    logits, updates = model.apply({"params": params, "batch_stats": batch_stats},
-                                  x, mutable=["batch_stats"])
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return loss, updates["batch_stats"]
+  loss_fn = models.resnet_loss_fn(model)
 
   @jax.jit
   def per_example(params, batch_stats, x, y):
@@ -143,23 +86,25 @@ def main(argv: list[str] | None = None) -> int:
   x_train = np.concatenate([augment(data.x_train, rng)
                             for _ in range(args.epochs)])
   y_train = np.tile(data.y_train, args.epochs)
-  optimizers = common.build_optimizers(args)
-  steps = common.num_steps(len(x_train), args.batch_size, 1, args.steps)
+  optimizers = flags.build_optimizers(args)
+  steps = training.num_steps(len(x_train), args.batch_size, 1, args.steps)
   print(f"{data.name}, ResNet-{args.depth}: {args.epochs} epoch(s) capped at "
         f"{steps} steps of batch {args.batch_size}; "
-        f"{common.describe_setup()}", flush=True)
+        f"{flags.describe_setup()}", flush=True)
 
-  results = common.compare(
-      optimizers, loss_fn, params, (x_train, y_train),
+  results = training.compare(
+      optimizers,
+      lambda opt: training.make_train_step(loss_fn, opt, stateful=True),
+      params, (x_train, y_train),
       batch_size=args.batch_size, epochs=1, max_steps=args.steps,
       seed=args.seed, desc=f"ResNet-{args.depth}", model_state=batch_stats)
 
-  train_eval = common.head((data.x_train, data.y_train), args.eval_size)
-  test_eval = common.head((data.x_test, data.y_test), args.eval_size)
-  columns = common.classification_columns(
+  train_eval = flags.head((data.x_train, data.y_train), args.eval_size)
+  test_eval = flags.head((data.x_test, data.y_test), args.eval_size)
+  columns = reporting.classification_columns(
       results, lambda r, x, y: per_example(r.params, r.model_state, x, y),
       train_eval, test_eval)
-  common.report(
+  reporting.report(
       results, optimizers, columns, args.out, "cifar10_resnet",
       header=(f"{data.name}, ResNet-{args.depth} with BatchNorm, {steps} steps "
               f"of batch {args.batch_size}, seed {args.seed}. Train loss and "

@@ -17,28 +17,26 @@ and vs seconds) to ``<out>/mnist_autoencoder.png``.
 
 Run from the repository root::
 
-  python examples/mnist_autoencoder.py             # defaults, a few minutes on 2 cores
-  python examples/mnist_autoencoder.py --steps 20  # smoke run
-  python examples/mnist_autoencoder.py --help
+  python -m examples.mnist_autoencoder             # defaults, a few minutes on 2 cores
+  python -m examples.mnist_autoencoder --steps 20  # smoke run
+  python -m examples.mnist_autoencoder --help
 
 See ``DEFAULTS`` for the hyper-parameters and why they were chosen.
 """
 
 from __future__ import annotations
 
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-import flax.linen as nn  # pylint: disable=g-import-not-at-top
 import jax
 import jax.numpy as jnp
-import optax
 
-import kfac_jax  # pylint: disable=g-import-not-at-top
-import common  # pylint: disable=g-import-not-at-top
-import datasets  # pylint: disable=g-import-not-at-top
+import kfac_jax
+from examples import datasets
+from examples import flags
+from examples import models
+from examples import reporting
+from examples import training
 
 # Defaults, picked on 2 CPU cores by short sweeps (60 and 120 steps):
 # * batch 1000 (the benchmark's), 2 epochs: 120 steps, a few minutes.
@@ -66,86 +64,64 @@ DEFAULTS = dict(
     optimizers="kfac,kfac-adaptive,sgd,adam",
 )
 
-ENCODER = (1000, 500, 250)
-CODE = 30
-
-
-class Autoencoder(nn.Module):
-  """784-1000-500-250-30-250-500-1000-784; returns the output logits."""
-
-  encoder: tuple[int, ...] = ENCODER
-  code: int = CODE
-  outputs: int = 784
-  kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    dense = lambda width: nn.Dense(width, kernel_init=self.kernel_init)
-    for width in self.encoder:
-      x = jnp.tanh(dense(width)(x))
-    x = dense(self.code)(x)  # linear code layer
-    for width in reversed(self.encoder):
-      x = jnp.tanh(dense(width)(x))
-    return dense(self.outputs)(x)
-
-
-def reconstruction_losses(logits: jax.Array, x: jax.Array) -> jax.Array:
-  """Per-example sigmoid cross-entropy, summed over the pixels: ``[batch]``."""
-  return optax.sigmoid_binary_cross_entropy(logits, x).sum(axis=-1)
-
-
 def main(argv: list[str] | None = None) -> int:
-  parser = common.base_parser(__doc__.split("\n\n")[0], **DEFAULTS)
+  parser = flags.base_parser(__doc__.split("\n\n")[0], **DEFAULTS)
   args = parser.parse_args(argv)
-  common.check_args(args)
+  flags.check_args(args)
 
   mnist = datasets.load_mnist()
-  model = Autoencoder()
+  model = models.Autoencoder()
   params = model.init(jax.random.key(args.seed), mnist.x_train[:1])["params"]
 
   def loss_fn(params, x):
-    return reconstruction_losses(model.apply({"params": params}, x), x).mean()
+    return models.autoencoder_losses(model.apply({"params": params}, x), x).mean()
 
   @jax.jit
   def per_example(params, x):
     logits = model.apply({"params": params}, x)
     squared_error = jnp.sum((jax.nn.sigmoid(logits) - x)**2, axis=-1)
-    return reconstruction_losses(logits, x), squared_error
+    return models.autoencoder_losses(logits, x), squared_error
 
-  optimizers = common.build_optimizers(args, adaptive=True)
-  steps = common.num_steps(len(mnist.x_train), args.batch_size, args.epochs,
+  optimizers = flags.build_optimizers(args, adaptive=True)
+  steps = training.num_steps(len(mnist.x_train), args.batch_size, args.epochs,
                            args.steps)
   print(f"MNIST autoencoder 784-1000-500-250-30-250-500-1000-784: "
         f"{args.epochs} epoch(s) capped at {steps} steps of batch "
-        f"{args.batch_size}; {common.describe_setup()}", flush=True)
+        f"{args.batch_size}; {flags.describe_setup()}", flush=True)
 
-  results = common.compare(
-      optimizers, loss_fn, params, (mnist.x_train,),
+  def split_loss(x):
+    return kfac_jax.SplitLoss(
+        outputs_fn=lambda params: model.apply({"params": params}, x),
+        loss_fn=lambda logits: models.autoencoder_losses(logits, x).mean())
+
+  def curvature_fn(params, key, x):
+    return kfac_jax.sampled_curvature.sigmoid_cross_entropy(
+        model.apply({"params": params}, x), key)
+
+  results = training.compare(
+      optimizers,
+      lambda opt: training.make_train_step(
+          loss_fn, opt, split_loss=split_loss, curvature_fn=curvature_fn),
+      params, (mnist.x_train,),
       batch_size=args.batch_size, epochs=args.epochs, max_steps=args.steps,
-      seed=args.seed, desc="MNIST autoencoder",
-      split_loss=lambda x: kfac_jax.SplitLoss(
-          outputs_fn=lambda params: model.apply({"params": params}, x),
-          loss_fn=lambda logits: reconstruction_losses(logits, x).mean()),
-      curvature_fn=lambda params, key, x: (
-          kfac_jax.sampled_curvature.sigmoid_cross_entropy(
-              model.apply({"params": params}, x), key)))
+      seed=args.seed, desc="MNIST autoencoder")
 
-  train_eval = common.head((mnist.x_train,), args.eval_size)
-  test_eval = common.head((mnist.x_test,), args.eval_size)
+  train_eval = flags.head((mnist.x_train,), args.eval_size)
+  test_eval = flags.head((mnist.x_test,), args.eval_size)
   for result in results.values():
     evaluate = lambda x, p=result.params: per_example(p, x)
     (result.metrics["train_loss"],
-     result.metrics["train_sq"]) = common.batched_means(evaluate, train_eval)
-    result.metrics["test_loss"] = common.batched_means(evaluate, test_eval)[0]
+     result.metrics["train_sq"]) = reporting.batched_means(evaluate, train_eval)
+    result.metrics["test_loss"] = reporting.batched_means(evaluate, test_eval)[0]
 
-  columns = common.standard_columns([
-      common.Column("final train loss", lambda r: r.metrics["train_loss"],
+  columns = reporting.standard_columns([
+      reporting.Column("final train loss", lambda r: r.metrics["train_loss"],
                     "{:.2f}"),
-      common.Column("train sq. error", lambda r: r.metrics["train_sq"],
+      reporting.Column("train sq. error", lambda r: r.metrics["train_sq"],
                     "{:.2f}"),
-      common.Column("test loss", lambda r: r.metrics["test_loss"], "{:.2f}"),
+      reporting.Column("test loss", lambda r: r.metrics["test_loss"], "{:.2f}"),
   ])
-  common.report(
+  reporting.report(
       results, optimizers, columns, args.out, "mnist_autoencoder",
       header=(f"MNIST autoencoder (784-1000-500-250-30-250-500-1000-784), "
               f"{steps} steps of batch {args.batch_size}, seed {args.seed}. "

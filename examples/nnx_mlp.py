@@ -11,44 +11,33 @@ and writes the loss curves to ``<out>/nnx_mlp.png``.
 
 Run from the repository root::
 
-  python examples/nnx_mlp.py             # defaults, a few minutes on 2 cores
-  python examples/nnx_mlp.py --steps 20  # smoke run
-  python examples/nnx_mlp.py --help
+  python -m examples.nnx_mlp             # defaults, a few minutes on 2 cores
+  python -m examples.nnx_mlp --steps 20  # smoke run
+  python -m examples.nnx_mlp --help
 """
 
 from __future__ import annotations
 
-import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-from flax import nnx  # pylint: disable=g-import-not-at-top
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-import common  # pylint: disable=g-import-not-at-top
-import datasets  # pylint: disable=g-import-not-at-top
-import kfac_jax  # pylint: disable=g-import-not-at-top
+import kfac_jax
+from examples import datasets
+from examples import flags
+from examples import mnist_classifier
+from examples import reporting
+from examples import training
 
 # The MNIST classifier's settings (see mnist_classifier.py), 2 epochs.
-DEFAULTS = dict(
-    epochs=2,
-    batch_size=256,
-    kfac_lr=0.1,
-    sgd_lr=0.1,
-    adam_lr=1e-3,
-    compute_method="inverse",
-    damping=0.3,
-    kl_clip=1e-3,
-    inv_update_steps=10,
-    factor_decay=0.95,
-    optimizers="kfac,sgd,adamw",
-)
+DEFAULTS = dict(mnist_classifier.DEFAULTS, epochs=2,
+                optimizers="kfac,sgd,adamw")
 
 
 class MLP(nnx.Module):
@@ -93,15 +82,15 @@ def per_example(model, x, y):
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = common.base_parser(__doc__.split("\n\n")[0], **DEFAULTS)
+  parser = flags.base_parser(__doc__.split("\n\n")[0], **DEFAULTS)
   args = parser.parse_args(argv)
-  common.check_args(args)
+  flags.check_args(args)
   mnist = datasets.load_mnist()
-  optimizers = common.build_optimizers(args)
-  steps = common.num_steps(len(mnist.x_train), args.batch_size, args.epochs,
+  optimizers = flags.build_optimizers(args)
+  steps = training.num_steps(len(mnist.x_train), args.batch_size, args.epochs,
                            args.steps)
   print(f"MNIST, NNX MLP 784-512-256-10 through nnx.Optimizer: {steps} steps "
-        f"of batch {args.batch_size}; {common.describe_setup()}", flush=True)
+        f"of batch {args.batch_size}; {flags.describe_setup()}", flush=True)
 
   initial = MLP(nnx.Rngs(args.seed))
   runs, compile_seconds = {}, {}
@@ -119,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     runs[opt.name] = (model, optimizer, step)
   losses = {name: np.zeros(steps) for name in runs}
   seconds = {name: np.zeros(steps) for name in runs}
-  batches = common.epoch_batches(len(mnist.x_train), args.batch_size,
+  batches = training.epoch_batches(len(mnist.x_train), args.batch_size,
                                  args.epochs, args.seed)
   with tqdm(total=steps, desc="NNX MLP", unit="step") as bar:
     for i in range(steps):
@@ -133,17 +122,17 @@ def main(argv: list[str] | None = None) -> int:
       bar.set_postfix({n: f"{losses[n][i]:.4g}" for n in runs}, refresh=False)
       bar.update(1)
 
-  test = common.head((mnist.x_test, mnist.y_test), args.eval_size)
-  train = common.head((mnist.x_train, mnist.y_train), args.eval_size)
+  test = flags.head((mnist.x_test, mnist.y_test), args.eval_size)
+  train = flags.head((mnist.x_train, mnist.y_train), args.eval_size)
   # RunResult.params holds the trained model itself.
   results = {
-      name: common.RunResult(name, losses[name], seconds[name],
+      name: training.RunResult(name, losses[name], seconds[name],
                              compile_seconds[name], params=model)
       for name, (model, _, _) in runs.items()
   }
-  columns = common.classification_columns(
+  columns = reporting.classification_columns(
       results, lambda r, x, y: per_example(r.params, x, y), train, test)
-  common.report(
+  reporting.report(
       results, optimizers, columns, args.out, "nnx_mlp",
       header=(f"MNIST, NNX MLP 784-512-256-10 through nnx.Optimizer, {steps} "
               f"steps of batch {args.batch_size}, seed {args.seed}. Train "

@@ -7,9 +7,9 @@ decompositions and preconditioner memory are spread over all devices with
 ``--strategy`` (KAISA's ``grad_worker_fraction``). The optimizer state is
 created directly in its shardings from ``get_opt_state_partition_specs``.
 
-  python examples/sharded_mnist.py                       # 8 simulated devices
-  python examples/sharded_mnist.py --strategy mem_opt --steps 50
-  python examples/sharded_mnist.py --help
+  python -m examples.sharded_mnist                       # 8 simulated devices
+  python -m examples.sharded_mnist --strategy mem_opt --steps 50
+  python -m examples.sharded_mnist --help
 
 On one host the simulated device count comes from ``--devices`` (ignored
 when ``XLA_FLAGS`` already sets one or on real accelerators). On several
@@ -25,8 +25,6 @@ import os
 import pathlib
 import sys
 import time
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 
-  import datasets  # pylint: disable=g-import-not-at-top
   import kfac_jax  # pylint: disable=g-import-not-at-top
-  from mnist_classifier import DEFAULTS, MLP  # pylint: disable=g-import-not-at-top
+  from examples import datasets  # pylint: disable=g-import-not-at-top
+  from examples import models  # pylint: disable=g-import-not-at-top
+  from examples.mnist_classifier import DEFAULTS  # pylint: disable=g-import-not-at-top
 
   mesh = jax.make_mesh(tuple(args.mesh_shape), ("data", "fsdp"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of "
                      f"the {mesh.size} devices.")
   mnist = datasets.load_mnist()
-  model = MLP()
+  model = models.MLP(widths=(512, 256), outputs=10)
   params = model.init(jax.random.key(args.seed), mnist.x_train[:1])["params"]
   fsdp = args.mesh_shape[1]
   # Kernels [in, out] sharded on their output axis where it divides evenly.

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import kfac_jax
-from benchmarks.hlo_cost import per_device_costs
+from examples.hlo_cost import per_device_costs
 from kfac_jax.factors.running import factor_dims
 from kfac_jax.transform.config import make_placement
 

@@ -13,15 +13,20 @@ import sys
 
 import kfac_jax
 
+from examples import flops
+from examples import models
+from examples import targets
+from examples import tasks
+from examples import training
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# The benchmark scripts import each other as top-level modules.
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 
-def run_smoke(script: str, out, *extra: str,
+def run_smoke(module: str, out, *extra: str,
               **env: str) -> subprocess.CompletedProcess[str]:
+  """Runs ``python -m benchmarks.<module> --smoke`` from the repository root."""
   result = subprocess.run(
-      [sys.executable, f"benchmarks/{script}", "--smoke", "--no-progress",
+      [sys.executable, "-m", f"benchmarks.{module}", "--smoke", "--no-progress",
        "--out", str(out), *extra],
       cwd=REPO, env=dict(os.environ, **env), capture_output=True, text=True,
       timeout=240)
@@ -30,7 +35,7 @@ def run_smoke(script: str, out, *extra: str,
 
 
 def test_step_time_smoke(tmp_path):
-  result = run_smoke("step_time.py", tmp_path, "--kfac-revs", "HEAD")
+  result = run_smoke("step_time", tmp_path, "--kfac-revs", "HEAD")
   (results_file,) = tmp_path.glob("step_time_*.json")
   results = json.loads(results_file.read_text())
   assert results  # a non-empty record of the run
@@ -48,7 +53,7 @@ def test_step_time_smoke(tmp_path):
 
 
 def test_compile_time_smoke(tmp_path):
-  result = run_smoke("compile_time.py", tmp_path, "--kfac-revs", "HEAD")
+  result = run_smoke("compile_time", tmp_path, "--kfac-revs", "HEAD")
   (results_file,) = tmp_path.glob("compile_time_*.json")
   rows = {row["variant"]: row
           for row in json.loads(results_file.read_text())["rows"]}
@@ -68,7 +73,7 @@ def test_compile_time_smoke(tmp_path):
 
 
 def test_decomposition_time_smoke(tmp_path):
-  result = run_smoke("decomposition_time.py", tmp_path,
+  result = run_smoke("decomposition_time", tmp_path,
                      JAX_PLATFORMS="cpu")
   (results_file,) = tmp_path.glob("decomposition_time_*.json")
   rows = json.loads(results_file.read_text())["results"]
@@ -92,28 +97,25 @@ def test_flop_floor_of_the_issue_autoencoder():
   """The SGD count against XLA's count of the compiled SGD step, and the
   issue's floors at batch 256 (about 3.8× SGD inverse, 5.9× eigen) from its
   ``6·batch·Σ in·out``, which also counts the data's input gradient."""
-  from bench_common import Autoencoder, autoencoder_loss  # pylint: disable=g-import-not-at-top
-  from race_flops import compiled_flops  # pylint: disable=g-import-not-at-top
-  from benchmarks.step_time import flop_floor  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  floor = lambda batch, method, gfs: flop_floor(
+  floor = lambda batch, method, gfs: flops.flop_floor(
       _autoencoder_shapes(batch), method, 10, 4.0, 1.0, gfs)
 
-  model = Autoencoder((1000, 500, 250, 30, 250, 500, 1000), out_features=784)
+  model = models.Autoencoder()
   x = jnp.full((256, 784), 0.5)
   params = model.init(jax.random.PRNGKey(0), x[:1])["params"]
   sgd = optax.sgd(0.1, momentum=0.9)
 
   def step(params, opt_state):
-    grads = jax.grad(lambda p: autoencoder_loss(
-        model.apply({"params": p}, x), x))(params)
+    grads = jax.grad(lambda p: models.autoencoder_losses(
+        model.apply({"params": p}, x), x).mean())(params)
     updates, opt_state = sgd.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
   # XLA also counts the elementwise work: 3.98 against 3.95 GFLOP here.
-  xla = compiled_flops(step, params, sgd.init(params))
+  xla = flops.compiled_flops(step, params, sgd.init(params))
   counted = floor(256, "inverse", False)["sgd_flops"]
   assert counted < xla < 1.02 * counted, (counted, xla)
 
@@ -143,19 +145,19 @@ def test_race_flops_match_the_shapes_and_share_a_forward_pass(tmp_path):
   the elementwise work), and the capture and the quadratic model jitted
   together cost one forward pass over the curvature examples (``2·M·W``,
   1.415 GFLOP) less than apart, and so do all three with the gradient's loss
-  split at the curvature examples (``convergence.curvature_shared_loss``)
+  split at the curvature examples (``examples.training.curvature_shared_loss``)
   against the gradient apart.
   """
   result = subprocess.run(
-      [sys.executable, "benchmarks/race_flops.py", "--no-progress", "--out",
+      [sys.executable, "-m", "benchmarks.race_flops", "--no-progress", "--out",
        str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=240)
   assert result.returncode == 0, result.stderr[-3000:]
   (path,) = tmp_path.glob("race_flops_*.json")
   counts = json.loads(path.read_text())
   xla, shapes = counts["xla_flops"], counts["shape_flops"]
   assert sorted(shapes) == ["capture", "gradient", "quadratic_model"]
-  for name, flops in shapes.items():
-    assert abs(xla[name] / flops - 1) < 0.02, (name, xla[name], flops)
+  for name, count in shapes.items():
+    assert abs(xla[name] / count - 1) < 0.02, (name, xla[name], count)
   weights = sum(layer["fan_in"] * layer["fan_out"]
                 for layer in _autoencoder_shapes(1))
   forward = 2 * counts["curvature_examples"] * weights
@@ -171,7 +173,7 @@ def test_race_flops_match_the_shapes_and_share_a_forward_pass(tmp_path):
 
 def test_scaling_smoke(tmp_path):
   # Simulated CPU devices also where an accelerator is present.
-  run_smoke("scaling.py", tmp_path, JAX_PLATFORMS="cpu")
+  run_smoke("scaling", tmp_path, JAX_PLATFORMS="cpu")
   (results_file,) = tmp_path.glob("scaling_*.json")
   rows = json.loads(results_file.read_text())["rows"]
   strategies = {(r["model"], r["devices"], r["strategy"]) for r in rows}
@@ -188,7 +190,7 @@ def test_convergence_refuses_a_center_outside_the_swept_range():
                           ("kfac_adaptive=0", "must be > 0"),
                           ("adam=-1e-3", "must be > 0")):
     result = subprocess.run(
-        [sys.executable, "benchmarks/convergence.py", "--center", center,
+        [sys.executable, "-m", "benchmarks.convergence", "--center", center,
          "--tasks", "cifar", "--smoke"], cwd=REPO, capture_output=True,
         text=True, timeout=120)
     assert result.returncode != 0
@@ -197,7 +199,7 @@ def test_convergence_refuses_a_center_outside_the_swept_range():
 
 def run_convergence(*args: str) -> subprocess.CompletedProcess[str]:
   result = subprocess.run(
-      [sys.executable, "benchmarks/convergence.py", "--no-progress", *args],
+      [sys.executable, "-m", "benchmarks.convergence", "--no-progress", *args],
       cwd=REPO, capture_output=True, text=True, timeout=240)
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   return result
@@ -286,8 +288,9 @@ def test_sweep_grid_of_learning_rates_and_adaptive_damping():
   """The sweep tries center × (1/3, 1, 3) of each optimizer's swept value
   (kfac_adaptive's λ₀ around kfac-jax's 150) and grows past a winning edge."""
   import argparse  # pylint: disable=g-import-not-at-top
-  import convergence  # pylint: disable=g-import-not-at-top
-  task = convergence.Task(
+  # The race's own grid logic, checked without running it.
+  from benchmarks.race import sweep  # pylint: disable=g-import-not-at-top
+  task = tasks.Task(
       name="toy", description="", metric="loss", higher_is_better=False,
       data=(), batch_size=1, init=None, loss_fn=None, evaluate=None)
 
@@ -304,40 +307,39 @@ def test_sweep_grid_of_learning_rates_and_adaptive_damping():
 
   args = argparse.Namespace(center={}, max_extensions=2, min_damping=None)
   race = Recorded(best=15.0)
-  best, finals = convergence.sweep(task, "kfac_adaptive", args, race, 1.0)
+  best, finals = sweep(task, "kfac_adaptive", args, race, 1.0)
   assert race.tried == [50.0, 150.0, 450.0, 16.7, 5.57]
   assert best == 16.7 and sorted(finals) == [5.57, 16.7, 50.0, 150.0, 450.0]
   race = Recorded(best=1e-3)
-  assert convergence.sweep(task, "adam", args, race, 1.0)[0] == 1e-3
+  assert sweep(task, "adam", args, race, 1.0)[0] == 1e-3
   assert race.tried == [3.33e-4, 1e-3, 3e-3]
   # λ₀ stays within [min_damping, max_damping] = [1e-4, 1000]: past 450
   # the extension to 1350 made scale_by_kfac raise, ending the race.
   race = Recorded(best=5000.0)
-  assert convergence.sweep(task, "kfac_adaptive", args, race, 1.0)[0] == 450
+  assert sweep(task, "kfac_adaptive", args, race, 1.0)[0] == 450
   assert race.tried == [50.0, 150.0, 450.0]
   args.center = {"kfac_adaptive": 500.0}
   race = Recorded(best=100.0)
-  assert convergence.sweep(task, "kfac_adaptive", args, race, 1.0)[0] == 167
+  assert sweep(task, "kfac_adaptive", args, race, 1.0)[0] == 167
   assert race.tried == [167.0, 500.0, 55.7]
 
 
 def test_time_to_target_readouts():
   """The interpolated crossing, the metric at a time, and medians over seeds
   that count a miss as infinitely late."""
-  import convergence  # pylint: disable=g-import-not-at-top
-  task = convergence.Task(
+  task = tasks.Task(
       name="toy", description="", metric="loss", higher_is_better=False,
       data=(), batch_size=1, init=None, loss_fn=None, evaluate=None)
   run = dict(curve=[dict(step=s, seconds=t, metric=m) for s, t, m in
                     [(0, 0.0, 10.0), (10, 5.0, 8.0), (20, 10.0, 6.0)]])
-  assert convergence.first_reach(task, run, 7.0) == (20, 10.0)
-  assert convergence.crossing(task, run, 7.0) == (15.0, 7.5)
-  assert convergence.crossing(task, run, 10.0) == (0.0, 0.0)
-  assert convergence.crossing(task, run, 5.0) is None
-  assert convergence.metric_at(run, 9.9) == 8.0
-  assert convergence.metric_at(run, 10.0) == 6.0
-  assert convergence.median_reach([(4, 40.0), None, (2, 20.0)], 1) == 40.0
-  assert convergence.median_reach([(4, 40.0), None, None], 1) is None
+  assert targets.first_reach(task, run, 7.0) == (20, 10.0)
+  assert targets.crossing(task, run, 7.0) == (15.0, 7.5)
+  assert targets.crossing(task, run, 10.0) == (0.0, 0.0)
+  assert targets.crossing(task, run, 5.0) is None
+  assert targets.metric_at(run, 9.9) == 8.0
+  assert targets.metric_at(run, 10.0) == 6.0
+  assert targets.median_reach([(4, 40.0), None, (2, 20.0)], 1) == 40.0
+  assert targets.median_reach([(4, 40.0), None, None], 1) is None
 
 
 def test_curvature_shared_loss_is_the_same_objective():
@@ -347,7 +349,6 @@ def test_curvature_shared_loss_is_the_same_objective():
   curvature examples is passed whole."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  import convergence  # pylint: disable=g-import-not-at-top
   from tests import reference  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   x = rng.normal(size=(12, 3)).astype(np.float32)
@@ -358,7 +359,7 @@ def test_curvature_shared_loss_is_the_same_objective():
     return (((x @ w - y) ** 2).sum(-1).mean() + 0.1 * (w ** 2).sum())
 
   for examples in (1, 5, 11, 12, 40):
-    split = convergence.curvature_shared_loss(loss_fn, examples)
+    split = training.curvature_shared_loss(loss_fn, examples)
     value, grad = jax.value_and_grad(split)(weights, x, y)
     expected_value, expected_grad = jax.value_and_grad(loss_fn)(weights, x, y)
     # The dot of 3, −y, the square, the sum over 2, the mean over 12, the
@@ -372,7 +373,7 @@ def test_curvature_shared_loss_is_the_same_objective():
   # Were y cut elsewhere than x (or the head weighed by anything but
   # its share), a per-example loss would change.
   calls = []
-  convergence.curvature_shared_loss(
+  training.curvature_shared_loss(
       lambda w, x, y: calls.append((x.shape, y.shape)) or 0.0, 5)(
           weights, x, y)
   assert calls == [((5, 3), (5, 2)), ((7, 3), (7, 2))]
@@ -381,9 +382,9 @@ def test_curvature_shared_loss_is_the_same_objective():
 def test_deepmind_scripts_refuse_this_kfac_jax(tmp_path):
   """They need DeepMind's kfac-jax (own venv, not in CI): under this one they
   import, parse their flags and stop with the message that says so."""
-  for script in ("dm_kfac_step_time.py", "dm_kfac_race.py"):
+  for module in ("dm_kfac_step_time", "dm_kfac_race"):
     result = subprocess.run(
-        [sys.executable, f"benchmarks/{script}", "--out",
+        [sys.executable, "-m", f"benchmarks.{module}", "--out",
          str(tmp_path / "x.json")], cwd=REPO, capture_output=True, text=True,
         timeout=240)
     assert result.returncode != 0

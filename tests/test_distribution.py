@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
 import kfac_jax
-from benchmarks.hlo_cost import per_device_costs
+from examples.hlo_cost import per_device_costs
 from kfac_jax.distribution import layout as layout_lib
 from kfac_jax.distribution import strategy as strategy_lib
 from kfac_jax.distribution.assignment import assign_layers, layer_cost

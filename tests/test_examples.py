@@ -15,11 +15,10 @@ import sys
 import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXAMPLES = REPO_ROOT / "examples"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def run_example(script: str, out: pathlib.Path, *extra: str,
+def run_example(module: str, out: pathlib.Path, *extra: str,
                 data_dir: pathlib.Path | None = None,
                 **env_overrides: str) -> subprocess.CompletedProcess[str]:
   env = dict(os.environ, MPLBACKEND="Agg", TQDM_MININTERVAL="5",
@@ -27,7 +26,7 @@ def run_example(script: str, out: pathlib.Path, *extra: str,
   if data_dir is not None:
     env["KFAC_JAX_DATA"] = str(data_dir)
   return subprocess.run(
-      [sys.executable, str(EXAMPLES / script), "--steps", "3", "--batch-size",
+      [sys.executable, "-m", f"examples.{module}", "--steps", "3", "--batch-size",
        "64", "--eval-size", "500", "--out", str(out), *extra],
       cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240,
       check=False)
@@ -43,19 +42,19 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
   return rows
 
 
-@pytest.mark.parametrize("script, stem, names", [
-    ("mnist_classifier.py", "mnist_classifier", ("K-FAC", "SGD", "Adam")),
-    ("mnist_autoencoder.py", "mnist_autoencoder",
+@pytest.mark.parametrize("module, stem, names", [
+    ("mnist_classifier", "mnist_classifier", ("K-FAC", "SGD", "Adam")),
+    ("mnist_autoencoder", "mnist_autoencoder",
      ("K-FAC", "K-FAC adaptive", "SGD", "Adam")),
-    ("shakespeare_transformer.py", "shakespeare_transformer",
+    ("shakespeare_transformer", "shakespeare_transformer",
      ("K-FAC", "SGD", "AdamW")),
-    ("nnx_mlp.py", "nnx_mlp", ("K-FAC", "SGD", "AdamW")),
+    ("nnx_mlp", "nnx_mlp", ("K-FAC", "SGD", "AdamW")),
 ])
-def test_example_runs(script: str, stem: str, names: tuple[str, ...],
+def test_example_runs(module: str, stem: str, names: tuple[str, ...],
                       tmp_path: pathlib.Path) -> None:
-  result = run_example(script, tmp_path)
+  result = run_example(module, tmp_path)
   assert result.returncode == 0, (
-      f"{script} failed:\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
+      f"{module} failed:\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
 
   png = tmp_path / f"{stem}.png"
   assert png.is_file(), f"{png} was not written; stdout:\n{result.stdout}"
@@ -78,7 +77,7 @@ def test_resnet_example_falls_back_to_digits_without_cifar10(
   """A clone without the CIFAR-10 files trains on scikit-learn's digits."""
   empty = tmp_path / "no_data"
   empty.mkdir()
-  result = run_example("cifar10_resnet.py", tmp_path, data_dir=empty)
+  result = run_example("cifar10_resnet", tmp_path, data_dir=empty)
   assert result.returncode == 0, (
       f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}")
   assert "scikit-learn digits (8x8; CIFAR-10 not found)" in result.stdout
@@ -91,7 +90,7 @@ def test_resnet_example_falls_back_to_digits_without_cifar10(
 def test_sharded_example_runs_on_eight_simulated_devices(
     tmp_path: pathlib.Path) -> None:
   # JAX_PLATFORMS: simulated CPU devices also where an accelerator is present.
-  result = run_example("sharded_mnist.py", tmp_path, "--strategy", "mem_opt",
+  result = run_example("sharded_mnist", tmp_path, "--strategy", "mem_opt",
                        JAX_PLATFORMS="cpu")
   assert result.returncode == 0, (
       f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}")

@@ -13,6 +13,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 import kfac_jax
+from examples import models
 from kfac_jax.factors.running import LayerFactors, init_factors, update_factors
 from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
                                                      sandwich)
@@ -22,16 +23,10 @@ from tests import reference
 BF16_ROUNDOFF = 2.0**-8
 
 
-class MLP(nn.Module):
-  dtype: jnp.dtype = jnp.bfloat16
-  param_dtype: jnp.dtype = jnp.bfloat16
-
-  @nn.compact
-  def __call__(self, x):
-    dense = lambda n: nn.Dense(n, dtype=self.dtype,
-                               param_dtype=self.param_dtype)
-    x = jnp.tanh(dense(32)(x))
-    return dense(10)(x)
+def mlp(dtype: jnp.dtype = jnp.bfloat16,
+        param_dtype: jnp.dtype = jnp.bfloat16) -> models.MLP:
+  """A 32-unit tanh MLP with 10 outputs computing in ``dtype``."""
+  return models.MLP((32,), 10, jnp.tanh, dtype, param_dtype)
 
 
 @functools.cache
@@ -48,7 +43,7 @@ def loss_fn(model, params, x, y):
 @functools.cache
 def float32_params():
   x, _ = digits()
-  return MLP(jnp.float32, jnp.float32).init(jax.random.PRNGKey(0),
+  return mlp(jnp.float32, jnp.float32).init(jax.random.PRNGKey(0),
                                             x[:1])["params"]
 
 
@@ -70,7 +65,7 @@ def all_finite(tree) -> bool:
 ], ids=["bf16-eigen", "bf16-inverse", "f32-params-bf16-activations-eigen"])
 def test_storage_dtypes(param_dtype, dtype, compute_method, storage):
   x, y = digits()
-  model = MLP(dtype, param_dtype)
+  model = mlp(dtype, param_dtype)
   params = init(model)
   tx = kfac_jax.scale_by_kfac(compute_method=compute_method, **storage)
 
@@ -94,7 +89,7 @@ def test_storage_dtypes(param_dtype, dtype, compute_method, storage):
 def test_factors_of_a_bf16_model_default_to_float32():
   """A bfloat16 running average stalls short of its fixed point (32 % off at
   decay 0.99): the default storage is float32, which reaches it."""
-  model = MLP()
+  model = mlp()
   params = init(model)
   state = kfac_jax.scale_by_kfac().init(params)
   assert {f.dtype for f in jax.tree.leaves(state.factors)} == {
@@ -132,7 +127,7 @@ def test_float64_factors_are_averaged_in_float64():
 
 def test_bf16_model_trains_on_digits():
   x, y = digits()
-  model = MLP()
+  model = mlp()
   params = init(model)
   tx = kfac_jax.kfac(0.1, momentum=0.9, damping=3e-3,
                      factor_dtype=jnp.bfloat16)
@@ -183,7 +178,7 @@ def test_bf16_factors_change_the_step_by_their_rounding_only():
   ``‖P' − P‖ ≤ 4u‖P‖`` (about 1.6%), the loose tolerance a user can expect.
   """
   x, y = digits()
-  model = MLP(jnp.float32, jnp.float32)
+  model = mlp(jnp.float32, jnp.float32)
   params = init(model)
   damping = 1e-3
   transforms = [
@@ -289,7 +284,7 @@ def test_bf16_inv_dtype_changes_the_step_by_rounding_only(compute_method):
   bfloat16).
   """
   x, y = digits()
-  model = MLP(jnp.float32, jnp.float32)
+  model = mlp(jnp.float32, jnp.float32)
   params = init(model)
   transforms = [
       kfac_jax.scale_by_kfac(damping=1e-3, kl_clip=None,

@@ -20,16 +20,14 @@ from __future__ import annotations
 import collections
 import re
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 import pytest
 
 import kfac_jax
+from examples import models
 
-WIDTHS = (1000, 500, 250, 30, 250, 500, 1000)
-PIXELS = 784
+PIXELS = models.MNIST_PIXELS
 BATCH = 16  # the operation count does not depend on it
 
 # K-FAC's step size, in Adam steps, per variant.
@@ -38,19 +36,8 @@ BOUNDS = {"eigen": 3.1, "inverse": 3.6, "adaptive": 5.3}
 _OPERATION = re.compile(r"= \"?([a-z_]+\.[a-z_]+)")
 
 
-class Autoencoder(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    for i, width in enumerate(WIDTHS):
-      x = nn.Dense(width)(x)
-      if i != len(WIDTHS) // 2:  # a linear code layer
-        x = jnp.tanh(x)
-    return nn.Dense(PIXELS)(x)
-
-
 def _loss(params, x):
-  logits = Autoencoder().apply({"params": params}, x)
+  logits = models.Autoencoder().apply({"params": params}, x)
   return optax.sigmoid_binary_cross_entropy(logits, x).sum(-1).mean()
 
 
@@ -79,7 +66,7 @@ def _step(variant: str):
     extra = {}
     if variant == "adaptive":
       extra["split_loss"] = kfac_jax.SplitLoss(
-          lambda p: Autoencoder().apply({"params": p}, x),
+          lambda p: models.Autoencoder().apply({"params": p}, x),
           lambda logits: optax.sigmoid_binary_cross_entropy(
               logits, x).sum(-1).mean())
     updates, opt_state = tx.update(grads, opt_state, params,
@@ -92,7 +79,7 @@ def _step(variant: str):
 def operations(variant: str, platform: str) -> collections.Counter[str]:
   """StableHLO operations of ``variant``'s step lowered for ``platform``."""
   x = jax.random.uniform(jax.random.PRNGKey(0), (BATCH, PIXELS))
-  params = Autoencoder().init(jax.random.PRNGKey(1), x[:1])["params"]
+  params = models.Autoencoder().init(jax.random.PRNGKey(1), x[:1])["params"]
   step, tx = _step(variant)
   opt_state = jax.eval_shape(tx.init, params)
   lowered = jax.jit(step).trace(params, opt_state, x).lower(
@@ -114,7 +101,7 @@ def test_the_cuda_lowering_decomposes_on_cusolver():
   text = " ".join(operations("eigen", "cuda"))
   assert "stablehlo.custom_call" in text
   x = jax.random.uniform(jax.random.PRNGKey(0), (BATCH, PIXELS))
-  params = Autoencoder().init(jax.random.PRNGKey(1), x[:1])["params"]
+  params = models.Autoencoder().init(jax.random.PRNGKey(1), x[:1])["params"]
   step, tx = _step("eigen")
   lowered = jax.jit(step).trace(params, jax.eval_shape(tx.init, params),
                                 x).lower(lowering_platforms=("cuda",))

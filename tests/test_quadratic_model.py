@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import kfac_jax
+from examples import models
 from kfac_jax.capture.statistics import ConvGeometry, LayerSignature
 from kfac_jax.factors import batch as batch_lib
 from kfac_jax.factors.running import LayerFactors
@@ -30,19 +31,10 @@ SIGMOID_LOSS_TERMS = 4 + 6 + 3 + 3 + 32 + 51
 SIGMOID_STEP_TERMS = 2 * (4 + 6 + 3) + 32 + 7**2 + 6**2 + 51
 
 
-class MLP(nn.Module):
-  outputs: int = 3
-
-  @nn.compact
-  def __call__(self, x):
-    x = jnp.tanh(nn.Dense(6)(x))
-    return nn.Dense(self.outputs)(x)
-
-
 def sigmoid_problem(batch: int = 32, seed: int = 0):
   """A small MLP with a summed sigmoid cross-entropy, its split and its loss."""
   rng = np.random.default_rng(seed)
-  model = MLP()
+  model = models.MLP((6,), 3, jnp.tanh)
   x = jnp.asarray(rng.normal(size=(batch, 4)), jnp.float32)
   y = jnp.asarray(np.asarray(x)[:, :3] > 0, jnp.float32)  # learnable
   params = model.init(jax.random.PRNGKey(seed), x)["params"]
@@ -120,7 +112,7 @@ def test_a_curvature_mini_batch_measures_rho_on_the_whole_batchs_gradient():
   # ρ → ∇_partᵀv / ∇ᵀv (anything, even negative), not 1, and λ moved on
   # that alone.
   params, (x, y), _, loss_fn = sigmoid_problem()
-  model = MLP()
+  model = models.MLP((6,), 3, jnp.tanh)
   part = kfac_jax.SplitLoss(
       lambda p: model.apply({"params": p}, x[:4]),
       lambda logits: optax.sigmoid_binary_cross_entropy(

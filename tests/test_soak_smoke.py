@@ -1,4 +1,4 @@
-"""benchmarks/soak.py runs end to end (50 steps) and reports success."""
+"""``python -m benchmarks.soak`` runs end to end (50 steps) and reports success."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import pathlib
 import subprocess
 import sys
 
-SOAK = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SOAK = ("-m", "benchmarks.soak")
 
 
 def test_help():
-  result = subprocess.run([sys.executable, str(SOAK), "--help"],
+  result = subprocess.run([sys.executable, *SOAK, "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr
   assert "--steps" in result.stdout and "--out" in result.stdout
@@ -19,9 +20,9 @@ def test_help():
 
 def test_short_soak_succeeds(tmp_path):
   result = subprocess.run(
-      [sys.executable, str(SOAK), "--steps", "50", "--log-every", "25",
+      [sys.executable, *SOAK, "--steps", "50", "--log-every", "25",
        "--out", str(tmp_path), "--no-progress"],
-      capture_output=True, text=True, timeout=240)
+      cwd=REPO, capture_output=True, text=True, timeout=240)
   assert result.returncode == 0, result.stdout + result.stderr[-5000:]
   (path,) = tmp_path.glob("soak_digits_50steps_*.json")
   report = json.loads(path.read_text())

@@ -1,0 +1,140 @@
+"""One run of the convergence race: training for a budget of seconds.
+
+The clock counts training steps only (each timed alone with
+``jax.block_until_ready``); it stops while the metric is evaluated and while
+``kfac_adaptive``'s trace is read.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+import kfac_jax
+from examples import tasks
+from examples import training
+
+def train_run(task: tasks.Task, optimizer: training.Optimizer, seed: int,
+              budget: float, eval_every: float, max_steps: int | None,
+              progress: bool, label: str,
+              curvature_examples: int | None = None,
+              curvature: str = "batch") -> dict[str, Any]:
+  """Trains for ``budget`` training seconds; returns the run's record.
+
+  ``curvature_examples``: see ``curvature_batch`` (None: the whole batch).
+  ``curvature``: where a ``separate_curvature`` optimizer's stats come from
+  on the curvature batch, ``"empirical"`` (the loss) or ``"gauss-newton"``
+  (the task's ``gauss_newton_fn``). The clock and the evaluations are
+  ``timed_training``'s.
+  """
+  params = task.init(seed)
+  opt_state = optimizer.tx.init(params)
+  example = tuple(a[:task.batch_size] for a in task.data)
+  examples = curvature_examples or task.batch_size
+  split_loss = None
+  if task.split_loss is not None:
+    split_loss = lambda *b: task.split_loss(*training.curvature_batch(b, examples))
+  if curvature == "gauss-newton":
+    curvature_fn = lambda p, key, *b: task.gauss_newton_fn(
+        p, key, *training.curvature_batch(b, examples))
+  elif curvature == "empirical":
+    curvature_fn = lambda p, key, *b: task.loss_fn(
+        p, *training.curvature_batch(b, examples))
+  else:
+    curvature_fn = None
+  # The gradient's forward pass over the curvature examples is shared with
+  # the curvature pass (the whole-batch capture of the other settings is
+  # not: its layers would be captured twice).
+  loss_fn = (training.curvature_shared_loss(task.loss_fn, examples)
+             if optimizer.separate_curvature else task.loss_fn)
+  start = time.perf_counter()
+  compiled = training.make_train_step(
+      loss_fn, optimizer, split_loss=split_loss,
+      curvature_fn=curvature_fn).lower(
+          params, opt_state, None, jax.random.key(seed), *example).compile()
+  compile_seconds = time.perf_counter() - start
+
+  def step(params, opt_state, key, *batch):
+    params, opt_state, _, loss = compiled(params, opt_state, None, key, *batch)
+    return params, opt_state, loss
+
+  record = timed_training(
+      task, step, params, opt_state, seed, budget, eval_every, max_steps,
+      progress, label,
+      trace=adaptive_trace if optimizer.needs_split_loss else None)
+  return dict(task=task.name, optimizer=optimizer.name,
+              description=optimizer.description, seed=seed, budget=budget,
+              compile_seconds=compile_seconds, **record)
+
+
+def adaptive_trace(opt_state: kfac_jax.ScaleByKFACState) -> dict[str, float]:
+  """λ, ``[α, μ]`` and the last ρ after a ``kfac_adaptive`` step."""
+  model = opt_state.quadratic_model
+  alpha, mu = np.asarray(model.step_sizes).tolist()
+  return dict(damping=float(model.damping), alpha=alpha, mu=mu,
+              rho=float(model.reduction_ratio))
+
+
+def timed_training(task: tasks.Task, step: Callable[..., tuple[Any, Any, Any]],
+                   params: Any, opt_state: Any, seed: int, budget: float,
+                   eval_every: float, max_steps: int | None, progress: bool,
+                   label: str,
+                   trace: Callable[[Any], dict[str, float]] | None = None
+                   ) -> dict[str, Any]:
+  """Runs ``step(params, opt_state, key, *batch) -> (params, opt_state,
+  loss)`` on the task's shuffled batches for ``budget`` training seconds,
+  with a fresh PRNG key each step.
+
+  Each step is timed alone (``jax.block_until_ready``). The metric is
+  evaluated at the start, every ``eval_every`` training seconds and at the
+  end, with the training clock stopped. A non-finite mini-batch loss ends the
+  run (``diverged``), its last metric recorded as NaN. ``trace(opt_state)``,
+  if given, is read after every step, off the clock, and recorded per step
+  (``trace``: ``{name: [value per step]}``).
+  """
+  curve = [(0, 0.0, task.evaluate(params))]
+  batches = training.epoch_batches(len(task.data[0]), task.batch_size,
+                                 epochs=10**9, seed=seed)
+  trained, steps, diverged = 0.0, 0, False
+  traced: dict[str, list[float]] = {}
+  next_eval = eval_every
+  bar = tqdm(total=round(budget), desc=label, unit="s", disable=not progress,
+             dynamic_ncols=True, leave=False)
+  while trained < budget and (max_steps is None or steps < max_steps):
+    idx = next(batches)
+    batch = jax.device_put(tuple(a[idx] for a in task.data))
+    key = jax.random.fold_in(jax.random.key(seed), steps)
+    start = time.perf_counter()
+    params, opt_state, loss = jax.block_until_ready(
+        step(params, opt_state, key, *batch))
+    elapsed = time.perf_counter() - start
+    trained += elapsed
+    steps += 1
+    bar.update(min(elapsed, budget - bar.n))
+    if trace is not None:
+      for name, value in trace(opt_state).items():
+        traced.setdefault(name, []).append(value)
+    if not math.isfinite(float(loss)):
+      diverged = True
+      curve.append((steps, trained, float("nan")))
+      break
+    done = trained >= budget or steps == max_steps
+    if trained >= next_eval or done:
+      curve.append((steps, trained, task.evaluate(params)))
+      bar.set_postfix(metric=f"{curve[-1][2]:.4g}", refresh=False)
+      while next_eval <= trained:
+        next_eval += eval_every
+  bar.close()
+  record = dict(steps=steps, train_seconds=trained,
+                ms_per_step=1000 * trained / max(steps, 1), diverged=diverged,
+                final=curve[-1][2],
+                curve=[dict(step=s, seconds=t, metric=m) for s, t, m in curve])
+  if trace is not None:
+    record.update(trace=traced)
+  return record
