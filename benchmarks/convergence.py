@@ -50,7 +50,12 @@ floor: the library's ``AdaptiveConfig`` default, 1e-4, where the example has
 1e-5, ``--min-damping``; each run records λ, α, μ and ρ per step). Having no learning
 rate, ``kfac_adaptive`` is swept over its initial damping λ₀ (the example's
 150 the center): λ then moves by at most a factor 0.95⁵ every 5 steps, so λ₀
-sets the step sizes of the first ~100 steps. Its quadratic model is computed on the
+sets the step sizes of the first ~100 steps. On request, the same mode with
+the eigen method (``EIGEN_ADAPTIVE``): ``kfac_eigh`` (eigh every 5 steps),
+``kfac_subspace`` and ``kfac_subspace2`` (``eigen_solver="subspace"`` every
+5 and 2 steps) and ``kfac_ekfac`` (the subspace solver every 5 steps with
+``eigenvalue_correction=True``), swept over λ₀ like ``kfac_adaptive``.
+Its quadratic model is computed on the
 first ``--curvature-examples`` of each batch (default 250: a quarter of the
 autoencoder's batch, all of the others'), Martens' curvature mini-batch. Its
 Kronecker factors come from as many evenly spaced examples of the whole
@@ -102,7 +107,7 @@ import kfac_jax
 from benchmarks import race
 from benchmarks import race_optimizers
 from benchmarks import race_report
-from benchmarks.race_optimizers import CENTERS, KFAC_ADAPTIVE_SETTINGS, KFAC_SETTINGS, LR_GRID, OPTIMIZERS, SWEPT_DAMPING
+from benchmarks.race_optimizers import ADAPTIVE, CENTERS, DEFAULT_OPTIMIZERS, EIGEN_ADAPTIVE, KFAC_ADAPTIVE_SETTINGS, KFAC_SETTINGS, LR_GRID, OPTIMIZERS
 from examples import tasks
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -132,7 +137,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--tasks", nargs="+", default=list(tasks.TASK_BUILDERS),
                       choices=list(tasks.TASK_BUILDERS))
-  parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS),
+  parser.add_argument("--optimizers", nargs="+",
+                      default=list(DEFAULT_OPTIMIZERS),
                       choices=OPTIMIZERS)
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
                       help="seeds of the final runs (init and shuffling)")
@@ -218,7 +224,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not (center > 0 and low <= center <= high):
       raise SystemExit(f"--center {name}={center:g}: must be > 0"
                        + (f" and within [{low:g}, {high:g}], the range of λ"
-                          if name == SWEPT_DAMPING else "") + ".")
+                          if name in ADAPTIVE else "") + ".")
   if args.resume is not None and not args.resume.is_file():
     raise SystemExit(f"--resume {args.resume}: no such file.")
   if args.curvature_examples < 1:
@@ -251,6 +257,7 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
             for k, v in vars(args).items()},
       centers=CENTERS, lr_grid=LR_GRID, kfac_settings=KFAC_SETTINGS,
       kfac_adaptive_settings=KFAC_ADAPTIVE_SETTINGS,
+      eigen_adaptive_settings=EIGEN_ADAPTIVE,
       git_commit=commit, git_dirty=dirty, jax=jax.__version__,
       optax=optax.__version__, flax=flax.__version__,
       machine=platform.machine(),

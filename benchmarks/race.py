@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from benchmarks import race_optimizers
 from benchmarks import race_runs
-from benchmarks.race_optimizers import CENTERS, EXTENSION_FACTOR, FIRST_ORDER, KFAC_OPTIMIZERS, LR_GRID, SWEPT_DAMPING
+from benchmarks.race_optimizers import ADAPTIVE, CENTERS, EXTENSION_FACTOR, FIRST_ORDER, KFAC_OPTIMIZERS, LR_GRID
 from examples import tasks
 
 BUDGETS = {"autoencoder": 420.0, "cifar": 300.0, "shakespeare": 300.0}
@@ -64,7 +64,7 @@ class Race:
     # and on λ's floor (the value in effect: a run recorded before the
     # floor was recorded, or under another default, is not reused), both
     # K-FAC contestants' on inv_dtype (runs recorded without it: float32).
-    adaptive = name == "kfac_adaptive"
+    adaptive = name in ADAPTIVE
     inv_dtype = self.args.inv_dtype if name in KFAC_OPTIMIZERS else "float32"
     curvature = ((self.args.curvature, self.args.curvature_examples)
                  if adaptive else None)
@@ -104,7 +104,7 @@ class Race:
 
 def format_lr(name: str, lr: float) -> str:
   """``name``'s swept value as the tables and labels show it."""
-  return f"λ₀={lr:.3g}" if name == SWEPT_DAMPING else f"lr={lr:.3g}"
+  return f"λ₀={lr:.3g}" if name in ADAPTIVE else f"lr={lr:.3g}"
 
 
 def rounded(lr: float) -> float:
@@ -159,7 +159,7 @@ def swept_range(name: str, args: argparse.Namespace) -> tuple[float, float]:
   """The values ``name``'s sweep may try: λ₀ within kfac_adaptive's
   [min_damping, max_damping] (``scale_by_kfac`` refuses others), any
   positive learning rate."""
-  if name == SWEPT_DAMPING:
+  if name in ADAPTIVE:
     config = race_optimizers.adaptive_config(args.min_damping)
     return config.min_damping, config.max_damping
   return 0.0, math.inf

@@ -15,15 +15,29 @@ import kfac_jax
 from examples import tasks
 from examples import training
 
-OPTIMIZERS = ("sgd", "adam", "muon", "kron", "kfac", "kfac_adaptive")
+# The adaptive mode with the eigen method (not raced unless asked for):
+# eigh, the subspace solver, and the subspace solver with EKFAC's scaling,
+# each at the decomposition period given here.
+EIGEN_ADAPTIVE = {
+    "kfac_eigh": dict(compute_method="eigen", inv_update_steps=5),
+    "kfac_subspace": dict(compute_method="eigen", eigen_solver="subspace",
+                          inv_update_steps=5),
+    "kfac_subspace2": dict(compute_method="eigen", eigen_solver="subspace",
+                           inv_update_steps=2),
+    "kfac_ekfac": dict(compute_method="eigen", eigen_solver="subspace",
+                       eigenvalue_correction=True, inv_update_steps=5),
+}
+OPTIMIZERS = ("sgd", "adam", "muon", "kron", "kfac", "kfac_adaptive",
+              *EIGEN_ADAPTIVE)
+DEFAULT_OPTIMIZERS = OPTIMIZERS[:6]
 FIRST_ORDER = ("sgd", "adam", "muon", "kron")
-KFAC_OPTIMIZERS = ("kfac", "kfac_adaptive")
-# The optimizer without a learning rate: its sweep is over λ₀.
-SWEPT_DAMPING = "kfac_adaptive"
-# Each optimizer's customary learning rate (kfac_adaptive: λ₀, that of
+# The optimizers without a learning rate: their sweep is over λ₀.
+ADAPTIVE = ("kfac_adaptive", *EIGEN_ADAPTIVE)
+KFAC_OPTIMIZERS = ("kfac", *ADAPTIVE)
+# Each optimizer's customary learning rate (the adaptive ones: λ₀, that of
 # KFAC_ADAPTIVE_SETTINGS, below); the sweep is center × LR_GRID.
 CENTERS = {"sgd": 1e-2, "adam": 1e-3, "muon": 1e-2, "kron": 3e-4,
-           "kfac": 0.1, "kfac_adaptive": 150.0}
+           "kfac": 0.1, **{name: 150.0 for name in ADAPTIVE}}
 LR_GRID = (1 / 3, 1.0, 3.0)
 EXTENSION_FACTOR = 3.0  # beyond a winning edge of the grid
 MUON_ADAM_LR = 1e-3
@@ -128,14 +142,14 @@ def build_optimizer(name: str, lr: float, task: tasks.Task,
         uses_kfac=True,
         description=f"kfac_jax.kfac(lr={lr:g}, momentum=0.9, " + ", ".join(
             f"{k}={v!r}" for k, v in settings.items()) + ")")
-  if name == SWEPT_DAMPING:
-    settings = dict(KFAC_ADAPTIVE_SETTINGS, damping=lr,
-                    **kfac_dtypes(inv_dtype))
+  if name in ADAPTIVE:
+    settings = dict(KFAC_ADAPTIVE_SETTINGS, **EIGEN_ADAPTIVE.get(name, {}),
+                    damping=lr, **kfac_dtypes(inv_dtype))
     if curvature == "subset":
       settings["factor_batch_size"] = curvature_examples
     adaptive = adaptive_config(min_damping)
     return training.Optimizer(
-        "kfac_adaptive",
+        name,
         kfac_jax.scale_by_kfac(layers=task.layers, adaptive=adaptive,
                                **settings),
         uses_kfac=True, needs_split_loss=True,

@@ -67,8 +67,12 @@ ALL_MODELS = ("autoencoder", "resnet")
 # step falls on the decomposition steps, not among the plain ones; autoencoder
 # only (it needs a SplitLoss), no FLOP floor (the quadratic model's products
 # are not in it).
+# "kfac-eigen-subspace", "kfac-eigen-ekfac": the eigen method refreshing its
+# bases by subspace iteration, without and with EKFAC's scaling
+# (step_variants.EIGEN_OPTIONS); no FLOP floor (it counts eigh's).
 ALL_VARIANTS = ("sgd", "adamw", "kfac-eigen", "kfac-inverse", "kfac-eigen-gfs",
-                "kfac-inverse-gfs", "kfac-adaptive")
+                "kfac-inverse-gfs", "kfac-adaptive", "kfac-eigen-subspace",
+                "kfac-eigen-ekfac")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -91,7 +95,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "the flag, BatchNorm is on: batch_norm=%(default)s")
   p.add_argument("--variants", nargs="+", choices=ALL_VARIANTS, default=None,
                  help="optimizers to time; sgd is the baseline, keep it. "
-                 "None: all (with --smoke: all but adamw and kfac-eigen-gfs)")
+                 "None: all (with --smoke: all but adamw, kfac-eigen-gfs and "
+                 "the -subspace/-ekfac ones)")
   p.add_argument("--kfac-revs", nargs="+", default=[], metavar="REV",
                  help="A/B in one run: also time every K-FAC variant with "
                  "kfac_jax as of these git revisions (named "
@@ -140,7 +145,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.variants is None:
     args.variants = [v for v in ALL_VARIANTS
-                     if not (args.smoke and v in ("adamw", "kfac-eigen-gfs"))]
+                     if not (args.smoke and v in (
+                         "adamw", "kfac-eigen-gfs", "kfac-eigen-subspace",
+                         "kfac-eigen-ekfac"))]
   if "sgd" not in args.variants:
     p.error("--variants must include sgd (the baseline of every ratio)")
   if args.models is None:
@@ -207,7 +214,9 @@ def run_config(config: Config, args: argparse.Namespace) -> dict[str, Any]:
   for c in contestants:
     s = summary[c.name]
     s["final_loss"] = float(c.carry[3])
-    if step_variants.is_kfac(c.name) and step_variants.kfac_method(c.name) != "adaptive":
+    if (step_variants.is_kfac(c.name) and
+        step_variants.kfac_method(c.name) != "adaptive" and
+        not step_variants.eigen_options(c.name)):
       floor = flops.flop_floor(shapes, step_variants.kfac_method(c.name),
                          args.inv_update_steps, args.eigh_flops,
                          args.inverse_flops, step_variants.from_stats(c.name))

@@ -72,6 +72,19 @@ def from_stats(variant: str) -> bool:
   return variant.split("@")[0].endswith("-gfs")
 
 
+# "-subspace": the eigen method with eigen_solver="subspace"; "-ekfac": that
+# and eigenvalue_correction=True.
+EIGEN_OPTIONS = {
+    "subspace": dict(eigen_solver="subspace"),
+    "ekfac": dict(eigen_solver="subspace", eigenvalue_correction=True),
+}
+
+
+def eigen_options(variant: str) -> dict[str, Any]:
+  """``scale_by_kfac`` settings of a ``-subspace``/``-ekfac`` variant, or {}."""
+  return EIGEN_OPTIONS.get(variant.split("@")[0].split("-")[-1], {})
+
+
 def make_tx(variant: str, args: argparse.Namespace, batch: int,
             lib: Any = kfac_jax) -> optax.GradientTransformation:
   lr = args.learning_rate
@@ -90,6 +103,7 @@ def make_tx(variant: str, args: argparse.Namespace, batch: int,
             damping_adaptation_interval=args.inv_update_steps), **settings)
   # Only where asked, so that --kfac-revs can time commits before the option.
   extra = dict(gradient_from_stats=True) if from_stats(variant) else {}
+  extra.update(eigen_options(variant))
   return optax.chain(
       lib.scale_by_kfac(
           learning_rate=lr, damping=args.damping, factor_decay=0.95,
