@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The prepared GPU check: on a machine with an NVIDIA GPU and jax's CUDA
-# plugin installed, in at most 8 minutes (220 + 70 + 80 + 100 s),
+# plugin installed, in at most 9 minutes (200 + 60 + 60 + 100 + 100 s),
 #   1. the test suite without the 8-simulated-device tests, every result
 #      written as it comes (gpu_check.log) and a junit XML at the end;
 #   2. first-call cost, trace + lower against XLA compile (compile_time.py);
-#   3. the step-time table against SGD and AdamW (step_time.py);
-#   4. a short autoencoder race, Adam against adaptive K-FAC (convergence.py).
+#   3. the factors' refresh by eigh against the subspace solver, and
+#      Householder QR against CholeskyQR2 (decomposition_time.py);
+#   4. the step-time table against SGD and AdamW, eigh against the subspace
+#      solver and EKFAC (step_time.py);
+#   5. a short autoencoder race, Adam against adaptive K-FAC (convergence.py).
 # Each part has its own time limit, so a hang costs that part only.
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR            # run from the repo root
@@ -47,14 +50,17 @@ part() {
 jax.devices())" 2>&1 | tee -a "$log"
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$log"
 
-part tests 220 "$python" -m pytest $tests -m "not multidevice" -n 12 -v \
+part tests 200 "$python" -m pytest $tests -m "not multidevice" -n 12 -v \
   -p no:cacheprovider --timeout 120 -o addopts="-ra" \
   --junitxml="$out/junit.xml"
-part compile_time 70 "$python" -m benchmarks.compile_time --no-progress \
+part compile_time 60 "$python" -m benchmarks.compile_time --no-progress \
   --variants adamw kfac-eigen kfac-adaptive --repeats 1 --out "$scratch/ct"
-part step_time 80 "$python" -m benchmarks.step_time --no-progress \
+part decomposition_time 60 "$python" -m benchmarks.decomposition_time \
+  --no-progress --repeats 5 --out "$scratch/dt"
+part step_time 100 "$python" -m benchmarks.step_time --no-progress \
   --models autoencoder --batch-sizes 256 --rounds 3 \
-  --variants sgd adamw kfac-eigen kfac-inverse --out "$scratch/st"
+  --variants sgd adamw kfac-eigen kfac-inverse kfac-eigen-subspace \
+  kfac-eigen-ekfac --out "$scratch/st"
 part race 100 "$python" -m benchmarks.convergence --no-progress \
   --tasks autoencoder --optimizers adam kfac_adaptive --no-sweep --seeds 0 \
   --budget 20 --out "$scratch/race"

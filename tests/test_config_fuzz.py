@@ -116,9 +116,6 @@ def valid_configs(draw):
       "eigenvalue_correction"):
     # Both work on eigenbases.
     config["compute_method"] = "eigen"
-  if config.get("eigenvalue_correction"):
-    # EKFAC's scaling is updated from one micro-batch per step.
-    config["accumulation_steps"] = 1
   return config
 
 

@@ -163,6 +163,35 @@ def test_training_with_ekfac_lowers_the_loss(kwargs):
   assert all(np.all(np.isfinite(s)) for s in jax.tree.leaves(scales))
 
 
+def test_accumulated_micro_batches_give_the_whole_batchs_scales():
+  # Off decomposition steps (the bases fixed), k micro-batches' S_batch,
+  # each in the same bases, average to the whole batch's.
+  params, x, y = problem()
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
+  halves = [kfac_jax.value_grad_and_stats(loss_fn)(params, x[i::2], y[i::2])
+            for i in range(2)]
+  settings = dict(eigenvalue_correction=True, factor_decay=0.0, kl_clip=None,
+                  damping=DAMPING, inv_update_steps=2)
+  whole = kfac_jax.scale_by_kfac(**settings)
+  state = whole.init(params)
+  for _ in range(2):  # A decomposition step, then one without.
+    _, state = whole.update(grads, state, params, kfac_stats=stats)
+  accumulating = kfac_jax.scale_by_kfac(accumulation_steps=2, **settings)
+  accumulated = accumulating.init(params)
+  for _ in range(2):
+    for _, half_grads, half_stats in halves:
+      _, accumulated = accumulating.update(half_grads, accumulated, params,
+                                           kfac_stats=half_stats)
+  for name in ("Dense_0", "Dense_1"):
+    q_a, q_g = bases(state, name)
+    dims = q_a.shape[0] + q_g.shape[0]
+    # The same rows, rotated in bases equal up to eigh's rounding (d² of
+    # it, tests/test_batched.py), each entry squared twice.
+    assert_float32_close(accumulated.eigenvalue_scales[name],
+                         state.eigenvalue_scales[name],
+                         terms=2 * (CHAIN + dims**2) + BATCH, err_msg=name)
+
+
 class CNN(nn.Module):
 
   @nn.compact
@@ -183,7 +212,6 @@ def test_convolutions_are_refused_by_name():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(compute_method="inverse"), "needs compute_method='eigen'"),
     (dict(mesh_axes="data"), "does not support mesh_axes"),
-    (dict(accumulation_steps=2), "does not support accumulation_steps=2"),
 ])
 def test_settings_ekfac_does_not_support_are_refused(kwargs, message):
   with pytest.raises(ValueError, match=message):

@@ -17,6 +17,7 @@ import optax
 
 from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.factors.running import LayerFactors
+from kfac_jax.preconditioning import ekfac
 from kfac_jax.transform import step
 from kfac_jax.transform.config import KFACConfig
 from kfac_jax.transform.state import AccumulatorState, ScaleByKFACState
@@ -27,6 +28,7 @@ def accumulate(
     layers: Mapping[str, LayerInfo], active: Sequence[str],
     batch_factors: Callable[[], dict[str, LayerFactors]],
     sharded: Mapping[str, tuple[str, ...]],
+    batch_scales: step.BatchScales | None = None,
 ) -> tuple[Any, ScaleByKFACState]:
   """One micro-batch: its sums added, and the optimizer step on the last.
 
@@ -38,6 +40,10 @@ def accumulate(
     active: the layers to precondition.
     batch_factors: gives the micro-batch's factors of ``active``'s blocks.
     sharded: as in ``step.optimizer_step``.
+    batch_scales: with ``eigenvalue_correction``, gives the micro-batch's
+      EKFAC ``S_batch`` in the given eigenbases; summed in the state's bases
+      (which change only at the optimizer step) and carried into the step's
+      new ones there.
 
   Returns:
     The updates (zeros before the last micro-batch) and the new state.
@@ -47,10 +53,17 @@ def accumulate(
   factor_step = state.count % config.factor_update_steps(state.count) == 0
   # Off factor steps the sums are not used; adding zeros keeps the factor
   # computation inside the cond.
-  batch = lax.cond(
-      factor_step, batch_factors,
-      lambda: {b: jax.tree.map(jnp.zeros_like, accumulator.factors[b])
-               for b in batch_blocks})
+  zeros = lambda sums: {b: jax.tree.map(jnp.zeros_like, sums[b])
+                        for b in batch_blocks}
+  batch = lax.cond(factor_step, batch_factors,
+                   lambda: zeros(accumulator.factors))
+  scale_sums = accumulator.scales
+  if batch_scales is not None:
+    batch_s = lax.cond(factor_step,
+                       lambda: batch_scales(state.preconditioners),
+                       lambda: zeros(accumulator.scales))
+    scale_sums = {b: s + batch_s[b] if b in batch_s else s
+                  for b, s in accumulator.scales.items()}
   # Pinned: G's sums followed a sharded kernel's sharding, off the specs.
   factor_sums = step.replicate(config, {
       block: (LayerFactors(*(s + b for s, b in zip(sums, batch[block])))
@@ -74,19 +87,26 @@ def accumulate(
                         factor_sums[b].gradient_factor / k**3)
         for b in batch_blocks
     }
+    mean_scales = None
+    if batch_scales is not None:
+      # S_batch is quadratic in the cotangents, as G is.
+      mean_scales = lambda bases: {
+          b: ekfac.reproject(scale_sums[b] / k**3, state.preconditioners[b],
+                             bases[b]) for b in batch_blocks}
     new_updates, new_state = step.optimizer_step(
         config, state, mean_grads, layers, active, lambda: mean_factors,
-        sharded)
+        sharded, batch_scales=mean_scales)
     reset = AccumulatorState(
         micro_step=jnp.zeros([], jnp.int32),
         gradients=optax.tree.zeros_like(gradient_sums),
         factors=step.replicate(config,
-                               jax.tree.map(jnp.zeros_like, factor_sums)))
+                               jax.tree.map(jnp.zeros_like, factor_sums)),
+        scales=jax.tree.map(jnp.zeros_like, scale_sums))
     return new_updates, new_state._replace(accumulator=reset)
 
   def hold():
     held = AccumulatorState(accumulator.micro_step + 1, gradient_sums,
-                            factor_sums)
+                            factor_sums, scale_sums)
     return optax.tree.zeros_like(grads), state._replace(accumulator=held)
 
   # ">=": a micro_step past the last (a state from a larger

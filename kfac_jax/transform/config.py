@@ -184,7 +184,7 @@ class KFACConfig:
       steps, and ``P = Q_A [(Q_Aᵀ ∇ Q_G) / (S + λ)] Q_Gᵀ``
       (``preconditioning.ekfac``, which gives the costs). Dense and
       ``DenseGeneral`` layers only: a registered convolution or embedding
-      is refused by name.
+      is refused by name. Needs ``mesh_axes=None``.
 
   Raises:
     ValueError, TypeError: an argument out of range or of the wrong kind,
@@ -389,16 +389,12 @@ def _eigen_solver(solver: Any) -> str | SubspaceSolver:
 
 def _check_eigen_options(config: KFACConfig) -> None:
   """The subspace solver and EKFAC need the eigen method (and EKFAC one
-  device and one micro-batch per step)."""
+  device)."""
   if config.eigenvalue_correction and config.mesh_axes is not None:
     raise ValueError(
         "eigenvalue_correction=True keeps its scaling beside the eigenbases "
         "on one device; it does not support mesh_axes (got "
         f"{config.mesh_axes!r}) yet. Drop one of the two.")
-  if config.eigenvalue_correction and config.accumulation_steps != 1:
-    raise ValueError(
-        "eigenvalue_correction=True does not support accumulation_steps="
-        f"{config.accumulation_steps} yet: use accumulation_steps=1.")
   for name, on in (("eigen_solver='subspace'",
                     config.subspace_solver is not None),
                    ("eigenvalue_correction=True",

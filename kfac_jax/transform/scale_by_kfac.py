@@ -128,7 +128,10 @@ def init(config: KFACConfig, params: Any) -> ScaleByKFACState:
             block: LayerFactors(jnp.zeros((a, a), jnp.float32),
                                 jnp.zeros((g, g), jnp.float32))
             for block, (a, g) in blocks.items()
-        })
+        },
+        scales=(None if not config.eigenvalue_correction else {
+            block: jnp.zeros(dims, jnp.float32)
+            for block, dims in blocks.items()}))
   return ScaleByKFACState(
       count=jnp.zeros([], jnp.int32),
       factors=factors,
@@ -203,16 +206,16 @@ def _update_values(
         {s.signature.module_type or "" for s in kfac_stats.values()})
   batch_factors = functools.partial(step.stats_factors, config, kfac_stats,
                                     layers, active)
-  if config.accumulation_steps > 1:
-    return accumulate(config, state, updates, layers, active, batch_factors,
-                      sharded)
-  factored = (step.factored_gradients(kfac_stats, layers, active, sharded)
-              if config.gradient_from_stats else None)
   batch_scales = None
   if config.eigenvalue_correction:
     checks.check_dense_only(kfac_stats, active, "eigenvalue_correction=True")
     batch_scales = functools.partial(step.stats_scales, config, kfac_stats,
                                      layers, active)
+  if config.accumulation_steps > 1:
+    return accumulate(config, state, updates, layers, active, batch_factors,
+                      sharded, batch_scales)
+  factored = (step.factored_gradients(kfac_stats, layers, active, sharded)
+              if config.gradient_from_stats else None)
   preconditioned, new_state = step.optimizer_step(
       config, state, updates, layers, active, batch_factors, sharded, factored,
       batch_scales)

@@ -32,11 +32,15 @@ class AccumulatorState(NamedTuple):
       ``[0, accumulation_steps)``.
     gradients: sum of the micro-batch gradients (structure of the params).
     factors: sum of the micro-batch factors ``{layer: LayerFactors}`` (float32).
+    scales: with ``eigenvalue_correction``, the sum of the micro-batches'
+      EKFAC ``S_batch`` in the state's eigenbases ``{layer: [dA, dG]}``;
+      else None.
   """
 
   micro_step: jax.Array
   gradients: Any
   factors: dict[str, LayerFactors]
+  scales: dict[str, jax.Array] | None = None
 
 
 class ScaleByKFACState(NamedTuple):
@@ -126,7 +130,9 @@ def state_partition_specs(state: ScaleByKFACState,
     accumulator = AccumulatorState(
         micro_step=PartitionSpec(),
         gradients=params_shaped(accumulator.gradients),
-        factors=replicated(accumulator.factors))
+        factors=replicated(accumulator.factors),
+        scales=(None if accumulator.scales is None else
+                replicated(accumulator.scales)))
   model = state.quadratic_model
   if model is not None:
     model = QuadraticModelState(
