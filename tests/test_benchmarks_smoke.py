@@ -77,14 +77,20 @@ def test_decomposition_time_smoke(tmp_path):
                      JAX_PLATFORMS="cpu")
   (results_file,) = tmp_path.glob("decomposition_time_*.json")
   rows = json.loads(results_file.read_text())["results"]
+  methods = ("eigen", "eigen subspace k=1", "eigen subspace k=2", "inverse")
   assert sorted((row["method"], row["layout"]) for row in rows) == [
-      ("eigen", "one by one"), ("eigen", "stacked"),
-      ("inverse", "one by one"), ("inverse", "stacked")]
+      (method, layout) for method in methods
+      for layout in ("one by one", "stacked")]
   for row in rows:
-    assert row["rejected"] == 0 and row["median_ms"] > 0
+    # The subspace rows refine bases one averaging step old: no fallback.
+    assert row["rejected"] == 0 and row["fallbacks"] == 0
+    assert row["median_ms"] > 0
     # On CPU the library decomposes one factor per call for both methods.
     assert row["library_choice"] == (row["layout"] == "one by one")
   assert "| eigen | one by one |" in result.stdout
+  sizes = [row["size"] for row in json.loads(
+      results_file.read_text())["orthogonalization"]]
+  assert sizes == sorted(sizes) and len(sizes) == 4
 
 
 def _autoencoder_shapes(batch):
