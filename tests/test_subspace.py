@@ -91,13 +91,13 @@ def test_an_abrupt_change_falls_back_to_eigh():
 
   # The identity basis of a fresh state goes to eigh too, uncounted.
   identity = jnp.eye(DIM, dtype=jnp.float32)
-  (_, basis), fell_back = subspace.refresh_or_eigh(
+  (eigenvalues, basis), fell_back = subspace.refresh_or_eigh(
       f32, subspace.subspace_refresh(f32, identity, 1), identity,
       subspace.DEFAULT_DRIFT_THRESHOLD)
   assert int(fell_back) == 0
   q = np.asarray(basis, np.float64)
-  np.testing.assert_allclose(np.abs(q.T @ np.linalg.eigh(factor)[1]).max(0),
-                             1.0, atol=DIM**2 * EPS32 * 10)
+  assert_float32_close(q @ np.diag(np.asarray(eigenvalues, np.float64)) @ q.T,
+                       factor, terms=DIM**2)
 
 
 class MLP(nn.Module):
