@@ -221,7 +221,10 @@ def recompute_preconditioners(
   count. As in ``update``, a decomposition that comes out non-finite is
   discarded and counted in ``rejected_decompositions``; with no previous one
   to keep, the layer gets the preconditioner of identity factors that
-  ``init`` makes.
+  ``init`` makes. EKFAC's ``eigenvalue_scales`` are kept as they are: they
+  sit in the bases of the last decomposition, which the recomputed ones
+  differ from by the factor updates since (the next refresh carries them
+  on).
 
   Args:
     tree: a pytree holding ``ScaleByKFACState``s, e.g. from ``restore``; their
