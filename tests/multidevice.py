@@ -237,6 +237,81 @@ def subspace_solver(axis_type: AxisType) -> None:
   assert int(run[1].eigh_fallbacks) == int(reference[1].eigh_fallbacks)
 
 
+class DenseNet(nn.Module):
+  """``ConvNet``'s dense layers (EKFAC takes dense layers only)."""
+
+  @nn.compact
+  def __call__(self, x):
+    for width in (12, 8):
+      x = jnp.tanh(nn.Dense(width)(x))
+    return nn.Dense(3, use_bias=False)(x)
+
+
+def ekfac(axis_type: AxisType) -> None:
+  """EKFAC on a mesh trains as on one device: every strategy (MEM/HYBRID
+  gather the bases, COMM_OPT reads its own row), accumulation and (Auto
+  axes) kernels sharded over 'fsdp'; ``S`` and the rest of the state stay
+  where ``get_opt_state_partition_specs`` says."""
+  # More rows a step (64) than any factor's dimension (≤ 13): no factor
+  # has a cluster of equal eigenvalues, in which eigh's basis, and so S's
+  # entries there, would be arbitrary.
+  model = DenseNet()
+  keys = jax.random.split(jax.random.key(2), 3)
+  batches = (jax.random.normal(keys[0], (STEPS, 64, 6)),
+             jax.random.randint(keys[1], (STEPS, 64), 0, 3))
+  params = model.init(keys[2], batches[0][0])["params"]
+
+  def loss_fn(params, x, y):
+    # Summed, and a short factor_decay, so that S_batch (O(|a|²|g|²) per
+    # row) outweighs the identity's S = 1 after two factor updates.
+    logits = model.apply({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).sum()
+
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
+  specs = jax.tree.map(
+      lambda p: PartitionSpec(*([None] * (p.ndim - 1)), "fsdp")
+      if p.ndim == 2 and p.shape[-1] % 4 == 0 else PartitionSpec(), params)
+  sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  base = dict(eigenvalue_correction=True, factor_decay=0.5)
+  runs = [(dict(base, grad_worker_fraction=strategy), None)
+          for strategy in STRATEGIES]
+  runs.append((dict(base, grad_worker_fraction="hybrid_opt",
+                    accumulation_steps=2), None))
+  if axis_type == AxisType.Auto:  # As in `fsdp`.
+    runs.append((dict(base, grad_worker_fraction="mem_opt",
+                      params_partition_specs=specs), sharding))
+  references = {}
+  for kwargs, params_sharding in runs:
+    single = {k: v for k, v in kwargs.items()
+              if k in ("eigenvalue_correction", "factor_decay",
+                       "accumulation_steps")}
+    key = tuple(sorted(single.items()))
+    if key not in references:
+      references[key] = train(params, loss_fn, batches, single)
+    reference = references[key]
+    kwargs = dict(kwargs, mesh_axes=("data", "fsdp"))
+    label = f"EKFAC {kwargs}"
+    with jax.set_mesh(mesh):
+      run = train(params, loss_fn, batches, kwargs, mesh,
+                  PartitionSpec("data" if params_sharding else
+                                ("data", "fsdp")), params_sharding)
+      expected = kfac_jax.get_opt_state_partition_specs(
+          params, damping=0.01, inv_update_steps=2, **kwargs)
+      assert_same_run(run, reference, kwargs, single, label)
+    state, reference_state = run[1], reference[1]
+    for block in reference_state.eigenvalue_scales:
+      np.testing.assert_allclose(
+          np.asarray(state.eigenvalue_scales[block]),
+          np.asarray(reference_state.eigenvalue_scales[block]), **TOLERANCE,
+          err_msg=f"{label}: S of {block}")
+    is_spec = lambda s: isinstance(s, PartitionSpec)
+    for leaf, spec in zip(jax.tree.leaves(state),
+                          jax.tree.leaves(expected, is_leaf=is_spec)):
+      assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec),
+                                            leaf.ndim), (label, leaf.shape,
+                                                         leaf.sharding, spec)
+
+
 def fsdp(axis_type: AxisType) -> None:
   """Kernels sharded over 'fsdp': same training, updates keep their specs."""
   params, loss_fn, batches = conv_problem()
@@ -938,7 +1013,7 @@ PROGRAMS = {f.__name__: f for f in (adaptive, equality, fsdp, local_fsdp,
                                     mixed, division, specs, checkpoint, blocks,
                                     gradient_from_stats, edges,
                                     restored_layout, stable_state,
-                                    multi_transform_fsdp, subspace_solver)}
+                                    multi_transform_fsdp, subspace_solver, ekfac)}
 
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()

@@ -43,6 +43,12 @@ def test_the_subspace_solver_on_a_mesh_equals_one_device():
 
 @pytest.mark.multidevice
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_ekfac_on_a_mesh_equals_one_device(axis_type):
+  run_on_eight_devices("ekfac", axis_type)
+
+
+@pytest.mark.multidevice
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_eager_update_on_a_subset_of_axes_and_other_mesh_edges(axis_type):
   run_on_eight_devices("edges", axis_type)
 

@@ -19,6 +19,7 @@ step and the preconditioning of every step.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -76,6 +77,13 @@ class Placement(NamedTuple):
       layout (a traced bool), or ``None`` for a layout that cannot be stale
       (``{layer: Preconditioner}``). A stale state must be decomposed before
       it preconditions anything.
+    replicated: ``(dims, state, names) -> {layer: Preconditioner}``: those
+      layers' preconditioners on every device (the state itself on one
+      device; on a mesh one all-gather from the owners unless ``g = n``),
+      for work that needs every basis everywhere (EKFAC).
+    precondition_replicated: ``({layer: Preconditioner}, {layer: ∇}, λ,
+      sharded) -> {layer: P}`` from preconditioners every device holds
+      (``replicated``'s), each device computing every layer.
   """
 
   init: Callable[[Dims], Any]
@@ -86,6 +94,10 @@ class Placement(NamedTuple):
   per_layer: Callable[[Dims, Any], dict[str, Preconditioner]]
   partition_specs: Callable[[Dims], Any]
   stale: Callable[[Dims, Any], jax.Array | None]
+  replicated: Callable[[Dims, Any, list[str]], dict[str, Preconditioner]]
+  precondition_replicated: Callable[
+      [Mapping[str, Preconditioner], Mapping[str, jax.Array], jax.Array,
+       Mapping[str, tuple[str, ...]]], dict[str, jax.Array]]
 
 
 class DecompositionCounts(NamedTuple):
@@ -148,24 +160,35 @@ def local_placement(method: Method) -> Placement:
     new, counts = decompose_checked(method, factors, previous, damping)
     return {**previous, **new}, counts
 
-  def precondition(dims, preconditioners, gradients, damping, sharded):
-    del dims
-    return {
-        name: (precondition_in_place(method, preconditioners[name], gradient,
-                                     damping, sharded[name])
-               if name in sharded else
-               method.precondition(preconditioners[name], gradient, damping))
-        for name, gradient in gradients.items()
-    }
-
   def partition_specs(dims: Dims) -> Any:
     return jax.tree.map(lambda _: PartitionSpec(),
                         jax.eval_shape(lambda: init(dims)))
 
-  return Placement(init, decompose, precondition,
-                   per_layer=lambda dims, state: dict(state),
-                   partition_specs=partition_specs,
-                   stale=lambda dims, state: None)
+  each = functools.partial(precondition_each, method)
+  return Placement(
+      init, decompose,
+      precondition=lambda dims, state, *args: each(state, *args),
+      per_layer=lambda dims, state: dict(state),
+      partition_specs=partition_specs,
+      stale=lambda dims, state: None,
+      replicated=lambda dims, state, names: {n: state[n] for n in names},
+      precondition_replicated=each)
+
+
+def precondition_each(method: Method,
+                      preconditioners: Mapping[str, Preconditioner],
+                      gradients: Mapping[str, jax.Array], damping: jax.Array,
+                      sharded: Mapping[str, tuple[str, ...]]
+                      ) -> dict[str, jax.Array]:
+  """``P`` of every gradient from its layer's preconditioner at hand (a
+  sharded kernel's in place, ``precondition_in_place``)."""
+  return {
+      name: (precondition_in_place(method, preconditioners[name], gradient,
+                                   damping, sharded[name])
+             if name in sharded else
+             method.precondition(preconditioners[name], gradient, damping))
+      for name, gradient in gradients.items()
+  }
 
 
 def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
@@ -247,8 +270,15 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
     layout(dims)  # Validates the axes and the fraction against the mesh.
     return ShardedPreconditioners(rows_spec, PartitionSpec())
 
+  def replicated(dims, preconditioners, names):
+    if not names:
+      return {}
+    return _fetch_replicated(axes, layout(dims), preconditioners.rows,
+                             list(names))
+
   return Placement(init, decompose, precondition, per_layer, partition_specs,
-                   stale)
+                   stale, replicated,
+                   functools.partial(precondition_each, method))
 
 
 def _decompose_rows(method: Method, axes: tuple[str, ...], plan: ShardedLayout,

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from kfac_jax import linalg
 from kfac_jax.preconditioning.eigen import DECOMPOSITION_DTYPE, EigenPreconditioner
 
 
@@ -72,7 +73,8 @@ def batch_scales(calls: Sequence[tuple[jax.Array, jax.Array, float]],
   for activation, gradient, scale in calls:
     rotated_a = jnp.square(activation.astype(DECOMPOSITION_DTYPE) @ q_a)
     rotated_g = jnp.square(gradient.astype(DECOMPOSITION_DTYPE) @ q_g)
-    total = total + (rotated_a.T @ rotated_g) * (scale / activation.shape[0])
+    total = total + linalg.contract_rows(rotated_a, rotated_g) * (
+        scale / activation.shape[0])
   return total
 
 

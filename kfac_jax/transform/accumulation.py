@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 import optax
 
+from kfac_jax.capture import layers as layers_lib
 from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import ekfac
@@ -58,12 +59,16 @@ def accumulate(
   batch = lax.cond(factor_step, batch_factors,
                    lambda: zeros(accumulator.factors))
   scale_sums = accumulator.scales
+  # The state's eigenbases on every device (``Placement.replicated``).
+  state_bases = lambda: config.placement.replicated(
+      layers_lib.blocks_of(layers), state.preconditioners, batch_blocks)
   if batch_scales is not None:
     batch_s = lax.cond(factor_step,
-                       lambda: batch_scales(state.preconditioners),
+                       lambda: batch_scales(state_bases()),
                        lambda: zeros(accumulator.scales))
-    scale_sums = {b: s + batch_s[b] if b in batch_s else s
-                  for b, s in accumulator.scales.items()}
+    scale_sums = step.replicate(config, {
+        b: s + batch_s[b] if b in batch_s else s
+        for b, s in accumulator.scales.items()})
   # Pinned: G's sums followed a sharded kernel's sharding, off the specs.
   factor_sums = step.replicate(config, {
       block: (LayerFactors(*(s + b for s, b in zip(sums, batch[block])))
@@ -87,15 +92,16 @@ def accumulate(
                         factor_sums[b].gradient_factor / k**3)
         for b in batch_blocks
     }
-    mean_scales = None
-    if batch_scales is not None:
+
+    def mean_scales(bases):
       # S_batch is quadratic in the cotangents, as G is.
-      mean_scales = lambda bases: {
-          b: ekfac.reproject(scale_sums[b] / k**3, state.preconditioners[b],
-                             bases[b]) for b in batch_blocks}
+      old = state_bases()
+      return {b: ekfac.reproject(scale_sums[b] / k**3, old[b], bases[b])
+              for b in batch_blocks}
+
     new_updates, new_state = step.optimizer_step(
         config, state, mean_grads, layers, active, lambda: mean_factors,
-        sharded, batch_scales=mean_scales)
+        sharded, batch_scales=None if batch_scales is None else mean_scales)
     reset = AccumulatorState(
         micro_step=jnp.zeros([], jnp.int32),
         gradients=optax.tree.zeros_like(gradient_sums),

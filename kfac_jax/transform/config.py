@@ -184,7 +184,11 @@ class KFACConfig:
       steps, and ``P = Q_A [(Q_Aᵀ ∇ Q_G) / (S + λ)] Q_Gᵀ``
       (``preconditioning.ekfac``, which gives the costs). Dense and
       ``DenseGeneral`` layers only: a registered convolution or embedding
-      is refused by name. Needs ``mesh_axes=None``.
+      is refused by name. With ``mesh_axes`` the decompositions are spread
+      as the strategy says; ``S`` is replicated, and every device reads
+      every active basis each step (one all-gather unless every device
+      keeps them all, ``grad_worker_fraction=1``) and preconditions every
+      layer itself.
 
   Raises:
     ValueError, TypeError: an argument out of range or of the wrong kind,
@@ -388,13 +392,7 @@ def _eigen_solver(solver: Any) -> str | SubspaceSolver:
 
 
 def _check_eigen_options(config: KFACConfig) -> None:
-  """The subspace solver and EKFAC need the eigen method (and EKFAC one
-  device)."""
-  if config.eigenvalue_correction and config.mesh_axes is not None:
-    raise ValueError(
-        "eigenvalue_correction=True keeps its scaling beside the eigenbases "
-        "on one device; it does not support mesh_axes (got "
-        f"{config.mesh_axes!r}) yet. Drop one of the two.")
+  """The subspace solver and EKFAC need the eigen method."""
   for name, on in (("eigen_solver='subspace'",
                     config.subspace_solver is not None),
                    ("eigenvalue_correction=True",

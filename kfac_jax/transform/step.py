@@ -100,13 +100,18 @@ def optimizer_step(
       state.preconditioners, decomposition_counts(state), damping,
       hp.all_valid(count, scheduled_damping), config.factored_damping,
       when=decomposition_step)
-  scales = None
+  scales, applied = None, preconditioners
   if config.eigenvalue_correction:
-    scales = update_scales(config, state, preconditioners, batch_scales,
-                           active_blocks, decomposition_step)
+    # Every active basis on every device: S is kept replicated, as the
+    # factors are, and each device preconditions every layer with it.
+    applied = config.placement.replicated(dims, preconditioners,
+                                          active_blocks)
+    scales = replicate(config, update_scales(
+        config, state, dims, applied, batch_scales, active_blocks,
+        decomposition_step))
   preconditioned, gradient_matrices = precondition(
-      config, grads, layers, active, preconditioners, damping, sharded,
-      factored, scales)
+      config, grads, layers, active, applied, damping, sharded, factored,
+      scales)
   updates_ok = hp.all_valid(
       count, scheduled_damping, config.kl_clip,
       None if config.kl_clip is None else config.learning_rate)
@@ -242,36 +247,44 @@ def guarded_decomposition(
           skipped)))))
 
 
-def update_scales(config: KFACConfig, state: ScaleByKFACState,
-                  preconditioners: Mapping[str, EigenPreconditioner],
+def update_scales(config: KFACConfig, state: ScaleByKFACState, dims: Dims,
+                  bases: Mapping[str, EigenPreconditioner],
                   batch_scales: BatchScales, active_blocks: Sequence[str],
                   decomposition_step: jax.Array) -> Blocks:
   """EKFAC's running ``S`` after this step (``preconditioning.ekfac``).
 
-  On decomposition steps ``S`` is carried from the state's eigenbases into
-  the new ones (``ekfac.reproject``); a non-finite ``S`` (a corrupted
-  restore) restarts there from K-FAC's ``outer(d_A, d_G)``. On factor
-  steps it is then averaged with the batch's, ``S ← d·S + (1 − d)·S_batch``,
-  in the new bases; a batch with NaN/Inf (or a scheduled ``d`` out of
-  range) is left out, as it is from the factors.
+  ``bases``: the active blocks' eigenbases after this step's decomposition,
+  on every device (``Placement.replicated``). On decomposition steps ``S``
+  is carried from the state's eigenbases into these (``ekfac.reproject``);
+  a non-finite ``S`` (a corrupted restore), or a state packed in another
+  layout (whose old bases cannot be read), restarts there from K-FAC's
+  ``outer(d_A, d_G)``. On factor steps it is then averaged with the
+  batch's, ``S ← d·S + (1 − d)·S_batch``, in the new bases; a batch with
+  NaN/Inf (or a scheduled ``d`` out of range) is left out, as it is from
+  the factors.
   """
   count = state.count
-  old = state.preconditioners
   current = dict(state.eigenvalue_scales)
+  stale = config.placement.stale(dims, state.preconditioners)
+  refresh = decomposition_step if stale is None else decomposition_step | stale
 
   def reprojected():
+    old = config.placement.replicated(dims, state.preconditioners,
+                                      active_blocks)
     carried = dict(current)
     for b in active_blocks:
-      moved = ekfac.reproject(current[b], old[b], preconditioners[b])
-      carried[b] = jnp.where(jnp.isfinite(jnp.sum(moved)), moved,
-                             ekfac.kfac_scales(preconditioners[b]))
+      moved = ekfac.reproject(current[b], old[b], bases[b])
+      keep = jnp.isfinite(jnp.sum(moved))
+      if stale is not None:
+        keep = keep & ~stale
+      carried[b] = jnp.where(keep, moved, ekfac.kfac_scales(bases[b]))
     return carried
 
-  scales = lax.cond(decomposition_step, reprojected, lambda: current)
+  scales = lax.cond(refresh, reprojected, lambda: current)
   factor_step = count % config.factor_update_steps(count) == 0
 
   def averaged():
-    new = batch_scales(preconditioners)
+    new = batch_scales(bases)
     ok = finite.all_finite(new)
     decay_ok = hp.all_valid(count, config.factor_decay)
     if decay_ok is not None:
@@ -293,8 +306,10 @@ def precondition(
   """``P`` of every block of ``active``, and the blocks' gradient matrices.
 
   ``P = (A ⊗ G + λI)⁻¹ vec(∇)`` (eigen) or ``(A + λI)⁻¹ ∇ (G + λI)⁻¹``
-  (inverse), with ``∇`` the block of ``grads`` or its ``factored`` form;
-  with EKFAC's ``scales``, ``Q_A [(Q_Aᵀ ∇ Q_G) / (S + λ)] Q_Gᵀ``.
+  (inverse), with ``∇`` the block of ``grads`` or its ``factored`` form,
+  from ``preconditioners``, the placement's state. With EKFAC's ``scales``,
+  ``Q_A [(Q_Aᵀ ∇ Q_G) / (S + λ)] Q_Gᵀ``, and ``preconditioners`` are the
+  active blocks' eigenbases on every device (``Placement.replicated``).
   """
   gradient_matrices = {}
   for name in active:
@@ -302,13 +317,15 @@ def precondition(
     blocks = to_matrix(layers_lib.get_layer_params(grads, layer), layer,
                        jnp.float32)
     gradient_matrices.update(zip(layer.block_names, blocks))
-  if scales is not None:
-    preconditioners = {
-        b: ekfac.with_scales(p, scales[b], damping) if b in scales else p
-        for b, p in preconditioners.items()}
-  preconditioned = config.placement.precondition(
-      layers_lib.blocks_of(layers), preconditioners,
-      {**gradient_matrices, **(factored or {})}, damping, sharded)
+  gradients = {**gradient_matrices, **(factored or {})}
+  if scales is None:
+    preconditioned = config.placement.precondition(
+        layers_lib.blocks_of(layers), preconditioners, gradients, damping,
+        sharded)
+  else:
+    preconditioned = config.placement.precondition_replicated(
+        {b: ekfac.with_scales(p, scales[b], damping)
+         for b, p in preconditioners.items()}, gradients, damping, sharded)
   if config.factored_damping:
     # Undo the λ factor of `factored_damping_scaled` so the layers keep
     # their scale against unregistered parameters' ∇ (with the current λ,
