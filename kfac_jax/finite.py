@@ -58,6 +58,20 @@ def all_finite(tree: Any) -> jax.Array:
 
 
 def select(predicate: jax.Array, on_true: Any, on_false: Any) -> Any:
-  """``on_true`` where ``predicate`` else ``on_false``, leaf by leaf."""
+  """``on_true`` where ``predicate`` else ``on_false``, leaf by leaf.
+
+  A ``jnp.where`` per leaf, which XLA fuses into whatever computes the
+  leaves; for leaves that nothing fuses with (a library call's), ``keep``.
+  """
   return jax.tree.map(lambda t, f: jnp.where(predicate, t, f), on_true,
                       on_false)
+
+
+def keep(predicate: jax.Array, on_true: Any, on_false: Any) -> Any:
+  """``on_true`` if the scalar ``predicate`` else ``on_false``, whole trees.
+
+  A ``lax.cond`` that passes one tree's buffers through: where the leaves
+  come from a library call (``eigh``, a Cholesky) a ``jnp.where`` per leaf
+  is an elementwise kernel each, which XLA:CPU compiles one by one.
+  """
+  return jax.lax.cond(predicate, lambda: on_true, lambda: on_false)

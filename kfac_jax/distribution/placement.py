@@ -143,7 +143,7 @@ def decompose_checked(
                                sum(fell_back for _, fell_back in finished))
     candidate = method.assemble(*pair, damping)
     ok = method.is_finite(candidate)
-    new[name] = finite.select(ok, candidate, previous[name])
+    new[name] = method.keep(ok, candidate, previous[name])
     counts = counts._replace(rejected=counts.rejected +
                              (~ok).astype(jnp.int32))
   return new, counts

@@ -37,9 +37,9 @@ def covariance(rows: jax.Array) -> jax.Array:
   """``rowsᵀ rows / N`` for ``rows: [..., N, d]``; returns ``[..., d, d]`` float32.
 
   Not symmetrized here: a pass over every factor on every factor step
-  (~25 % of the product's time at d ≈ N); the eigen method symmetrizes what
-  it decomposes, and the inverse method's Cholesky reads only the lower
-  triangle.
+  (~25 % of the product's time at d ≈ N); ``eigh`` and the inverse
+  method's Cholesky read one triangle, and the subspace solver symmetrizes
+  what it refines.
   """
   rows = rows.astype(COMPUTE_DTYPE)
   return contract_rows(rows, rows) / rows.shape[-2]

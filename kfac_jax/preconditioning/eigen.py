@@ -48,11 +48,14 @@ def eigh_factor(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array, jax.A
   """``(d, Q)`` of one symmetric factor ``[d, d]`` in float32, ``d`` clamped ≥ 0.
 
   ``damping`` is unused (the eigenbasis does not depend on it); it keeps the
-  signature of ``inverse.damped_inverse`` so both batch the same way.
+  signature of ``inverse.damped_inverse`` so both batch the same way. As the
+  inverse method's Cholesky, ``eigh`` reads one triangle of the factor
+  (symmetric up to the rounding of its products): symmetrizing it first
+  was a kernel per factor for a change at that rounding.
   """
   del damping
   eigenvalues, eigenvectors = jnp.linalg.eigh(
-      factor.astype(DECOMPOSITION_DTYPE), symmetrize_input=True)
+      factor.astype(DECOMPOSITION_DTYPE), symmetrize_input=False)
   # Round-off can make a PSD factor's smallest eigenvalues slightly negative.
   return jnp.maximum(eigenvalues, 0.0), eigenvectors
 
@@ -102,6 +105,30 @@ def decompose(factors: LayerFactors, damping: jax.Array, dtype: jnp.dtype,
   return assemble(eigh_factor(factors.activation_factor, damping),
                   eigh_factor(factors.gradient_factor, damping), damping,
                   dtype, precompute_damped_inverse)
+
+
+def is_finite(preconditioner: EigenPreconditioner) -> jax.Array:
+  """Whether a decomposition came out finite (bool scalar), in O(d²).
+
+  ``Σ Q_A·d_A + Σ Q_G·d_G (+ Σ damped_inverse)``, products taken column by
+  column: every column of an orthogonal ``Q`` has a nonzero entry, so a
+  NaN/±Inf eigenvalue, like one in ``Q``, makes its sum non-finite. Summing
+  ``[d, d]`` products rather than the ``[d]`` eigenvalues on their own keeps
+  XLA:CPU from compiling a windowed tree reduction per vector (see the
+  design notes, *Compile time*).
+  """
+  totals = [
+      jnp.sum(vectors.astype(DECOMPOSITION_DTYPE) *
+              values.astype(DECOMPOSITION_DTYPE)[None, :])
+      for vectors, values in (
+          (preconditioner.activation_eigenvectors,
+           preconditioner.activation_eigenvalues),
+          (preconditioner.gradient_eigenvectors,
+           preconditioner.gradient_eigenvalues))]
+  if preconditioner.damped_inverse is not None:
+    totals.append(jnp.sum(preconditioner.damped_inverse,
+                          dtype=DECOMPOSITION_DTYPE))
+  return jnp.isfinite(sum(totals))
 
 
 def precondition(preconditioner: EigenPreconditioner,

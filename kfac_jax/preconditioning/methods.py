@@ -45,6 +45,11 @@ class Method(NamedTuple):
     finish: ``(F, factor_fn(F, …), start) -> (results for assemble,
       fell_back int32)``, run per factor outside ``vmap`` (it may
       ``lax.cond``); ``None``: ``factor_fn``'s results as they are.
+    keep: ``(ok, candidate, previous) -> Preconditioner``, the candidate
+      where ``ok`` else the previous one: ``finite.keep`` (a ``lax.cond``)
+      for the eigen method, whose leaves come from ``eigh``, a library call
+      nothing fuses with; ``finite.select`` for the inverse method, whose
+      leaves XLA computes and fuses the selects into.
   """
 
   init: Callable[[int, int], Preconditioner]
@@ -59,6 +64,8 @@ class Method(NamedTuple):
       None)
   finish: Callable[[jax.Array, Results, jax.Array],
                    tuple[Results, jax.Array]] | None = None
+  keep: Callable[[jax.Array, Preconditioner, Preconditioner],
+                 Preconditioner] = finite.select
 
 
 def _eigenbases(preconditioner: eigen.EigenPreconditioner
@@ -94,7 +101,8 @@ def make_method(use_eigen: bool, dtype: jnp.dtype,
             eigen.assemble, dtype=dtype,
             precompute_damped_inverse=precompute_damped_inverse),
         precondition=eigen.precondition,
-        is_finite=finite.all_finite,
+        is_finite=eigen.is_finite,
+        keep=finite.keep,
         decomposition_batch_size=decomposition_batch_size,
         # cuSOLVER's stacked eigh is slower than one call per factor.
         decompose_each_on=(*batched.EACH_ON_CPU, "cuda"))
