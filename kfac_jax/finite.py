@@ -71,7 +71,7 @@ def keep(predicate: jax.Array, on_true: Any, on_false: Any) -> Any:
   """``on_true`` if the scalar ``predicate`` else ``on_false``, whole trees.
 
   A ``lax.cond`` that passes one tree's buffers through: where the leaves
-  come from a library call (``eigh``, a Cholesky) a ``jnp.where`` per leaf
-  is an elementwise kernel each, which XLA:CPU compiles one by one.
+  come from a library call (``eigh``) a ``jnp.where`` per leaf is an
+  elementwise kernel each, which XLA:CPU compiles one by one.
   """
   return jax.lax.cond(predicate, lambda: on_true, lambda: on_false)

@@ -239,11 +239,10 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
     in_place = [name for name in gradients if name in sharded]
     out = {}
     if in_place:
-      fetched = _fetch_replicated(axes, plan, preconditioners.rows, in_place)
-      for name in in_place:
-        out[name] = precondition_in_place(method, fetched[name],
-                                          gradients[name], damping,
-                                          sharded[name])
+      out.update(precondition_each(
+          method, _fetch_replicated(axes, plan, preconditioners.rows,
+                                    in_place),
+          {name: gradients[name] for name in in_place}, damping, sharded))
     gathered = {n: x for n, x in gradients.items() if n not in sharded}
     if gathered:
       out.update(_precondition_gathered(method, axes, plan,
