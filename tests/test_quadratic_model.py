@@ -144,8 +144,10 @@ def test_step_sizes_minimise_the_two_dimensional_model():
       jnp.asarray(gradient_products, jnp.float32), jnp.float32(damping), True)
   system = curvature + damping * inner
   expected = -np.linalg.solve(system, gradient_products)
-  # The inputs' rounding to float32 and λ's product and sum (3), the 2×2
-  # solve's (3), through the system's conditioning.
+  # The inputs' rounding to float32 and λ's product and sum (3); Cramer's
+  # rule's products and difference in a numerator and in the determinant,
+  # and the division (5 of u = ε/2, under 3 of ε): through the system's
+  # conditioning.
   close(coefficients, expected, terms=3 + 3,
         condition=np.linalg.cond(system))
   alpha_only = quadratic_model.solve_step_sizes(
@@ -807,9 +809,37 @@ def test_a_nearly_singular_step_size_system_falls_back_to_alpha_alone():
   coefficients = quadratic_model.solve_step_sizes(
       curvature, jnp.zeros((2, 2), jnp.float32), jnp.asarray(g, jnp.float32),
       jnp.float32(0.0), use_momentum=True)
-  # A 2×2 solve (3 roundings) through its conditioning.
+  # Cramer's rule (5 roundings of u = ε/2, under 3 of ε) through its
+  # conditioning.
   close(coefficients, -np.linalg.solve(np.asarray(curvature), g), terms=3,
         condition=np.linalg.cond(np.asarray(curvature)))
+
+
+@pytest.mark.parametrize("negated, previous, dtype, coefficients", [
+    ([-1.0, 2.0], [3.0, -4.0], np.float32, [0.5, 0.25]),   # finite
+    ([-1.0, 2.0], [np.nan, 1.0], np.float32, [0.5, 0.0]),  # NaN δ, μ = 0
+    ([np.inf, 2.0], [3.0, 1.0], np.float32, [0.0, 0.5]),   # ±Inf Δ, α = 0
+    ([-3e38, 0.0], [0.0, 0.0], np.float32, [2.0, 0.0]),    # v past float32
+    ([-7e4, 1.0], [0.0, 0.0], np.float16, [1.0, 0.0]),     # v past float16
+    ([-6e4, 1.0], [0.0, 0.0], np.float16, [1.0, 0.0]),     # v within it
+])
+def test_the_update_check_decides_as_an_elementwise_one(
+    negated, previous, dtype, coefficients):
+  """``_update_finite`` decides from ``cᵀPc`` (and float16 leaves' own
+  sums) what ``isfinite`` of every entry of ``v = αΔ + μδ``, cast to δ's
+  dtype, decides."""
+  negated = np.asarray(negated, np.float32)  # −Δ, as the step is given it
+  previous = np.asarray(previous, dtype)
+  coefficients = np.asarray(coefficients, np.float32)
+  vectors = np.stack([-negated, previous.astype(np.float32)])
+  with np.errstate(all="ignore"):
+    inner = vectors @ vectors.T  # P = [vᵢᵀvⱼ] in float32, as the step's
+    expected = np.all(np.isfinite(
+        (coefficients @ vectors).astype(dtype)))
+  actual = quadratic_model._update_finite(  # pylint: disable=protected-access
+      jnp.asarray(coefficients), jnp.asarray(inner), {"w": jnp.asarray(negated)},
+      {"w": jnp.asarray(previous)})
+  assert bool(actual) == bool(expected)
 
 
 def test_a_rejected_step_records_zero_step_sizes():

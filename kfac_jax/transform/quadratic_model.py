@@ -274,16 +274,18 @@ def solve_step_sizes(curvature: jax.Array, inner_products: jax.Array,
                          -gradient_products[0] / jnp.where(
                              system[0, 0] > 0, system[0, 0], 1.0), 0.0)
   one_dimensional = jnp.stack([alpha_only, jnp.zeros([], alpha_only.dtype)])
-  if use_momentum:
-    determinant = system[0, 0] * system[1, 1] - system[0, 1] * system[1, 0]
-    regular = determinant > _SINGULAR_TOLERANCE * jnp.abs(
-        system[0, 0] * system[1, 1])
-    safe = jnp.where(regular, system, jnp.eye(2, dtype=system.dtype))
-    two_dimensional = -jnp.linalg.solve(safe, gradient_products)
-    coefficients = jnp.where(regular, two_dimensional, one_dimensional)
-  else:
-    coefficients = one_dimensional
-  return coefficients
+  if not use_momentum:
+    return one_dimensional
+  # Cramer's rule: a handful of scalar operations where a general solve
+  # compiles an LU factorisation loop.
+  determinant = system[0, 0] * system[1, 1] - system[0, 1] * system[1, 0]
+  regular = determinant > _SINGULAR_TOLERANCE * jnp.abs(
+      system[0, 0] * system[1, 1])
+  adjugate_products = jnp.stack([
+      system[1, 1] * gradient_products[0] - system[0, 1] * gradient_products[1],
+      system[0, 0] * gradient_products[1] - system[1, 0] * gradient_products[0]])
+  two_dimensional = -adjugate_products / jnp.where(regular, determinant, 1.0)
+  return jnp.where(regular, two_dimensional, one_dimensional)
 
 
 def quadratic_change(coefficients: jax.Array, curvature: jax.Array,
@@ -313,14 +315,15 @@ def clip_damping(damping: jax.Array, config: AdaptiveConfig) -> jax.Array:
                    jnp.clip(damping, config.min_damping, config.max_damping))
 
 
-def step(state: QuadraticModelState, direction: Any, gradients: Any,
+def step(state: QuadraticModelState, preconditioned: Any, gradients: Any,
          params: Any, split_loss: SplitLoss, adapt: jax.Array,
          config: AdaptiveConfig) -> tuple[Any, QuadraticModelState]:
   """The update ``α Δ + μ δ`` and the state after it.
 
   Args:
     state: the state before the step.
-    direction: ``Δ``, the (negated) K-FAC-preconditioned gradient.
+    preconditioned: ``(F̂ + λI)⁻¹ ∇ = −Δ``, the K-FAC-preconditioned
+      gradient.
     gradients: ``∇`` of the batch loss.
     params: θ.
     split_loss: the batch loss (``SplitLoss``).
@@ -332,17 +335,22 @@ def step(state: QuadraticModelState, direction: Any, gradients: Any,
   keeps δ and raises λ by ``1/ω``, so the next steps are more cautious.
   """
   previous = state.previous_update
-  # Without momentum δ's products are not needed: zeros in their place.
-  vectors = (direction, previous) if config.use_momentum else (direction,)
+  # The products are taken of −Δ, as given; `signs` turns them into Δ's.
+  signs = jnp.asarray([-1.0, 1.0], jnp.float32)
+  # Without momentum δ's curvature is not needed: zeros in its place.
+  vectors = (preconditioned, previous) if config.use_momentum else (
+      preconditioned,)
   padding = [(0, 2 - len(vectors))]
   loss, curvature, split_gradient_products = curvature_products(
       split_loss, params, vectors)
-  curvature = jnp.pad(curvature, padding * 2)
-  split_gradient_products = jnp.pad(split_gradient_products, padding)
-  # [gradients, *vectors]ᵀ vectors: the first row gives ∇ᵀvⱼ, the rest vᵢᵀvⱼ.
-  products = _cross_products((gradients, *vectors), vectors)
-  inner_products = jnp.pad(products[1:], padding * 2)
-  gradient_products = jnp.pad(products[0], padding)
+  curvature = jnp.pad(curvature, padding * 2) * jnp.outer(signs, signs)
+  split_gradient_products = jnp.pad(split_gradient_products, padding) * signs
+  # [∇, −Δ, δ]ᵀ[−Δ, δ]: the first row gives ∇ᵀvⱼ, the rest vᵢᵀvⱼ. δᵀδ even
+  # without momentum: it tells whether δ is finite.
+  products = _cross_products((gradients, preconditioned, previous),
+                             (preconditioned, previous))
+  inner_products = products[1:] * jnp.outer(signs, signs)
+  gradient_products = products[0] * signs
   coefficients = solve_step_sizes(curvature, inner_products,
                                   gradient_products, state.damping,
                                   config.use_momentum)
@@ -350,11 +358,12 @@ def step(state: QuadraticModelState, direction: Any, gradients: Any,
       coefficients, curvature + state.damping * inner_products
       if config.include_damping_in_quadratic_change else curvature,
       gradient_products)
+  ok = jnp.isfinite(predicted) & _update_finite(
+      coefficients, inner_products, preconditioned, previous)
   update = jax.tree.map(
-      lambda d, p: (coefficients[0] * d.astype(jnp.float32) +
-                    coefficients[1] * p.astype(jnp.float32)).astype(p.dtype),
-      direction, previous)
-  ok = jnp.isfinite(predicted) & finite.all_finite(update)
+      lambda d, p: jnp.where(ok, _combination(coefficients, d, p),
+                             jnp.zeros([], p.dtype)),
+      preconditioned, previous)
 
   def measured_ratio():
     new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params,
@@ -377,15 +386,42 @@ def step(state: QuadraticModelState, direction: Any, gradients: Any,
       ok, jnp.where(adapt, adapt_damping(state.damping, ratio, config),
                     state.damping),
       adapt_damping(state.damping, jnp.asarray(jnp.nan, jnp.float32), config))
-  update = finite.select(ok, update, optax.tree.zeros_like(previous))
   # A rejected step keeps δ, unless δ itself is what is non-finite (a
-  # corrupted restore), which would reject every later step: then zeros.
-  kept = jax.lax.cond(ok, lambda: previous, lambda: finite.select(
-      finite.all_finite(previous), previous,
-      optax.tree.zeros_like(previous)))
+  # corrupted restore), which would reject every later step: then the
+  # rejected step's zeros. One lax.cond for the whole tree: no per-leaf
+  # select or zeros to compile.
   new_state = QuadraticModelState(
       damping=damping,
-      previous_update=finite.select(ok, update, kept),
+      previous_update=finite.keep(
+          ok | ~jnp.isfinite(inner_products[1, 1]), update, previous),
       step_sizes=jnp.where(ok, coefficients, jnp.zeros_like(coefficients)),
       reduction_ratio=ratio)
   return update, new_state
+
+
+def _combination(coefficients: jax.Array, preconditioned: jax.Array,
+                 previous: jax.Array) -> jax.Array:
+  """One leaf of ``v = αΔ + μδ = −α(−Δ) + μδ``, in float32, cast to δ's dtype."""
+  return (-coefficients[0] * preconditioned.astype(jnp.float32) +
+          coefficients[1] * previous.astype(jnp.float32)).astype(previous.dtype)
+
+
+def _update_finite(coefficients: jax.Array, inner_products: jax.Array,
+                   preconditioned: Any, previous: Any) -> jax.Array:
+  """Whether ``v = αΔ + μδ`` is finite, from scalars already at hand.
+
+  ``‖v‖² = cᵀPc`` for ``c = [α, μ]``: a NaN or ±Inf in Δ or δ makes ``P``'s
+  diagonal non-finite, and so ``cᵀPc`` (even where c's entry is 0), and an
+  entry of v past float32's range makes a term of ``cᵀPc`` overflow, since
+  ``α²ΔᵀΔ ≥ (αΔᵢ)²``. A finite v whose ``‖v‖²`` overflows counts as
+  non-finite, as in ``finite.all_finite``. An entry past the range of a
+  dtype whose largest value squared fits float32 (float16) need not
+  overflow ``‖v‖²``: leaves of such a dtype are checked themselves.
+  """
+  norm = jnp.isfinite(coefficients @ inner_products @ coefficients)
+  narrow = [_combination(coefficients, d, p) for d, p in zip(
+      jax.tree.leaves(preconditioned), jax.tree.leaves(previous))
+            if jnp.issubdtype(p.dtype, jnp.floating) and
+            float(jnp.finfo(p.dtype).max)**2 < float(
+                jnp.finfo(jnp.float32).max)]
+  return norm & finite.all_finite(narrow) if narrow else norm

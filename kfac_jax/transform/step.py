@@ -351,8 +351,7 @@ def adaptive_step(config: KFACConfig, state: ScaleByKFACState,
   """The adaptive mode's update from ``−P`` and the previous update
   (``quadratic_model.step``), and ``new_state`` with its model state."""
   step_updates, model_state = quadratic_model.step(
-      state.quadratic_model, jax.tree.map(jnp.negative, preconditioned),
-      grads, params, split_loss,
+      state.quadratic_model, preconditioned, grads, params, split_loss,
       state.count % config.adaptive.damping_adaptation_interval == 0,
       config.adaptive)
   return constrain_to_params(config, step_updates), new_state._replace(
