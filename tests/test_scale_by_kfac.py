@@ -242,7 +242,6 @@ def test_schedules_are_called_with_the_step():
     _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
     updates, state = tx.update(grads, state, params, kfac_stats=stats)
   a = np.asarray(state.factors["Dense_0"].activation_factor, np.float64)
-  expected = np.linalg.inv(a + float(damping(2)) * np.eye(len(a)))
   reference.assert_damped_inverse(
       state.preconditioners["Dense_0"].activation_inverse, a,
       float(damping(2)))

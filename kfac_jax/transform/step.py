@@ -348,7 +348,7 @@ def adaptive_step(config: KFACConfig, state: ScaleByKFACState,
                   new_state: ScaleByKFACState, preconditioned: Any,
                   grads: Any, params: Any, split_loss: SplitLoss
                   ) -> tuple[Any, ScaleByKFACState]:
-  """The adaptive mode's update from ``−P`` and the previous update
+  """The adaptive mode's update from ``P = −Δ`` and the previous update
   (``quadratic_model.step``), and ``new_state`` with its model state."""
   step_updates, model_state = quadratic_model.step(
       state.quadratic_model, preconditioned, grads, params, split_loss,
