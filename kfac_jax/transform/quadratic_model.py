@@ -331,6 +331,10 @@ def step(state: QuadraticModelState, preconditioned: Any, gradients: Any,
       ``loss_value`` at ``θ + v``).
     config: the ``AdaptiveConfig``.
 
+  Returns:
+    The update ``v = α Δ + μ δ`` (``params``' structure, δ's dtypes) and the
+    state after the step (``step_sizes = [α, μ]``).
+
   A non-finite result (NaN/Inf gradients or outputs) emits a zero update,
   keeps δ and raises λ by ``1/ω``, so the next steps are more cautious.
   """
