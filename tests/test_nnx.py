@@ -18,7 +18,7 @@ from kfac_jax.factors.batch import batch_factors
 from tests import reference
 
 close = reference.assert_float32_close
-# flax 0.12.12 renamed nnx.pure to nnx.as_pure (the old name warns); 0.12.6
+# flax 0.12.12 renamed nnx.pure to nnx.as_pure (the old name warns); 0.12.2
 # has only nnx.pure.
 as_pure = getattr(nnx, "as_pure", None) or nnx.pure
 

@@ -101,7 +101,7 @@ def test_functional_api_equals_nnx_optimizer_and_linen(accumulation_steps):
     warnings.simplefilter("always")
     for x, y in data:
       params, opt_state, updates = step(params, opt_state, x, y)
-  # flax 0.12.12 deprecates APIs of 0.12.6 (nnx.pure): none is used.
+  # flax 0.12.12 deprecates APIs of 0.12.2 (nnx.pure): none is used.
   assert not [w for w in caught if issubclass(w.category, DeprecationWarning)
               ], [str(w.message) for w in caught]
   assert_params(updates, nnx.Param)
@@ -143,7 +143,7 @@ def test_functional_api_equals_nnx_optimizer_and_linen(accumulation_steps):
                                 Mlp(nnx.Rngs(0)), nnx.Param)[1])["l1"]["kernel"])
 
 
-# flax 0.12.12 renamed nnx.pure to nnx.as_pure (the old name warns); 0.12.6
+# flax 0.12.12 renamed nnx.pure to nnx.as_pure (the old name warns); 0.12.2
 # has only nnx.pure.
 as_pure = getattr(nnx, "as_pure", None) or nnx.pure
 
