@@ -717,6 +717,56 @@ def restored_layout(axis_type: AxisType) -> None:
       np.testing.assert_allclose(a, b, **TOLERANCE, err_msg=name)
 
 
+def restored_ekfac_accumulation(axis_type: AxisType) -> None:
+  """EKFAC with accumulation, restored under another assignment_strategy:
+  the first micro-batch's S is summed in the restored bases, which cannot be
+  read in the new layout, so the optimizer step leaves the batch S out and
+  S restarts at K-FAC's ``outer(d_A, d_G)`` of the new decomposition."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from kfac_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+
+  model = FlippedCosts()
+  keys = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(keys[0], (8, 16, 9))
+  y = jax.random.normal(keys[1], (8, 16, 1))
+  params = model.init(keys[2], x[0])["params"]
+  loss_fn = lambda p, x, y: jnp.mean((model.apply({"params": p}, x) - y)**2)
+  mesh = jax.make_mesh((8,), ("devices",), axis_types=(axis_type,))
+  # factor_decay 0.5: a batch S averaged in would move S by half of its
+  # distance from outer(d_A, d_G).
+  base = dict(damping=0.01, mesh_axes="devices", inv_update_steps=2,
+              eigenvalue_correction=True, accumulation_steps=2,
+              factor_decay=0.5)
+  saved_kwargs = dict(base, assignment_strategy="compute")
+  moved_kwargs = dict(base, assignment_strategy="memory")
+
+  def step(kwargs, params, state, i):
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x[i],
+                                                             y[i])
+    return jax.jit(kfac_jax.scale_by_kfac(**kwargs).update)(
+        grads, state, params, kfac_stats=stats)
+
+  with jax.set_mesh(mesh):
+    params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    state = jax.jit(kfac_jax.scale_by_kfac(**saved_kwargs).init)(params)
+    for i in range(6):  # Three optimizer steps: the next is no decomposition.
+      _, state = step(saved_kwargs, params, state, i)
+    directory = tempfile.mkdtemp() + "/ckpt"
+    checkpoint_lib.save(directory, state)
+    moved = checkpoint_lib.restore(
+        directory, restore_target(params, mesh, moved_kwargs))
+    for i in (6, 7):
+      _, moved = step(moved_kwargs, params, moved, i)
+    assert int(moved.count) == 4 and int(moved.accumulator.micro_step) == 0
+    layers = per_layer(moved, moved_kwargs)
+  for block, scales in moved.eigenvalue_scales.items():
+    expected = (np.asarray(layers[block].activation_eigenvalues)[:, None] *
+                np.asarray(layers[block].gradient_eigenvalues)[None, :])
+    # One float32 product of the same two eigenvalues on either side.
+    np.testing.assert_allclose(np.asarray(scales), expected,
+                               rtol=np.finfo(np.float32).eps, err_msg=block)
+
+
 class ScannedGroupedBlocks(nn.Module):
   """Three scanned slices of grouped conv -> Dense: 9 Kronecker blocks."""
 
@@ -1012,7 +1062,8 @@ PROGRAMS = {f.__name__: f for f in (adaptive, equality, fsdp, local_fsdp,
                                     row_parallel,
                                     mixed, division, specs, checkpoint, blocks,
                                     gradient_from_stats, edges,
-                                    restored_layout, stable_state,
+                                    restored_layout, restored_ekfac_accumulation,
+                                    stable_state,
                                     multi_transform_fsdp, subspace_solver, ekfac)}
 
 if __name__ == "__main__":

@@ -137,6 +137,12 @@ def test_rows_restored_under_another_assignment_are_decomposed_again():
   run_on_eight_devices("restored_layout", "Auto")
 
 
+@pytest.mark.multidevice
+def test_ekfac_restored_under_another_assignment_leaves_stale_micro_batches_out():
+  """Micro-batch S summed in bases of another layout never enters S."""
+  run_on_eight_devices("restored_ekfac_accumulation", "Explicit")
+
+
 # ---------------------------------------------------------------- one device
 
 

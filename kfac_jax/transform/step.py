@@ -261,7 +261,8 @@ def update_scales(config: KFACConfig, state: ScaleByKFACState, dims: Dims,
   ``outer(d_A, d_G)``. On factor steps it is then averaged with the
   batch's, ``S ← d·S + (1 − d)·S_batch``, in the new bases; a batch with
   NaN/Inf (or a scheduled ``d`` out of range) is left out, as it is from
-  the factors.
+  the factors, and so is an accumulated batch on a state of another layout
+  (its micro-batches were summed in the old bases).
   """
   count = state.count
   current = dict(state.eigenvalue_scales)
@@ -286,6 +287,8 @@ def update_scales(config: KFACConfig, state: ScaleByKFACState, dims: Dims,
   def averaged():
     new = batch_scales(bases)
     ok = finite.all_finite(new)
+    if stale is not None and config.accumulation_steps > 1:
+      ok = ok & ~stale
     decay_ok = hp.all_valid(count, config.factor_decay)
     if decay_ok is not None:
       ok = ok & decay_ok
