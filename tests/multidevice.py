@@ -657,24 +657,15 @@ class FlippedCosts(nn.Module):
     return nn.Dense(1)(x)
 
 
-def restored_layout(axis_type: AxisType) -> None:
-  """A COMM_OPT state restored under another assignment_strategy: the same
-  rows shape, other offsets. The stale layout is detected: the next update
-  (not a decomposition step) decomposes every layer from the factors, as a
-  decomposition step of the state recomputed under the new layout does."""
-  import tempfile  # pylint: disable=g-import-not-at-top
-  from kfac_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
-
+def flipped_costs_problem(seed: int, batches: int):
+  """``FlippedCosts``' params and ``step(kwargs, params, state, i)``: a
+  jitted ``scale_by_kfac(**kwargs).update`` on batch ``i`` of ``batches``."""
   model = FlippedCosts()
-  keys = jax.random.split(jax.random.key(0), 3)
-  x = jax.random.normal(keys[0], (4, 16, 9))
-  y = jax.random.normal(keys[1], (4, 16, 1))
+  keys = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(keys[0], (batches, 16, 9))
+  y = jax.random.normal(keys[1], (batches, 16, 1))
   params = model.init(keys[2], x[0])["params"]
   loss_fn = lambda p, x, y: jnp.mean((model.apply({"params": p}, x) - y)**2)
-  mesh = jax.make_mesh((8,), ("devices",), axis_types=(axis_type,))
-  base = dict(damping=0.01, mesh_axes="devices", inv_update_steps=2)
-  saved_kwargs = dict(base, assignment_strategy="compute")
-  moved_kwargs = dict(base, assignment_strategy="memory")
 
   def step(kwargs, params, state, i):
     _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x[i],
@@ -682,16 +673,40 @@ def restored_layout(axis_type: AxisType) -> None:
     return jax.jit(kfac_jax.scale_by_kfac(**kwargs).update)(
         grads, state, params, kfac_stats=stats)
 
+  return params, step
+
+
+def saved_and_restored(state, params, mesh, kwargs):
+  """``state`` saved by ``kfac_jax.checkpoint`` and restored as the state of
+  ``scale_by_kfac(**kwargs)`` on ``mesh``."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from kfac_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+  directory = tempfile.mkdtemp() + "/ckpt"
+  checkpoint_lib.save(directory, state)
+  return checkpoint_lib.restore(directory,
+                                restore_target(params, mesh, kwargs))
+
+
+def restored_layout(axis_type: AxisType) -> None:
+  """A COMM_OPT state restored under another assignment_strategy: the same
+  rows shape, other offsets. The stale layout is detected: the next update
+  (not a decomposition step) decomposes every layer from the factors, as a
+  decomposition step of the state recomputed under the new layout does."""
+  from kfac_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+
+  params, step = flipped_costs_problem(0, 4)
+  mesh = jax.make_mesh((8,), ("devices",), axis_types=(axis_type,))
+  base = dict(damping=0.01, mesh_axes="devices", inv_update_steps=2)
+  saved_kwargs = dict(base, assignment_strategy="compute")
+  moved_kwargs = dict(base, assignment_strategy="memory")
+
   with jax.set_mesh(mesh):
     params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
     state = jax.jit(kfac_jax.scale_by_kfac(**saved_kwargs).init)(params)
     for i in range(3):  # Count 3: the next step is no decomposition step.
       updates, state = step(saved_kwargs, params, state, i)
       params = optax.apply_updates(params, updates)
-    directory = tempfile.mkdtemp() + "/ckpt"
-    checkpoint_lib.save(directory, state)
-    restored = checkpoint_lib.restore(
-        directory, restore_target(params, mesh, moved_kwargs))
+    restored = saved_and_restored(state, params, mesh, moved_kwargs)
     assert restored.preconditioners.rows.shape == state.preconditioners.rows.shape
     try:
       per_layer(restored, moved_kwargs)
@@ -722,15 +737,7 @@ def restored_ekfac_accumulation(axis_type: AxisType) -> None:
   the first micro-batch's S is summed in the restored bases, which cannot be
   read in the new layout, so the optimizer step leaves the batch S out and
   S restarts at K-FAC's ``outer(d_A, d_G)`` of the new decomposition."""
-  import tempfile  # pylint: disable=g-import-not-at-top
-  from kfac_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
-
-  model = FlippedCosts()
-  keys = jax.random.split(jax.random.key(3), 3)
-  x = jax.random.normal(keys[0], (8, 16, 9))
-  y = jax.random.normal(keys[1], (8, 16, 1))
-  params = model.init(keys[2], x[0])["params"]
-  loss_fn = lambda p, x, y: jnp.mean((model.apply({"params": p}, x) - y)**2)
+  params, step = flipped_costs_problem(3, 8)
   mesh = jax.make_mesh((8,), ("devices",), axis_types=(axis_type,))
   # factor_decay 0.5: a batch S averaged in would move S by half of its
   # distance from outer(d_A, d_G).
@@ -740,21 +747,12 @@ def restored_ekfac_accumulation(axis_type: AxisType) -> None:
   saved_kwargs = dict(base, assignment_strategy="compute")
   moved_kwargs = dict(base, assignment_strategy="memory")
 
-  def step(kwargs, params, state, i):
-    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x[i],
-                                                             y[i])
-    return jax.jit(kfac_jax.scale_by_kfac(**kwargs).update)(
-        grads, state, params, kfac_stats=stats)
-
   with jax.set_mesh(mesh):
     params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
     state = jax.jit(kfac_jax.scale_by_kfac(**saved_kwargs).init)(params)
     for i in range(6):  # Three optimizer steps: the next is no decomposition.
       _, state = step(saved_kwargs, params, state, i)
-    directory = tempfile.mkdtemp() + "/ckpt"
-    checkpoint_lib.save(directory, state)
-    moved = checkpoint_lib.restore(
-        directory, restore_target(params, mesh, moved_kwargs))
+    moved = saved_and_restored(state, params, mesh, moved_kwargs)
     for i in (6, 7):
       _, moved = step(moved_kwargs, params, moved, i)
     assert int(moved.count) == 4 and int(moved.accumulator.micro_step) == 0
