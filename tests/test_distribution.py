@@ -1,7 +1,8 @@
 """Distributed K-FAC: strategies, assignment, layout and partition specs.
 
-The multi-device checks run ``tests/multidevice.py`` in a subprocess with 8
-simulated CPU devices (marker ``multidevice``); the rest runs here on one.
+The multi-device checks run the programs of ``tests/multidevice*.py`` in a
+subprocess with 8 simulated CPU devices (marker ``multidevice``); the rest
+runs here on one.
 """
 
 from __future__ import annotations
@@ -22,10 +23,18 @@ from kfac_jax.distribution import strategy as strategy_lib
 from kfac_jax.distribution.assignment import assign_layers, layer_cost
 from kfac_jax.preconditioning.methods import make_method
 from tests import multidevice
+from tests import multidevice_checkpoint
+from tests import multidevice_fsdp
 from tests import reference
 
+# Each program by the module that holds it.
+MODULES = {program: module.__name__
+           for module in (multidevice, multidevice_checkpoint, multidevice_fsdp)
+           for program in module.PROGRAMS}
+
+
 def run_on_eight_devices(program: str, axis_type: str) -> None:
-  multidevice.run_on_eight_devices("tests.multidevice", program, axis_type)
+  multidevice.run_on_eight_devices(MODULES[program], program, axis_type)
 
 
 @pytest.mark.multidevice

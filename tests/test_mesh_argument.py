@@ -4,13 +4,12 @@
 The checks run on 8 simulated CPU devices in a subprocess
 (``python -m tests.test_mesh_argument <program> <axis type>``, the
 environment of ``tests.multidevice.eight_device_env``), on Auto and Explicit
-axes as ``tests/multidevice.py``'s ``specs`` program; the argument checks
+axes as ``tests/multidevice_fsdp.py``'s ``specs`` program; the argument checks
 that need no mesh axes run here.
 """
 
 from __future__ import annotations
 
-import sys
 
 import jax
 import numpy as np
@@ -141,6 +140,4 @@ def test_specs_without_mesh_axes_take_a_mesh_or_none():
 
 
 if __name__ == "__main__":
-  assert jax.device_count() == 8, jax.devices()
-  PROGRAMS[sys.argv[1]](getattr(AxisType, sys.argv[2]))
-  print("ok")
+  multidevice.main(PROGRAMS)
