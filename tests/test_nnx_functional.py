@@ -26,6 +26,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 import kfac_jax
 from kfac_jax import checkpoint
 from kfac_jax.transform import nnx_variables
+from tests.nnx_common import as_pure
 
 STEPS = 3
 KFAC = dict(damping=0.01, inv_update_steps=2)
@@ -143,9 +144,6 @@ def test_functional_api_equals_nnx_optimizer_and_linen(accumulation_steps):
                                 Mlp(nnx.Rngs(0)), nnx.Param)[1])["l1"]["kernel"])
 
 
-# flax 0.12.12 renamed nnx.pure to nnx.as_pure (the old name warns); 0.12.2
-# has only nnx.pure.
-as_pure = getattr(nnx, "as_pure", None) or nnx.pure
 
 
 def test_adaptive_mode_on_variables_equals_it_on_their_arrays():

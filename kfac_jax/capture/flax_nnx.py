@@ -67,7 +67,8 @@ PROBES = "kfac_probes"
 
 # NNX objects (modules, nnx.Rngs, nnx.List): flax 0.12 exports the test only
 # from its graph module. NNX modules are also jax pytrees, so flattening an
-# argument tree must stop at them (tests/test_nnx.py, the argument tests).
+# argument tree must stop at them (tests/test_nnx_transforms.py, the argument
+# tests).
 _is_graph_node = nnx.graph.is_graph_node
 
 

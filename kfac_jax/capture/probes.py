@@ -121,7 +121,7 @@ def batch_traces(array: Any) -> frozenset[int]:
   wrap one ``BatchTracer`` in another; see ``batch_traced``).
 
   ``_trace`` and ``val`` are private to jax's batching interpreter;
-  ``tests/test_nnx.py::test_a_per_example_vmap_inside_the_loss_is_refused_in_an_ensemble_too``
+  ``tests/test_nnx_stacked.py::test_a_per_example_vmap_inside_the_loss_is_refused_in_an_ensemble_too``
   guards the refusal that relies on them.
   """
   traces = set()
