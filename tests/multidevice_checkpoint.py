@@ -14,7 +14,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 import kfac_jax
 
 from tests import multidevice
-from tests.multidevice import TOLERANCE, comparable, conv_problem, per_layer, train
+from tests.multidevice import (TOLERANCE, comparable, conv_problem, per_layer,
+                               train)
 
 
 def restore_target(params, mesh, kwargs):

@@ -524,7 +524,7 @@ def test_nnx_model_and_optimizer_resume_bit_exact(tmp_path):
   and training continues as the uninterrupted run."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  from tests.test_nnx import as_pure  # pylint: disable=g-import-not-at-top
+  from tests.nnx_common import as_pure  # pylint: disable=g-import-not-at-top
 
   class Net(nnx.Module):
 

@@ -24,8 +24,8 @@ import pytest
 
 import kfac_jax
 from tests import reference
-from tests.test_scale_by_kfac import (DAMPING, LEARNING_RATE, as_matrix,
-                                      make_problem)
+from tests.kfac_problems import (DAMPING, LEARNING_RATE, as_matrix,
+                                 make_problem)
 
 EPS = float(np.finfo(np.float32).eps)
 BATCH = 16  # make_problem's
