@@ -111,7 +111,7 @@ def batch_traced(array: Any) -> bool:
   (``in_axes=None``), gets its probes broadcast too, so their gradients sum
   over the mapped axis: ``A`` would be ``(Σx)(Σx)ᵀ``. jax has no public test
   for a batching tracer; the class name holds on the supported versions
-  (``tests/test_capture.py`` checks the refusal it backs).
+  (``tests/test_capture_transforms.py`` checks the refusal it backs).
   """
   return type(array).__name__ == "BatchTracer"
 
