@@ -212,7 +212,6 @@ def restored_ekfac_accumulation(axis_type: AxisType) -> None:
                                rtol=np.finfo(np.float32).eps, err_msg=block)
 
 
-
 PROGRAMS = {f.__name__: f for f in (checkpoint, restored_layout,
                                     restored_ekfac_accumulation)}
 

@@ -4,8 +4,6 @@ do."""
 
 from __future__ import annotations
 
-
-
 import jax
 import jax.numpy as jnp
 import pytest
