@@ -1,7 +1,8 @@
 """Linear-algebra helpers shared by the factors, the preconditioning and the
 quadratic model: row contractions, inner products of arrays and pytrees
-(float32 accumulation, mesh-aware), a matrix's diagonal, and the O(d)
-finiteness test of symmetric PSD matrices.
+(float32 accumulation, mesh-aware), a matrix's diagonal, many matrices'
+diagonal sums in one pass, and the O(d) finiteness test of symmetric PSD
+matrices.
 """
 
 from __future__ import annotations
@@ -102,6 +103,46 @@ def diagonal(matrix: jax.Array) -> jax.Array:
   return flat[..., ::size + 1]
 
 
+def diagonal_sums(matrices: Sequence[jax.Array]) -> jax.Array:
+  """``[tr M for M in matrices]`` (``[len(matrices)]``, float32), in one pass.
+
+  The diagonals are concatenated (one kernel), gathered into an
+  ``[n, rows, _ROW]`` array zero-padded to the longest, and summed: entries
+  of ``_ROW``, then the row sums. Summed alone, XLA:CPU splits each
+  diagonal's sum into a slice, a windowed tree reduction and a reduce, each
+  compiled on its own (the design notes, *Compile time*); here every matrix
+  shares those kernels. A NaN or ±Inf on a diagonal stays in that matrix's
+  entry.
+  """
+  diagonals = [diagonal(m).astype(COMPUTE_DTYPE) for m in matrices]
+  if not diagonals:
+    return jnp.zeros([0], COMPUTE_DTYPE)
+  width = max(d.shape[0] for d in diagonals)
+  width += -width % _ROW
+  starts = np.cumsum([0] + [d.shape[0] for d in diagonals])
+  padding = starts[-1]  # the index of a zero appended to the concatenation
+  index = np.full((len(diagonals), width), padding)
+  for row, (start, stop) in enumerate(zip(starts[:-1], starts[1:])):
+    index[row, :stop - start] = np.arange(start, stop)
+  # Unseen through the barrier, XLA cannot split the sum back into one per
+  # diagonal.
+  flat = lax.optimization_barrier(
+      jnp.concatenate([*diagonals, jnp.zeros([1], COMPUTE_DTYPE)]))
+  return jnp.sum(jnp.sum(flat[index].reshape(len(diagonals), -1, _ROW),
+                         axis=2), axis=1)
+
+
+def scalars(vector: jax.Array) -> tuple[jax.Array, ...]:
+  """``vector``'s entries as scalars that XLA cannot fuse back into slices.
+
+  A kernel reading ``vector[i]`` has ``i`` built in, so kernels that are
+  otherwise alike (the same-sized factors of two layers) differ by it and
+  are compiled once each; past an optimization barrier each reads a scalar
+  operand, and XLA:CPU compiles them once.
+  """
+  return lax.optimization_barrier(tuple(vector))
+
+
 def psd_all_finite(matrices: Iterable[jax.Array]) -> jax.Array:
   """Whether symmetric PSD matrices are all finite, from their diagonals.
 
@@ -112,20 +153,9 @@ def psd_all_finite(matrices: Iterable[jax.Array]) -> jax.Array:
   as in micro-batch accumulation, qualify too) and for damped inverses (a
   failed Cholesky comes out NaN throughout). A diagonal sum that overflows
   float32 counts as non-finite: the safe side for both.
-
-  The concatenated diagonals are summed as rows of ``_ROW`` entries, then
-  the row sums: XLA splits a sum (or a dot with ones) over the flat
-  concatenation back into one reduction per matrix, on XLA:CPU a slice, a
-  windowed tree reduction and a final reduce each, each compiled on its own
-  (the design notes, *Compile time*).
   """
-  diagonals = [diagonal(m).astype(COMPUTE_DTYPE) for m in matrices]
-  if not diagonals:
-    return jnp.array(True)
-  stacked = jnp.concatenate(diagonals)
-  stacked = jnp.pad(stacked, (0, -stacked.shape[0] % _ROW)).reshape(-1, _ROW)
-  return jnp.isfinite(jnp.sum(jnp.sum(stacked, axis=1)))
+  return jnp.isfinite(jnp.sum(diagonal_sums(list(matrices))))
 
 
-# Entries per row in ``psd_all_finite``'s two-level sum.
+# Entries per row in ``diagonal_sums``' two-level sum.
 _ROW = 128

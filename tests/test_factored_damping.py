@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kfac_jax
 from kfac_jax.capture.statistics import ConvGeometry, LayerSignature
@@ -12,7 +13,7 @@ from kfac_jax.factors import batch as batch_lib
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import inverse as inverse_lib
 from tests import reference
-from tests.adaptive_problems import (flat64, run_steps,
+from tests.adaptive_problems import (L2, flat64, run_steps,
                                      sigmoid_problem)
 
 close = reference.assert_float32_close
@@ -53,9 +54,10 @@ def test_factored_damping_splits_lambda_by_the_trace_ratio():
   activation, gradient = a_root @ a_root.T, 40.0 * g_root @ g_root.T
   grad = rng.normal(size=(5, 3))
   damping = 0.7
-  scaled = inverse_lib.factored_damping_scaled(
-      LayerFactors(jnp.asarray(activation, jnp.float32),
-                   jnp.asarray(gradient, jnp.float32)), jnp.float32(damping))
+  (scaled,) = inverse_lib.factored_damping_scaled(
+      {"layer": LayerFactors(jnp.asarray(activation, jnp.float32),
+                             jnp.asarray(gradient, jnp.float32))},
+      jnp.float32(damping)).values()
   result = (np.linalg.inv(np.asarray(scaled.activation_factor) + np.eye(5)) @
             grad @ np.linalg.inv(np.asarray(scaled.gradient_factor) +
                                  np.eye(3)))
@@ -74,17 +76,23 @@ def test_factored_damping_splits_lambda_by_the_trace_ratio():
         np.linalg.norm(grad) * np.linalg.norm(np.linalg.inv(g_shifted), 2))
 
 
-def test_inverse_direction_keeps_its_scale_against_unregistered_params():
+@pytest.mark.parametrize("gradient_from_stats", [False, True])
+def test_inverse_direction_keeps_its_scale_against_unregistered_params(
+    gradient_from_stats):
   """Adaptive inverse method: the direction is ``(A + π√λI)⁻¹ ∇ (G +
   √λ/π I)⁻¹`` on a registered layer beside the raw ``∇`` of a skipped one,
   so ``v = αΔ`` is one multiple of both. Without the ``/λ`` that undoes
   ``factored_damping_scaled``'s factor the registered part came out λ times
-  too large (invisible when every parameter is registered: α absorbs it)."""
-  params, batch, split, loss_fn = sigmoid_problem()
+  too large (invisible when every parameter is registered: α absorbs it).
+  With ``gradient_from_stats`` at 2 rows the layer is preconditioned as
+  ``aᵀg`` (2·(5² + 6² + 5·6) = 182 < 5·6·11 = 330 FLOPs) and the ``/λ``
+  is taken on ``g``; its direction is then the data loss's alone."""
+  rows = 2 if gradient_from_stats else 32
+  params, batch, split, loss_fn = sigmoid_problem(batch=rows)
   damping = 10.0
   tx = kfac_jax.scale_by_kfac(
       damping=damping, kl_clip=None, compute_method="inverse",
-      skip_layers="Dense_1",
+      skip_layers="Dense_1", gradient_from_stats=gradient_from_stats,
       adaptive=kfac_jax.AdaptiveConfig(use_momentum=False))
   _, _, history = run_steps(tx, params, batch, split, loss_fn, 2)
   _, _, updates, grads, _ = history[0]
@@ -96,6 +104,12 @@ def test_inverse_direction_keeps_its_scale_against_unregistered_params():
   root = np.sqrt(damping)
   layer_gradient = np.concatenate(
       [grads["Dense_0"]["kernel"], grads["Dense_0"]["bias"][None]])
+  if gradient_from_stats:
+    # aᵀg is the data loss's gradient alone: the loss's L2 term is not in
+    # the stats (scale_by_kfac's gradient_from_stats says so).
+    layer_params = history[0][0]["Dense_0"]
+    layer_gradient = layer_gradient - L2 * np.concatenate(
+        [layer_params["kernel"], layer_params["bias"][None]])
   layer_direction = (
       np.linalg.inv(activation + pi * root * np.eye(len(activation))) @
       layer_gradient @
@@ -109,19 +123,35 @@ def test_inverse_direction_keeps_its_scale_against_unregistered_params():
   assert alpha < 0
   # The float32 direction: the Cholesky inverses (3·(5 + 1), 3·(6 + 1),
   # reference.assert_damped_inverse) through their conditioning, the
-  # product with ∇ (5 + 6); α's scale is fitted away.
+  # product with ∇ (5 + 6, and the sum over the rows of aᵀg); α's scale is
+  # fitted away.
   condition = (
       np.linalg.cond(activation + pi * root * np.eye(len(activation))) +
       np.linalg.cond(gradient + root / pi * np.eye(len(gradient))))
-  close(update, alpha * direction, terms=3 * (5 + 1) + 3 * (6 + 1) + 5 + 6,
-        condition=condition)
+  close(update, alpha * direction,
+        terms=3 * (5 + 1) + 3 * (6 + 1) + 5 + 6 + rows, condition=condition)
+
+
+def test_factored_damping_gives_each_layer_its_own_pi():
+  # Layers of other sizes and trace ratios, scaled together: π = 2 and 1/3,
+  # √λ = 2, so every scaled factor is a multiple of I in closed form.
+  scaled = inverse_lib.factored_damping_scaled(
+      {"a": LayerFactors(4 * jnp.eye(3), jnp.eye(2)),
+       "b": LayerFactors(jnp.eye(5), 9 * jnp.eye(4))}, jnp.float32(4.0))
+  # π from the traces (up to 5 terms), their ratio, its root, √λ, the
+  # division: 10 roundings.
+  close(scaled["a"].activation_factor, np.eye(3), terms=10)
+  close(scaled["a"].gradient_factor, np.eye(2), terms=10)
+  close(scaled["b"].activation_factor, 1.5 * np.eye(5), terms=10)
+  close(scaled["b"].gradient_factor, 1.5 * np.eye(4), terms=10)
 
 
 def test_factored_damping_of_far_apart_traces_does_not_overflow():
   # tr A/dA ÷ tr G/dG = 1e40 overflowed float32 (π = 1e20 does not): π = ∞
   # zeroed A's side and G's inverse, and the layer stopped moving.
-  scaled = inverse_lib.factored_damping_scaled(
-      LayerFactors(1e20 * jnp.eye(3), 1e-20 * jnp.eye(2)), jnp.float32(1.0))
+  (scaled,) = inverse_lib.factored_damping_scaled(
+      {"layer": LayerFactors(1e20 * jnp.eye(3), 1e-20 * jnp.eye(2))},
+      jnp.float32(1.0)).values()
   # π from the traces (3 and 2 terms), their ratio, its root, √λ, the
   # division: 8 roundings.
   close(scaled.activation_factor, np.eye(3), terms=8)
@@ -176,9 +206,10 @@ def test_factored_damping_of_a_zero_gradient_factor_uses_pi_one():
   for g_zero, a_zero in ((True, False), (False, True)):
     a = np.zeros((2, 2)) if a_zero else activation
     g = np.zeros((3, 3)) if g_zero else 5 * np.eye(3)
-    scaled = inverse_lib.factored_damping_scaled(
-        LayerFactors(jnp.asarray(a, jnp.float32), jnp.asarray(g, jnp.float32)),
-        jnp.float32(9.0))
+    (scaled,) = inverse_lib.factored_damping_scaled(
+        {"layer": LayerFactors(jnp.asarray(a, jnp.float32),
+                               jnp.asarray(g, jnp.float32))},
+        jnp.float32(9.0)).values()
     # √9 = 3 exactly, one division.
     close(scaled.activation_factor, a / 3, terms=1)
     close(scaled.gradient_factor, g / 3, terms=1)

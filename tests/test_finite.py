@@ -87,6 +87,23 @@ def test_psd_check_reads_a_bad_column_off_the_diagonal(bad):
   assert bool(batch.psd_all_finite([]))
 
 
+def test_diagonal_sums_are_each_matrix_trace_and_keep_a_nan_to_its_own():
+  # Sizes below, at and past the 128-entry rows the sums are taken in.
+  rng = np.random.default_rng(1)
+  matrices = [rng.standard_normal((d, d)).astype(np.float32)
+              for d in (3, 128, 300)]
+  sums = jax.jit(batch.diagonal_sums)(matrices)
+  # A sum of d entries: at most d roundings, of Σ|M_ii| each.
+  for result, matrix in zip(np.asarray(sums), matrices):
+    reference.assert_float32_close(
+        result, np.trace(matrix.astype(np.float64)), terms=len(matrix),
+        scale=np.abs(np.diagonal(matrix)).sum())
+  matrices[1][5, 5] = np.nan
+  flags = np.isfinite(np.asarray(jax.jit(batch.diagonal_sums)(matrices)))
+  np.testing.assert_array_equal(flags, [True, False, True])
+  assert batch.diagonal_sums([]).shape == (0,)
+
+
 def test_inverse_check_rejects_a_failed_cholesky_and_keeps_a_good_one():
   factor = jnp.asarray([[2.0, 1.0], [1.0, 2.0]])
   (good,) = inverse.damped_inverse(factor, jnp.asarray(0.5))
@@ -96,7 +113,9 @@ def test_inverse_check_rejects_a_failed_cholesky_and_keeps_a_good_one():
       good, np.linalg.inv(np.asarray(factor, np.float64) + 0.5 * np.eye(2)),
       terms=2, condition=3.5 / 1.5, scale=1 / 1.5)
   pair = inverse.InversePreconditioner(good, good)
-  assert bool(inverse.is_finite(pair))
   # Indefinite beyond the damping: Cholesky fails and the result is NaN.
   (failed,) = inverse.damped_inverse(-factor, jnp.asarray(0.5))
-  assert not bool(inverse.is_finite(inverse.InversePreconditioner(good, failed)))
+  # One pass over several layers flags only the failed one.
+  np.testing.assert_array_equal(
+      inverse.are_finite([pair, inverse.InversePreconditioner(good, failed),
+                          pair]), [True, False, True])

@@ -39,9 +39,9 @@ def test_stacked_factors_under_vmap():
 
 
 def test_a_factor_that_is_not_positive_definite_gives_nan_in_every_block():
-  # is_finite reads only the diagonal, so every block's diagonal must be NaN.
+  # are_finite reads only the diagonal, so every block's diagonal must be NaN.
   factor = -np.eye(2 * BLOCK + 1, dtype=np.float32)
   (result,) = jax.jit(inverse.damped_inverse)(factor, jnp.float32(DAMPING))
   assert np.isnan(np.diagonal(result)).all()
-  assert not inverse.is_finite(
-      inverse.InversePreconditioner(result, result))
+  assert not inverse.are_finite(
+      [inverse.InversePreconditioner(result, result)])[0]

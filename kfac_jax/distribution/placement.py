@@ -35,6 +35,7 @@ from kfac_jax.distribution.layout import Dims, ShardedLayout
 from kfac_jax.distribution.sharding import constrain, context_mesh
 from kfac_jax.distribution.strategy import DistributionConfig, group_size
 from kfac_jax.factors.running import LayerFactors
+from kfac_jax.linalg import scalars
 from kfac_jax.preconditioning import batched
 from kfac_jax.preconditioning.methods import Method, Preconditioner
 
@@ -133,7 +134,7 @@ def decompose_checked(
       factors, method.factor_fn, damping,
       batch_size=method.decomposition_batch_size, crop=method.crop,
       each_on=method.decompose_each_on, warm=warm)
-  new, counts = {}, no_counts()
+  candidates, counts = {}, no_counts()
   for name, pair in decomposed.items():
     if method.finish is not None:
       finished = [method.finish(factor, results, start) for factor, results,
@@ -141,11 +142,12 @@ def decompose_checked(
       pair = tuple(results for results, _ in finished)
       counts = counts._replace(fallbacks=counts.fallbacks +
                                sum(fell_back for _, fell_back in finished))
-    candidate = method.assemble(*pair, damping)
-    ok = method.is_finite(candidate)
-    new[name] = method.keep(ok, candidate, previous[name])
-    counts = counts._replace(rejected=counts.rejected +
-                             (~ok).astype(jnp.int32))
+    candidates[name] = method.assemble(*pair, damping)
+  ok = method.are_finite(list(candidates.values()))
+  new = {name: method.keep(flag, candidate, previous[name])
+         for flag, (name, candidate) in zip(scalars(ok), candidates.items())}
+  counts = counts._replace(rejected=counts.rejected +
+                           jnp.sum(~ok, dtype=jnp.int32))
   return new, counts
 
 

@@ -10,6 +10,7 @@ which is exactly ``(A ⊗ G + λI)⁻¹ vec(∇)`` reshaped.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -129,6 +130,11 @@ def is_finite(preconditioner: EigenPreconditioner) -> jax.Array:
     totals.append(jnp.sum(preconditioner.damped_inverse,
                           dtype=DECOMPOSITION_DTYPE))
   return jnp.isfinite(sum(totals))
+
+
+def are_finite(preconditioners: Sequence[EigenPreconditioner]) -> jax.Array:
+  """``[is_finite(p) for p in preconditioners]``, ``[n]`` bool."""
+  return jnp.array([is_finite(p) for p in preconditioners], bool)
 
 
 def precondition(preconditioner: EigenPreconditioner,

@@ -50,6 +50,14 @@ class FactoredGradient(NamedTuple):
   gradient_rows: jax.Array
 
 
+def divided(gradient: jax.Array | FactoredGradient,
+            divisor: jax.Array) -> jax.Array | FactoredGradient:
+  """``∇ / divisor`` in ``gradient``'s form (a factored one divides its ``g``)."""
+  if isinstance(gradient, FactoredGradient):
+    return gradient._replace(gradient_rows=gradient.gradient_rows / divisor)
+  return gradient / divisor
+
+
 def factored_is_cheaper(rows: int, activation_dim: int,
                         gradient_dim: int) -> bool:
   """Whether ``sandwich`` costs fewer FLOPs on ``aᵀg`` than on ``∇``.

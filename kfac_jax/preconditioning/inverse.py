@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from kfac_jax.linalg import diagonal, psd_all_finite
+from kfac_jax.linalg import diagonal_sums, scalars
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning.eigen import DECOMPOSITION_DTYPE
 from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
@@ -66,7 +68,7 @@ def damped_inverse(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array]:
   solve flops against ``2d³`` for whole solves (53 % fewer for 4 blocks);
   the Cholesky adds ``d³/3``. Everything is float32. A failed Cholesky
   (``F + λI`` not positive definite) comes out NaN throughout, which
-  ``is_finite`` rejects. The factorization reads only one triangle, so ``F``
+  ``are_finite`` rejects. The factorization reads only one triangle, so ``F``
   is not symmetrized first; the result's diagonal blocks are symmetric up to
   rounding and are not symmetrized after (a pass over every factor on every
   decomposition step for a change at the level of float32 rounding). The
@@ -130,28 +132,51 @@ def invert(factors: LayerFactors, damping: jax.Array,
                   dtype)
 
 
-def is_finite(preconditioner: InversePreconditioner) -> jax.Array:
-  """Whether both inverses are finite, from their diagonals (O(d), bool).
+def are_finite(preconditioners: Sequence[InversePreconditioner]) -> jax.Array:
+  """Whether each layer's inverses are finite, from their diagonals (O(d)).
 
   ``(F + λI)⁻¹`` is symmetric positive definite (``linalg.psd_all_finite``);
   the full check was a pass over every inverse on every decomposition step.
+  One ``linalg.diagonal_sums`` over all the layers' inverses: per layer, a
+  sum each compiled its own kernels.
+
+  Args:
+    preconditioners: n layers' preconditioners.
+
+  Returns:
+    ``[n]`` bool, whether both of a layer's inverses are finite.
   """
-  return psd_all_finite(preconditioner)
+  sums = diagonal_sums([inverse for p in preconditioners for inverse in p])
+  return jnp.isfinite(jnp.sum(sums.reshape(-1, 2), axis=1))
 
 
-def factored_damping_scaled(factors: LayerFactors,
-                            damping: jax.Array) -> LayerFactors:
-  """``(A / (π√λ), G·π/√λ)``: with damping 1, Martens & Grosse's factored damping.
+def factored_damping_scaled(factors: Mapping[str, LayerFactors],
+                            damping: jax.Array) -> dict[str, LayerFactors]:
+  """``(A / (π√λ), G·π/√λ)`` per layer: with damping 1, Martens & Grosse's
+  factored damping.
 
   ``(A/(π√λ) + I)⁻¹ ∇ (Gπ/√λ + I)⁻¹ = λ · (A + π√λI)⁻¹ ∇ (G + √λ/π I)⁻¹``,
   with ``π = √((tr A / dA) / (tr G / dG))``: the damping split between the
   factors in proportion to their average eigenvalues (K-FAC §6.3), rather
   than KAISA's λ on each. The result is ``λ`` times that preconditioned
-  gradient, a scale the adaptive mode's step size absorbs.
+  gradient, a scale the adaptive mode's step size absorbs. Every layer's
+  traces come from one ``linalg.diagonal_sums``.
+
+  Args:
+    factors: ``{layer: LayerFactors(A [dA, dA], G [dG, dG])}``.
+    damping: λ.
+
+  Returns:
+    ``{layer: LayerFactors(A / (π√λ), G·π/√λ)}``, float32.
   """
-  activation, gradient = (f.astype(DECOMPOSITION_DTYPE) for f in factors)
-  activation_mean = jnp.mean(diagonal(activation))
-  gradient_mean = jnp.mean(diagonal(gradient))
+  cast = {name: LayerFactors(*(f.astype(DECOMPOSITION_DTYPE) for f in pair))
+          for name, pair in factors.items()}
+  pairs = list(cast.values())
+  sizes = np.array([[f.shape[0] for f in pair] for pair in pairs],
+                   np.float32).reshape(-1, 2)
+  means = diagonal_sums([f for pair in pairs for f in pair]).reshape(
+      -1, 2) / sizes
+  activation_mean, gradient_mean = means[:, 0], means[:, 1]
   # A zero factor (a dead layer) gets π = 1 rather than 0 or ∞.
   # √a/√g, not √(a/g): the ratio overflows float32 for π past ~1.8e19
   # (large activations, small cotangents), π = ∞ zeroed A's side and made
@@ -160,7 +185,9 @@ def factored_damping_scaled(factors: LayerFactors,
                  jnp.sqrt(activation_mean) / jnp.sqrt(jnp.where(
                      gradient_mean > 0, gradient_mean, 1.0)), 1.0)
   root = jnp.sqrt(damping)
-  return LayerFactors(activation / (pi * root), gradient * (pi / root))
+  return {name: LayerFactors(pair.activation_factor / (layer_pi * root),
+                             pair.gradient_factor * (layer_pi / root))
+          for layer_pi, (name, pair) in zip(scalars(pi), cast.items())}
 
 
 def precondition(preconditioner: InversePreconditioner,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -30,8 +30,8 @@ class Method(NamedTuple):
     precondition: ``(Preconditioner, ∇ [dA, dG], λ[, reshard]) -> P [dA, dG]``
       (``reshard``: see ``gradient_matrix.Reshard``; ``∇`` may be a
       ``gradient_matrix.FactoredGradient``).
-    is_finite: ``Preconditioner -> bool scalar``, whether a decomposition
-      came out finite (a non-finite one is rejected).
+    are_finite: ``[Preconditioner] -> bool [n]``, whether each layer's
+      decomposition came out finite (a non-finite one is rejected).
     decomposition_batch_size: factors decomposed at once per size
       (``batched.decompose_layers``); ``None``: all of them.
     crop: ``factor_fn``'s results for ``diag(F, I)`` cut back to those for
@@ -56,7 +56,7 @@ class Method(NamedTuple):
   factor_fn: FactorFn
   assemble: Callable[[Results, Results, jax.Array], Preconditioner]
   precondition: Callable[..., jax.Array]
-  is_finite: Callable[[Preconditioner], jax.Array]
+  are_finite: Callable[[Sequence[Preconditioner]], jax.Array]
   decomposition_batch_size: int | None = None
   crop: Crop | None = None
   decompose_each_on: tuple[str, ...] = batched.EACH_ON_CPU
@@ -101,7 +101,7 @@ def make_method(use_eigen: bool, dtype: jnp.dtype,
             eigen.assemble, dtype=dtype,
             precompute_damped_inverse=precompute_damped_inverse),
         precondition=eigen.precondition,
-        is_finite=eigen.is_finite,
+        are_finite=eigen.are_finite,
         keep=finite.keep,
         decomposition_batch_size=decomposition_batch_size,
         # cuSOLVER's stacked eigh is slower than one call per factor.
@@ -111,6 +111,6 @@ def make_method(use_eigen: bool, dtype: jnp.dtype,
       factor_fn=inverse.damped_inverse,
       assemble=functools.partial(inverse.assemble, dtype=dtype),
       precondition=inverse.precondition,
-      is_finite=inverse.is_finite,
+      are_finite=inverse.are_finite,
       decomposition_batch_size=decomposition_batch_size,
       crop=inverse.crop)

@@ -40,6 +40,7 @@ from kfac_jax.preconditioning import ekfac
 from kfac_jax.preconditioning import inverse as inverse_lib
 from kfac_jax.preconditioning.eigen import EigenPreconditioner
 from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
+                                                     divided,
                                                      factored_is_cheaper,
                                                      from_matrix, to_matrix)
 from kfac_jax.preconditioning.kl_clip import kl_clip_scale
@@ -199,8 +200,8 @@ def decomposition_inputs(
   """
   if not factored_damping:
     return dict(factors), damping
-  return ({block: inverse_lib.factored_damping_scaled(f, damping)
-           for block, f in factors.items()}, jnp.ones([], jnp.float32))
+  return (inverse_lib.factored_damping_scaled(factors, damping),
+          jnp.ones([], jnp.float32))
 
 
 def guarded_decomposition(
@@ -321,6 +322,13 @@ def precondition(
                        jnp.float32)
     gradient_matrices.update(zip(layer.block_names, blocks))
   gradients = {**gradient_matrices, **(factored or {})}
+  if config.factored_damping:
+    # Undo the λ factor of `factored_damping_scaled`, P = λ·P(∇/λ), so the
+    # layers keep their scale against unregistered parameters' ∇ (with the
+    # current λ, off from the decomposition's by the adaptations since, a
+    # factor ω each, which the step size absorbs). On ∇, where XLA fuses
+    # it into the gradient's assembly, not on P (a kernel per block).
+    gradients = {b: divided(g, damping) for b, g in gradients.items()}
   if scales is None:
     preconditioned = config.placement.precondition(
         layers_lib.blocks_of(layers), preconditioners, gradients, damping,
@@ -329,12 +337,6 @@ def precondition(
     preconditioned = config.placement.precondition_replicated(
         {b: ekfac.with_scales(p, scales[b], damping)
          for b, p in preconditioners.items()}, gradients, damping, sharded)
-  if config.factored_damping:
-    # Undo the λ factor of `factored_damping_scaled` so the layers keep
-    # their scale against unregistered parameters' ∇ (with the current λ,
-    # off from the decomposition's by the adaptations since, a factor ω
-    # each, which the step size absorbs).
-    preconditioned = {b: p / damping for b, p in preconditioned.items()}
   return preconditioned, gradient_matrices
 
 
