@@ -35,7 +35,6 @@ from kfac_jax.distribution.layout import Dims, ShardedLayout
 from kfac_jax.distribution.sharding import constrain, context_mesh
 from kfac_jax.distribution.strategy import DistributionConfig, group_size
 from kfac_jax.factors.running import LayerFactors
-from kfac_jax.linalg import scalars
 from kfac_jax.preconditioning import batched
 from kfac_jax.preconditioning.methods import Method, Preconditioner
 
@@ -145,9 +144,9 @@ def decompose_checked(
     candidates[name] = method.assemble(*pair, damping)
   ok = method.are_finite(list(candidates.values()))
   new = {name: method.keep(flag, candidate, previous[name])
-         for flag, (name, candidate) in zip(scalars(ok), candidates.items())}
-  counts = counts._replace(rejected=counts.rejected +
-                           jnp.sum(~ok, dtype=jnp.int32))
+         for flag, (name, candidate) in zip(ok, candidates.items())}
+  counts = counts._replace(rejected=counts.rejected + sum(
+      (~flag).astype(jnp.int32) for flag in ok))
   return new, counts
 
 

@@ -132,9 +132,10 @@ def is_finite(preconditioner: EigenPreconditioner) -> jax.Array:
   return jnp.isfinite(sum(totals))
 
 
-def are_finite(preconditioners: Sequence[EigenPreconditioner]) -> jax.Array:
-  """``[is_finite(p) for p in preconditioners]``, ``[n]`` bool."""
-  return jnp.array([is_finite(p) for p in preconditioners], bool)
+def are_finite(preconditioners: Sequence[EigenPreconditioner]
+               ) -> list[jax.Array]:
+  """``[is_finite(p) for p in preconditioners]``: bool scalars."""
+  return [is_finite(p) for p in preconditioners]
 
 
 def precondition(preconditioner: EigenPreconditioner,

@@ -132,7 +132,8 @@ def invert(factors: LayerFactors, damping: jax.Array,
                   dtype)
 
 
-def are_finite(preconditioners: Sequence[InversePreconditioner]) -> jax.Array:
+def are_finite(preconditioners: Sequence[InversePreconditioner]
+               ) -> tuple[jax.Array, ...]:
   """Whether each layer's inverses are finite, from their diagonals (O(d)).
 
   ``(F + λI)⁻¹`` is symmetric positive definite (``linalg.psd_all_finite``);
@@ -144,10 +145,11 @@ def are_finite(preconditioners: Sequence[InversePreconditioner]) -> jax.Array:
     preconditioners: n layers' preconditioners.
 
   Returns:
-    ``[n]`` bool, whether both of a layer's inverses are finite.
+    n bool scalars (``linalg.scalars``), whether both of a layer's inverses
+    are finite.
   """
   sums = diagonal_sums([inverse for p in preconditioners for inverse in p])
-  return jnp.isfinite(jnp.sum(sums.reshape(-1, 2), axis=1))
+  return scalars(jnp.isfinite(jnp.sum(sums.reshape(-1, 2), axis=1)))
 
 
 def factored_damping_scaled(factors: Mapping[str, LayerFactors],

@@ -30,8 +30,8 @@ class Method(NamedTuple):
     precondition: ``(Preconditioner, ∇ [dA, dG], λ[, reshard]) -> P [dA, dG]``
       (``reshard``: see ``gradient_matrix.Reshard``; ``∇`` may be a
       ``gradient_matrix.FactoredGradient``).
-    are_finite: ``[Preconditioner] -> bool [n]``, whether each layer's
-      decomposition came out finite (a non-finite one is rejected).
+    are_finite: ``[Preconditioner] -> [bool scalar]``, whether each
+      layer's decomposition came out finite (a non-finite one is rejected).
     decomposition_batch_size: factors decomposed at once per size
       (``batched.decompose_layers``); ``None``: all of them.
     crop: ``factor_fn``'s results for ``diag(F, I)`` cut back to those for
@@ -56,7 +56,7 @@ class Method(NamedTuple):
   factor_fn: FactorFn
   assemble: Callable[[Results, Results, jax.Array], Preconditioner]
   precondition: Callable[..., jax.Array]
-  are_finite: Callable[[Sequence[Preconditioner]], jax.Array]
+  are_finite: Callable[[Sequence[Preconditioner]], Sequence[jax.Array]]
   decomposition_batch_size: int | None = None
   crop: Crop | None = None
   decompose_each_on: tuple[str, ...] = batched.EACH_ON_CPU
