@@ -173,6 +173,20 @@ def test_a_skip_pattern_that_matches_no_module_warns():
   jax.tree.map(np.testing.assert_array_equal, updates, grads)
 
 
+def test_a_skip_pattern_on_one_layer_params_names_the_class_names():
+  # A top-level Dense: its params have no module path, so the warning shows
+  # what a pattern can match there instead of an empty list of paths.
+  model = nn.Dense(2)
+  x = jnp.ones((3, 5))
+  params = model.init(jax.random.key(0), x)["params"]
+  _, grads, stats = kfac_jax.value_grad_and_stats(
+      lambda p: jnp.sum(model.apply({"params": p}, x)**2))(params)
+  tx = kfac_jax.scale_by_kfac(skip_layers=["^Conv"])
+  with pytest.warns(UserWarning, match=r"class names such as \['Dense'\] "
+                    r"\(the params have no module paths"):
+    tx.update(grads, tx.init(params), params, kfac_stats=stats)
+
+
 def test_a_bias_that_does_not_fit_its_kernel_is_refused():
   params = {"d": {"kernel": jnp.ones((5, 3)), "bias": jnp.ones(4)}}
   with pytest.raises(ValueError, match="bias"):

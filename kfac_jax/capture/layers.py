@@ -375,13 +375,18 @@ def warn_unmatched_skips(params: Any, skip: Sequence[re.Pattern[str]],
   if withheld:
     return
   modules = sorted(names - {""})
+  # Params that are one layer's own (a top-level nn.Dense) have no module
+  # path to show: the class names are all a pattern can match there.
+  searched = (f"paths such as {modules[:3]}" if modules else
+              f"class names such as {sorted(class_names)[:3]} (the params "
+              "have no module paths: they are one layer's)")
   for pattern in skip:
     if not matches_any((pattern,), *names, *class_names):
       warnings.warn(
           f"skip_layers pattern {pattern.pattern!r} matches no module path of "
           "the params nor a class name of the captured layers, so it skips "
-          "nothing. Patterns are searched (re.search) in paths such as "
-          f"{modules[:3]}.", stacklevel=3)
+          f"nothing. Patterns are searched (re.search) in {searched}.",
+          stacklevel=3)
 
 
 def _is_masked(leaf: Any) -> bool:
