@@ -30,10 +30,10 @@ factors again before the next update (what KAISA does on load).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from etils import epath
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -45,6 +45,7 @@ from kfac_jax.distribution.sharding import using_mesh
 from kfac_jax.factors.running import factor_dims
 from kfac_jax import hyperparameters as hp
 from kfac_jax.transform import quadratic_model
+from kfac_jax.transform import boxing
 from kfac_jax.transform.config import KFACConfig
 from kfac_jax.hyperparameters import ComputeMethod, ScalarOrSchedule
 from kfac_jax.transform.state import (ScaleByKFACState, decomposition_counts,
@@ -85,14 +86,20 @@ def _map_kfac_states(fn: Callable[[_KeyPath, ScaleByKFACState], Any],
   return result
 
 
-def save(directory: str | os.PathLike[str],
+def save(directory: epath.PathLike,
          tree: Any,
          *,
          include_preconditioners: bool = True) -> None:
   """Writes ``tree`` to ``directory`` (which must not exist yet) and waits.
 
+  Every process of a multi-process program calls it with the same
+  ``directory`` (Orbax writes each array's shards from the processes that
+  hold them and synchronises them).
+
   Args:
-    directory: the checkpoint directory; made absolute, as Orbax requires.
+    directory: the checkpoint directory, any path Orbax takes: a local path
+      (made absolute, as Orbax requires), a ``gs://`` URL, an
+      ``etils.epath.Path``.
     tree: a pytree of arrays holding any number of ``ScaleByKFACState``s.
     include_preconditioners: ``False`` stores each K-FAC state with
       ``preconditioners=None``; restore it with ``recompute_preconditioners``.
@@ -102,22 +109,23 @@ def save(directory: str | os.PathLike[str],
                             tree, "save(include_preconditioners=False)")
   # Leaving the context waits for the (asynchronous) save to be committed.
   with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(os.path.abspath(directory), tree)
+    checkpointer.save(_path(directory), tree)
 
 
-def restore(directory: str | os.PathLike[str], target: Any) -> Any:
+def restore(directory: epath.PathLike, target: Any) -> Any:
   """Reads the tree saved in ``directory`` onto the structure of ``target``.
 
   Args:
-    directory: a directory written by ``save``.
+    directory: a directory written by ``save`` (any path Orbax takes, as
+      there); every process of a multi-process program calls ``restore``.
     target: the tree to restore into, e.g. ``jax.eval_shape`` of the saved
       tree, with the same structure, shapes and layers. Its leaves are
       ``jax.ShapeDtypeStruct``s or arrays; each restored array gets the leaf's
       sharding and dtype (values are cast when it is not the saved dtype;
       with the saved dtypes the restore is bit for bit). A sharding over an
       abstract mesh is placed on the mesh set by ``jax.set_mesh``; a leaf
-      without one goes replicated over that mesh, or to the default device
-      when none is set.
+      without one goes replicated over that mesh, or, when none is set, to
+      the default device of each process (its first local device).
 
   Returns:
     The restored tree. K-FAC states saved without preconditioners, or whose
@@ -137,10 +145,10 @@ def restore(directory: str | os.PathLike[str], target: Any) -> Any:
       the structure disagrees.
     FileNotFoundError: ``directory`` does not exist.
   """
-  directory = os.path.abspath(directory)
-  if not os.path.isdir(directory):
+  directory = _path(directory)
+  if not directory.is_dir():
     raise FileNotFoundError(
-        f"checkpoint.restore: no checkpoint directory at {directory!r} (the "
+        f"checkpoint.restore: no checkpoint directory at {str(directory)!r} (the "
         "path given to checkpoint.save).")
   with ocp.StandardCheckpointer() as checkpointer:
     saved = checkpointer.metadata(directory).item_metadata.tree
@@ -257,9 +265,19 @@ def recompute_preconditioners(
     kwargs.setdefault("kl_clip", None)  # The adaptive mode has none.
   config = KFACConfig(damping=damping, **kwargs)
   decompose_all = jax.jit(functools.partial(_decompose_all, config))
+  # A tree of Flax-boxed params keeps its packed rows boxed, as init boxed
+  # them (kfac_jax.transform.boxing); its other boxed parts pass through.
+  boxed = boxing.has_boxes(tree)
+
+  def recompute(_, state: ScaleByKFACState) -> ScaleByKFACState:
+    state = decompose_all(state)
+    if not boxed:
+      return state
+    return state._replace(preconditioners=boxing.box_rows(
+        state.preconditioners, config.mesh_axes))
+
   with using_mesh(mesh, "recompute_preconditioners", abstract_ok=False):
-    return _map_kfac_states(lambda _, state: decompose_all(state), tree,
-                            "recompute_preconditioners")
+    return _map_kfac_states(recompute, tree, "recompute_preconditioners")
 
 
 def _decompose_all(config: KFACConfig,
@@ -300,7 +318,9 @@ def _abstract(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:
   mesh = jax.sharding.get_mesh()
   sharding = getattr(leaf, "sharding", None)
   if sharding is None:
-    sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # jax.devices()[0] is process 0's device: other processes hold no shard
+    # of such an array, and Orbax cannot restore it there.
+    sharding = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
                 if mesh.empty else NamedSharding(mesh, PartitionSpec()))
   elif isinstance(sharding, NamedSharding) and isinstance(
       sharding.mesh, jax.sharding.AbstractMesh):
@@ -318,7 +338,15 @@ def _abstract(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
 
 
-def _saved_node(saved: Any, path: _KeyPath, directory: str) -> dict[str, Any]:
+def _path(directory: epath.PathLike) -> epath.Path:
+  """``directory`` as Orbax's path type; a relative local path made
+  absolute (``gs://`` URLs are absolute already)."""
+  path = epath.Path(directory)
+  return path if path.is_absolute() else path.absolute()
+
+
+def _saved_node(saved: Any, path: _KeyPath,
+                directory: epath.Path) -> dict[str, Any]:
   """The saved K-FAC state at ``path`` in Orbax's metadata tree.
 
   The metadata tree has dicts for mappings and NamedTuples (keyed by field
@@ -342,7 +370,7 @@ def _saved_node(saved: Any, path: _KeyPath, directory: str) -> dict[str, Any]:
 
 
 def _check_layers(path: _KeyPath, target_layers: set[str],
-                  saved_layers: set[str], directory: str) -> None:
+                  saved_layers: set[str], directory: epath.Path) -> None:
   missing = sorted(target_layers - saved_layers)
   extra = sorted(saved_layers - target_layers)
   if missing or extra:
@@ -355,7 +383,7 @@ def _check_layers(path: _KeyPath, target_layers: set[str],
 
 
 def _check_fields(path: _KeyPath, saved_state: Any, state: ScaleByKFACState,
-                  directory: str) -> None:
+                  directory: epath.Path) -> None:
   """The saved K-FAC state and the target's must have the same arrays.
 
   Orbax fills a target array that the checkpoint holds as ``None`` (an eigen
@@ -387,7 +415,8 @@ def _check_fields(path: _KeyPath, saved_state: Any, state: ScaleByKFACState,
            "the new settings."))
 
 
-def _check_saved_shapes(saved: Any, target: Any, directory: str) -> None:
+def _check_saved_shapes(saved: Any, target: Any,
+                        directory: epath.Path) -> None:
   """Every target leaf with a saved counterpart must have its shape."""
   saved_shapes = {
       _key_path(path): tuple(leaf.shape)

@@ -13,6 +13,7 @@ from kfac_jax.capture import flax_nnx
 from kfac_jax.capture.layers import TracedLayers, compile_patterns
 from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.hyperparameters import static_bool
+from kfac_jax.transform import boxing
 
 
 def _front_end(params_or_model: Any, caller: str):
@@ -39,7 +40,11 @@ def value_grad_and_stats(
 
   Linen: ``fun(params, *args, **kwargs)`` applies the model with ``params`` as
   its ``'params'`` collection (any number of ``model.apply`` calls; layers
-  inside ``nn.scan``/``nn.remat`` included). NNX: ``fun(model, *args,
+  inside ``nn.scan``/``nn.remat`` included); params boxed with Flax's
+  partitioning metadata (``nn.with_logical_partitioning``,
+  ``nn.with_partitioning``) reach ``fun`` as their arrays, and their
+  gradients come back in the same boxes, as ``jax.value_and_grad`` gives
+  them. NNX: ``fun(model, *args,
   **kwargs)`` with an ``nnx.Module``, as given to ``nnx.value_and_grad``; the
   gradients are then an ``nnx.State`` of its ``nnx.Param``s. NNX objects
   among the arguments (an ``nnx.Rngs`` for dropout) have their state updates
@@ -75,9 +80,12 @@ def value_grad_and_stats(
   skip = compile_patterns(skip_layers)
 
   def value_grads_and_stats(params_or_model: Any, *args: Any, **kwargs: Any):
-    value, grads, stats = _front_end(
-        params_or_model, "value_grad_and_stats").value_grad_and_stats(
-            fun, has_aux, skip, params_or_model, *args, **kwargs)
+    front_end = _front_end(params_or_model, "value_grad_and_stats")
+    value, grads, stats = front_end.value_grad_and_stats(
+        fun, has_aux, skip, _unboxed(front_end, params_or_model), *args,
+        **kwargs)
+    if front_end is flax_linen:  # The gradients in the params' boxes.
+      grads = boxing.like(params_or_model, grads)
     if not stats and not skip:
       warnings.warn(
           "value_grad_and_stats captured no layer: the loss called none of "
@@ -115,8 +123,20 @@ def trace_layers(fun: Callable[..., Any], params_or_model: Any, *args: Any,
     by class name without a warning).
   """
   _check_callable(fun, "trace_layers")
-  return _front_end(params_or_model, "trace_layers").trace_layers(
-      fun, compile_patterns(skip_layers), params_or_model, *args, **kwargs)
+  front_end = _front_end(params_or_model, "trace_layers")
+  return front_end.trace_layers(fun, compile_patterns(skip_layers),
+                                _unboxed(front_end, params_or_model), *args,
+                                **kwargs)
+
+
+def _unboxed(front_end: Any, params_or_model: Any) -> Any:
+  """Linen params without Flax's partitioning boxes
+  (``nn.with_logical_partitioning``): the capture reads the kernels' shapes
+  and puts its probes beside them, and ``model.apply`` takes the arrays as
+  it takes the boxes. An NNX model is given as it is."""
+  if front_end is not flax_linen:
+    return params_or_model
+  return boxing.unbox(params_or_model)
 
 
 def _check_callable(fun: Any, caller: str) -> None:

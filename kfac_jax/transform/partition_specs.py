@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec
 import optax
 
 from kfac_jax.distribution.sharding import check_params_specs, using_mesh
+from kfac_jax.transform import boxing
 from kfac_jax.transform import state as state_lib
 from kfac_jax.transform.config import KFACConfig
 from kfac_jax.transform.scale_by_kfac import transformation
@@ -22,6 +23,7 @@ def get_opt_state_partition_specs(
     *,
     tx: optax.GradientTransformation | None = None,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    logical_axis_rules: boxing.LogicalRules | None = None,
     **kwargs: Any,
 ) -> Any:
   """``PartitionSpec``s of ``tx.init(params)``, computed without allocating.
@@ -50,6 +52,13 @@ def get_opt_state_partition_specs(
   Adam moments, ...) follows ``params_partition_specs`` (replicated when not
   given); any other array is replicated.
 
+  Params boxed with Flax's partitioning metadata (``nn.with_partitioning``,
+  ``nn.with_logical_partitioning``) give the state's boxes instead: the
+  params-shaped parts are boxed like the params, and their specs are the
+  boxes' axis names, logical names mapped to mesh axes by
+  ``logical_axis_rules``; the specs are the mesh-axis form of
+  ``nn.get_partition_spec(jax.eval_shape(tx.init, params))``.
+
   Args:
     params: the params, or their ``jax.eval_shape``.
     chain_with: the transformation chained after ``scale_by_kfac``.
@@ -57,6 +66,9 @@ def get_opt_state_partition_specs(
     mesh: the ``jax.sharding.Mesh`` (or ``AbstractMesh``) ``mesh_axes`` and
       ``params_partition_specs`` name axes of, for a call outside ``with
       jax.set_mesh(mesh):``. ``None``: the context's mesh.
+    logical_axis_rules: with params boxed by ``nn.with_logical_partitioning``,
+      Flax's ``(logical name, mesh axes)`` rules. ``None``: each box's own
+      rules, or those of an enclosing ``nn.logical_axis_rules``.
     **kwargs: the ``scale_by_kfac`` arguments (those ``tx`` was built with,
       at least the ones that shape its state and layout).
 
@@ -65,16 +77,19 @@ def get_opt_state_partition_specs(
       in the mesh, or a ``grad_worker_fraction`` that does not divide it;
       ``chain_with`` and ``tx`` both given; a K-FAC state in ``tx``'s that
       ``scale_by_kfac(**kwargs)`` would not make; a ``mesh`` other than the
-      context's.
+      context's; ``logical_axis_rules`` without boxed params, or logically
+      partitioned params without rules.
     TypeError: ``chain_with``, ``tx`` or ``mesh`` of another kind.
   """
   with using_mesh(mesh, "get_opt_state_partition_specs"):
-    return _partition_specs(params, chain_with, tx, kwargs)
+    return _partition_specs(params, chain_with, tx, logical_axis_rules,
+                            kwargs)
 
 
 def _partition_specs(params: Any,
                      chain_with: optax.GradientTransformation | None,
                      tx: optax.GradientTransformation | None,
+                     rules: boxing.LogicalRules | None,
                      kwargs: dict[str, Any]) -> Any:
   """``get_opt_state_partition_specs`` under its mesh."""
   for name, value in (("chain_with", chain_with), ("tx", tx)):
@@ -98,9 +113,17 @@ def _partition_specs(params: Any,
     raise ValueError("get_opt_state_partition_specs: pass chain_with (the "
                      "rest of a chain after scale_by_kfac) or tx (the whole "
                      "transformation), not both.")
+  boxed = boxing.has_boxes(params)
+  if rules is not None and not boxed:
+    raise ValueError(
+        "get_opt_state_partition_specs: logical_axis_rules given, but the "
+        "params hold no Flax partitioning boxes (nn.LogicallyPartitioned from "
+        "nn.with_logical_partitioning) for them to apply to. Pass the params "
+        "as model.init returns them, or their PartitionSpecs as "
+        "params_partition_specs.")
   params_specs = config.params_partition_specs
   params_specs = check_params_specs(
-      params, jax.tree.map(lambda _: None, params)
+      boxing.unbox(params), jax.tree.map(lambda _: None, boxing.unbox(params))
       if params_specs is None else params_specs)
 
   shapes = jax.eval_shape(tx.init, params)
@@ -118,6 +141,8 @@ def _partition_specs(params: Any,
           "scale_by_kfac(**kwargs) would not make (another accumulation, "
           "adaptive mode, compute_method, dtype or layer set): pass the "
           "scale_by_kfac arguments tx was built with.")
+  if boxed:  # The state is boxed where it is params-shaped.
+    return boxing.partition_specs(shapes, rules)
   specs_of = _params_specs_of(params, params_specs)
 
   def spec_of(node: Any) -> Any:

@@ -41,6 +41,7 @@ from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.distribution import sharding
 from kfac_jax.factors.running import LayerFactors, init_factors
 from kfac_jax.preconditioning import ekfac
+from kfac_jax.transform import boxing
 from kfac_jax.transform import checks
 from kfac_jax.transform import nnx_variables
 from kfac_jax.transform import quadratic_model
@@ -100,8 +101,10 @@ def scale_by_kfac(*args: Any,
 
 def transformation(config: KFACConfig) -> optax.GradientTransformationExtraArgs:
   """``scale_by_kfac`` of an already built ``config``."""
-  return optax.GradientTransformationExtraArgs(
+  tx = optax.GradientTransformationExtraArgs(
       functools.partial(init, config), functools.partial(update, config))
+  # Flax-boxed params (nn.with_logical_partitioning) in, boxed state out.
+  return boxing.boxed_transformation(tx, config.mesh_axes)
 
 
 def init(config: KFACConfig, params: Any) -> ScaleByKFACState:
