@@ -22,6 +22,7 @@ from kfac_jax.transform.quadratic_model import SplitLoss
 from kfac_jax.transform.scale_by_kfac import AccumulatorState
 from kfac_jax.transform.scale_by_kfac import ScaleByKFACState
 from kfac_jax.transform.scale_by_kfac import scale_by_kfac
+from kfac_jax.train_state import TrainState
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,7 @@ __all__ = [
     "ShardedPreconditioners",
     "SplitLoss",
     "SubspaceSolver",
+    "TrainState",
     "get_opt_state_partition_specs",
     "kfac",
     "sampled_curvature",

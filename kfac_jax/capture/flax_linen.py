@@ -291,6 +291,7 @@ def trace_layers(fun: Callable[..., Any], skip: tuple[re.Pattern[str], ...],
                  **kwargs: Any) -> layers.TracedLayers:
   """Linen front end of ``kfac_jax.trace_layers``."""
   recorder, _ = _shape_pass(fun, params, skip, args, kwargs)
+  probes_lib.warn_if_no_layers("trace_layers", recorder.calls, skip)
   return layers.TracedLayers({
       name: probes_lib.layer_info(name, recorder.paths[name],
                                   recorder.kernel(name).shape,
@@ -308,6 +309,7 @@ def value_grad_and_stats(
   shapes, out_shape = _shape_pass(fun, params, skip, args, kwargs)
   probes_lib.check_scalar(
       probes_lib.split_output(out_shape, has_aux, caller)[0], caller)
+  probes_lib.warn_if_no_layers(caller, shapes.calls, skip)
   probes = {
       name: probes_lib.zero_probes(calls, shapes.stack_shape(name))
       for name, calls in shapes.calls.items()

@@ -17,6 +17,13 @@ with its stack axes; one that passes them whole (``nnx.remat``, ``nnx.jit``,
 slice its params (an RNN cell broadcast over ``nnx.scan`` steps,
 ``nnx.fori_loop``) is refused with an error naming it
 (``probes.TraceCheck``; pass it in ``skip_layers``).
+
+Given the params' ``nnx.State`` instead of the model, for a loss that merges
+it (``model = nnx.merge(graphdef, params)``), the capture cannot copy the
+model: ``nnx_merge`` reaches the layers the loss builds through their
+Variables, and the probes reach each call from the capture, whole. A layer
+whose kernel a lifted transform slices is then refused, naming the model
+form, which slices its probes with it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax.capture import layers
+from kfac_jax.capture import nnx_merge
 from kfac_jax.capture import probes as probes_lib
 from kfac_jax.capture import signatures
 from kfac_jax.capture.probes import ProbePair
@@ -106,31 +114,18 @@ def _stack_ndim(name: str, module: nnx.Module, kernel_shape: tuple[int, ...],
   return stack_ndim
 
 
-def _instrument(model: nnx.Module, hook: Hook, skip: Skip,
-                attended: set[str],
-                probes: Mapping[str, tuple[ProbePair, ...]],
-                outer_vmaps: frozenset[int],
-                trace_check: probes_lib.TraceCheck | None = None) -> None:
+def _instrument(model: nnx.Module, capture: _Capture,
+                probes: Mapping[str, tuple[ProbePair, ...]]) -> None:
   """Routes every captured module call of ``model`` (a private copy) through
-  ``hook``, sets each layer's ``probes`` on it (``PROBES``), and adds to
-  ``attended`` each ``Embed`` called through ``attend``. Layers that ``skip``
-  matches are left as they are.
+  ``capture`` and sets each layer's ``probes`` on it (``PROBES``). Layers
+  that ``capture.skip`` matches are left as they are.
 
   A layer whose kernel a lifted transform slices (``nnx.scan`` over stacked
-  layers) is captured with its stack axes. One under a ``vmap`` inside the
-  loss that maps its inputs but not its kernel is refused (``outer_vmaps``:
-  the vmaps around the loss, which map each call's probes too).
-  ``trace_check``: the shape pass's, which marks each call and is told its stack axes, for
-  the checks after the pass (an RNN cell broadcast over ``nnx.scan``
-  steps is refused there).
+  layers) is captured with its stack axes.
   """
-  capture = _Capture(
-      hook, attended, outer_vmaps, trace_check,
-      trace_check.scope if trace_check is not None else
-      lambda name: contextlib.nullcontext())
   for path, module in nnx.iter_modules(model):
     if not isinstance(module, CAPTURED_MODULES) or layers.is_skipped_layer(
-        path, type(module).__name__, skip):
+        path, type(module).__name__, capture.skip):
       continue
     name = layers.layer_name(path)
     key = (layers.EMBEDDING if isinstance(module, nnx.Embed) else
@@ -154,13 +149,36 @@ _CAPTURE = "kfac_capture"
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity
 class _Capture:
-  """One ``_instrument``'s hook and checks (see there)."""
+  """One pass's capture: where its calls go, and what it records.
+
+  Attributes:
+    hook: every captured call's outputs go through it.
+    skip: layers it leaves alone.
+    attended: it adds each ``Embed`` called through ``attend``.
+    outer_vmaps: the vmaps around the loss, which map each call's probes
+      too; a layer under one inside the loss that maps its inputs but not
+      its kernel is refused.
+    trace_check: the shape pass's, which marks each call and is told its
+      stack axes, for the checks after the pass (an RNN cell broadcast over
+      ``nnx.scan`` steps is refused there); ``None`` in the real pass.
+    merged: the loss merges the State (``nnx_merge``): the probes reach the
+      calls whole, so a layer whose kernel is sliced is refused.
+    skipped_classes: with ``merged``, it records ``{layer: class name}`` of
+      the layers ``skip`` matches by class name only (``trace_layers``).
+  """
 
   hook: Hook
+  skip: Skip
   attended: set[str]
   outer_vmaps: frozenset[int]
   trace_check: probes_lib.TraceCheck | None
-  scope: Callable[[str], Any]
+  merged: bool
+  skipped_classes: dict[str, str]
+
+  def scope(self, name: str) -> Any:
+    if self.trace_check is None:
+      return contextlib.nullcontext()
+    return self.trace_check.scope(name)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -185,8 +203,8 @@ def _probed_class(cls: type[nnx.Module]) -> type[nnx.Module]:
   base = next(c for c in cls.__mro__ if c in CAPTURED_MODULES)
 
   def call(self, inputs, *args, **kwargs):
-    return _captured_call(base, self, getattr(self, _CAPTURE), inputs, *args,
-                          **kwargs)
+    return _captured_call(base.__call__, self, getattr(self, _CAPTURE),
+                          inputs, *args, **kwargs)
 
   methods = {"__call__": call}
   if issubclass(base, nnx.Embed):
@@ -204,15 +222,26 @@ def _probed_class(cls: type[nnx.Module]) -> type[nnx.Module]:
   return probed if cls is base else type(cls.__name__, (cls, probed), {})
 
 
-def _captured_call(base: type[nnx.Module], module: nnx.Module,
+def _captured_call(flax_call: Callable[..., Any], module: nnx.Module,
                    layer: _LayerCapture, inputs: Any, *args: Any,
                    **kwargs: Any) -> Any:
-  """``base.__call__`` of a probed layer, its outputs through the hook."""
+  """``flax_call`` (the Flax class's ``__call__``) of a probed layer, its
+  outputs through the hook."""
   capture, name = layer.capture, layer.name
   with capture.scope(name):
-    outputs = base.__call__(module, inputs, *args, **kwargs)
+    outputs = flax_call(module, inputs, *args, **kwargs)
   stack_ndim = _stack_ndim(name, module, layer.kernel_shape,
                            tuple(getattr(module, layer.key).shape))
+  if capture.merged and stack_ndim:
+    raise ValueError(
+        f"value_grad_and_stats: NNX layer {name!r} "
+        f"({type(module).__name__}) runs on a slice of its kernel "
+        f"{layer.kernel_shape} (stacked layers run by nnx.scan or "
+        "nnx.vmap) in a loss that merges the nnx.State it is given: the "
+        "capture's probes reach such a layer only through the model. Give "
+        "value_grad_and_stats the model, fun(model, *args) called with "
+        "nnx.merge(graphdef, params) (its gradients are the same "
+        f"nnx.State), or {probes_lib.skip_advice(name)}.")
   signature = _signature(module, type(module).__name__, name, inputs,
                          stack_ndim)
   if signature is None:
@@ -241,45 +270,88 @@ def _model_param(path: tuple[Any, ...], value: Any) -> bool:
   return path[0] == 0 and isinstance(value, nnx.Param)
 
 
-def _run(fun: Callable[..., Any], model: nnx.Module, skip: Skip, args, kwargs,
-         attended: set[str] | None = None,
-         trace_check: probes_lib.TraceCheck | None = None
+def _merged_route(capture: _Capture, tag: nnx_merge.Tag, method: str,
+                  flax_method: Callable[..., Any], module: nnx.Module,
+                  *args: Any, **kwargs: Any) -> Any:
+  """``nnx_merge``'s route of a layer the loss built from the State:
+  captured as ``_instrument``'s copies are, unless ``capture.skip`` matches
+  it."""
+  path, key = tag.path[:-1], tag.path[-1]
+  name, module_type = layers.layer_name(path), type(module).__name__
+  if layers.is_skipped_layer(path, module_type, capture.skip):
+    if layers.class_skipped(path, module_type, capture.skip):
+      capture.skipped_classes[name] = module_type
+    return flax_method(module, *args, **kwargs)
+  if method == "attend":
+    capture.attended.add(name)
+    return flax_method(module, *args, **kwargs)
+  inputs, args = (args[0], args[1:]) if args else (kwargs.pop("inputs"), ())
+  return _captured_call(flax_method, module,
+                        _LayerCapture(name, key, tag.shape, capture), inputs,
+                        *args, **kwargs)
+
+
+def _differentiated(first: nnx.Module | nnx.State) -> nnx.State:
+  """What the loss is differentiated with respect to: the model's Params, or
+  the State a merging loss is given."""
+  if isinstance(first, nnx.Module):
+    return nnx.state(first, nnx.Param)
+  return first
+
+
+def _run(fun: Callable[..., Any], first: nnx.Module | nnx.State, skip: Skip,
+         args, kwargs, attended: set[str] | None = None,
+         trace_check: probes_lib.TraceCheck | None = None,
+         skipped_classes: dict[str, str] | None = None
          ) -> tuple[Callable[..., tuple[Any, Any]], tuple[Any, ...]]:
   """``(run, objects)``: ``run(params, hook, probes) -> (fun output, updated
-  state)`` on private copies (``_instrument``) of ``objects``, the model and
-  the NNX objects among the arguments (an ``nnx.Rngs`` for dropout, a
-  second model).
+  state)`` on private copies of ``objects``, the NNX objects among the
+  arguments (an ``nnx.Rngs`` for dropout, a second model) and, when
+  ``first`` is the model, the model (``_instrument``'d). When ``first`` is
+  the State, the loss is given a tagged copy of it (``nnx_merge``).
 
   The objects are split together, so that one shared by the model and an
   argument (a model keeping the ``nnx.Rngs`` it is also given) stays one
   object in the copy.
   """
+  merged = not isinstance(first, nnx.Module)
   leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_graph_node)
   node_indices = [i for i, leaf in enumerate(leaves) if _is_graph_node(leaf)]
-  objects = (model, *(leaves[i] for i in node_indices))
-  graphdef, _, rest = nnx.split(objects, _model_param, ...)
+  objects = (() if merged else (first,)) + tuple(leaves[i]
+                                                 for i in node_indices)
+  differentiated = nnx.Nothing if merged else _model_param
+  graphdef, _, rest = nnx.split(objects, differentiated, ...)
 
   def run(params, hook, probes):
     # Variables may only be updated in the trace that made them: rebuild the
     # other ones (batch statistics, RNG counters) in this one.
-    copies = nnx.merge(graphdef, nnx.State({0: params}),
+    copies = nnx.merge(graphdef, nnx.State({} if merged else {0: params}),
                        jax.tree.map(lambda v: v, rest))
     filled = list(leaves)
-    for index, copy in zip(node_indices, copies[1:]):
+    for index, copy in zip(node_indices, copies[0 if merged else 1:]):
       filled[index] = copy
     copy_args, copy_kwargs = jax.tree.unflatten(treedef, filled)
-    # vmaps around the loss: they map its arguments or params.
-    outer_vmaps = probes_lib.vmap_traces((params, leaves))
-    _instrument(copies[0], hook, skip,
-                set() if attended is None else attended, probes, outer_vmaps,
-                trace_check)
-    out = fun(copies[0], *copy_args, **copy_kwargs)
-    return out, nnx.state(copies, nnx.Not(_model_param))
+    capture = _Capture(
+        hook, skip, set() if attended is None else attended,
+        # vmaps around the loss: they map its arguments or params.
+        probes_lib.vmap_traces((params, leaves)), trace_check, merged,
+        {} if skipped_classes is None else skipped_classes)
+    if merged:
+      with nnx_merge.routed():
+        out = fun(nnx_merge.tagged(
+            params, functools.partial(_merged_route, capture)),
+                  *copy_args, **copy_kwargs)
+    else:
+      _instrument(copies[0], capture, probes)
+      out = fun(copies[0], *copy_args, **copy_kwargs)
+    return out, nnx.state(copies, nnx.Not(differentiated))
 
   return run, objects
 
 
-def _shape_pass(fun, model, skip, args, kwargs):
+def _shape_pass(fun, first, skip, args, kwargs):
+  """``(calls, out_shape, skipped_classes)`` of the loss (``skipped_classes``
+  recorded only when it merges the State)."""
   counter = probes_lib.CallCounter(per_trace=False)
   calls: dict[str, list[probes_lib.Call]] = {}
 
@@ -290,68 +362,84 @@ def _shape_pass(fun, model, skip, args, kwargs):
     return outputs
 
   attended: set[str] = set()
+  skipped_classes: dict[str, str] = {}
   trace_check = probes_lib.TraceCheck()
-  params = nnx.state(model, nnx.Param)
 
   def shape_run(params, args, kwargs):
-    run, _ = _run(fun, model, skip, args, kwargs, attended, trace_check)
+    run, _ = _run(fun, first, skip, args, kwargs, attended, trace_check,
+                  skipped_classes)
     return run(params, record, {})
 
-  out_shape, _ = probes_lib.shape_pass(shape_run, params, args, kwargs,
-                                       is_leaf=_is_graph_node,
+  out_shape, _ = probes_lib.shape_pass(shape_run, _differentiated(first),
+                                       args, kwargs, is_leaf=_is_graph_node,
                                        trace_check=trace_check)
   trace_check.check()
   probes_lib.drop_attended(calls, attended)
-  return calls, out_shape
+  return calls, out_shape, skipped_classes
 
 
-def _kernels(model: nnx.Module, calls: Mapping[str, Sequence[probes_lib.Call]]
+def _kernels(first: nnx.Module | nnx.State,
+             calls: Mapping[str, Sequence[probes_lib.Call]]
              ) -> dict[str, tuple[tuple[Any, ...], nnx.Variable]]:
-  """``{layer: (module path, kernel)}`` of the captured layers."""
-  modules = {layers.layer_name(path): (path, module)
-             for path, module in nnx.iter_modules(model)}
-  kernels = {}
-  for name, layer_calls in calls.items():
-    path, module = modules[name]
-    kernels[name] = (path, getattr(
-        module, layer_calls[0].signature.kernel_key))
-  return kernels
+  """``{layer: (module path, kernel)}`` of the captured layers, from the
+  model's modules or the State's paths."""
+  if isinstance(first, nnx.Module):
+    found = {(layers.layer_name(path), key): (tuple(path), variable)
+             for path, module in nnx.iter_modules(first)
+             for key in (layers.KERNEL, layers.EMBEDDING)
+             if isinstance(variable := getattr(module, key, None),
+                           nnx.Variable)}
+  else:
+    found = {(layers.layer_name(path[:-1]), path[-1]): (tuple(path[:-1]),
+                                                        variable)
+             for path, variable in nnx.to_flat_state(first)}
+  return {name: found[name, layer_calls[0].signature.kernel_key]
+          for name, layer_calls in calls.items()}
 
 
-def trace_layers(fun: Callable[..., Any], skip: Skip, model: nnx.Module,
-                 *args: Any,
+def trace_layers(fun: Callable[..., Any], skip: Skip,
+                 first: nnx.Module | nnx.State, *args: Any,
                  **kwargs: Any) -> layers.TracedLayers:
-  """NNX front end of ``kfac_jax.trace_layers``."""
-  calls, _ = _shape_pass(fun, model, skip, args, kwargs)
+  """NNX front end of ``kfac_jax.trace_layers``: ``first`` is the model, or
+  the State the loss merges."""
+  calls, _, skipped_classes = _shape_pass(fun, first, skip, args, kwargs)
+  if isinstance(first, nnx.Module):
+    skipped_classes = {
+        layers.layer_name(path): type(module).__name__
+        for path, module in nnx.iter_modules(first)
+        if isinstance(module, CAPTURED_MODULES) and layers.class_skipped(
+            path, type(module).__name__, skip)}
+  probes_lib.warn_if_no_layers("trace_layers", calls, skip)
   return layers.TracedLayers(
       {name: probes_lib.layer_info(name, path, kernel.shape,
                                    calls[name][0].signature)
-       for name, (path, kernel) in _kernels(model, calls).items()},
-      {layers.layer_name(path): type(module).__name__
-       for path, module in nnx.iter_modules(model)
-       if isinstance(module, CAPTURED_MODULES) and layers.class_skipped(
-           path, type(module).__name__, skip)})
+       for name, (path, kernel) in _kernels(first, calls).items()},
+      skipped_classes)
 
 
 def value_grad_and_stats(
-    fun: Callable[..., Any], has_aux: bool, skip: Skip, model: nnx.Module,
-    *args: Any, **kwargs: Any) -> tuple[Any, Any, dict[str, LayerStatistics]]:
+    fun: Callable[..., Any], has_aux: bool, skip: Skip,
+    first: nnx.Module | nnx.State, *args: Any,
+    **kwargs: Any) -> tuple[Any, Any, dict[str, LayerStatistics]]:
   """NNX front end of ``kfac_jax.value_grad_and_stats``, for one call.
 
-  Gradients are an ``nnx.State`` of the model's ``nnx.Param``s, as
-  ``nnx.value_and_grad`` gives them; ``model``'s other state is updated.
+  ``first`` is the model (the gradients: an ``nnx.State`` of its
+  ``nnx.Param``s, as ``nnx.value_and_grad`` gives them; its other state is
+  updated), or a State that the loss merges (the gradients: of its
+  structure, as ``jax.value_and_grad`` gives them).
   """
   caller = "value_grad_and_stats"
-  calls, out_shape = _shape_pass(fun, model, skip, args, kwargs)
+  calls, out_shape, _ = _shape_pass(fun, first, skip, args, kwargs)
   probes_lib.check_scalar(
       probes_lib.split_output(out_shape, has_aux, caller)[0], caller)
+  probes_lib.warn_if_no_layers(caller, calls, skip)
   probes = {
       name: probes_lib.zero_probes(
           calls[name], tuple(kernel.shape[:calls[name][0].signature.stack_ndim]))
-      for name, (_, kernel) in _kernels(model, calls).items()
+      for name, (_, kernel) in _kernels(first, calls).items()
   }
 
-  run, objects = _run(fun, model, skip, args, kwargs)
+  run, objects = _run(fun, first, skip, args, kwargs)
 
   def primal(params, probes):
     counter = probes_lib.CallCounter(per_trace=False)
@@ -361,10 +449,12 @@ def value_grad_and_stats(
       if name not in probes:  # not captured (probes_lib.drop_attended)
         return outputs
       index = counter.next(name)
-      # The module's own, sliced where a lifted transform sliced the kernel.
-      variables = getattr(module, PROBES)
-      pair = (variables[2 * index].get_value(),
-              variables[2 * index + 1].get_value())
+      # The module's own, sliced where a lifted transform sliced the kernel;
+      # in a loss that merges the State, the capture's (_merged_route).
+      variables = getattr(module, PROBES, None)
+      pair = probes[name][index] if variables is None else (
+          variables[2 * index].get_value(),
+          variables[2 * index + 1].get_value())
       call = calls[name][index]
       if (pair[0].shape, pair[1].shape) != (call.inputs.shape,
                                             call.outputs.shape):
@@ -383,9 +473,8 @@ def value_grad_and_stats(
     loss, aux = probes_lib.split_output(out, has_aux, caller)
     return loss, (aux, new_state)
 
-  params = nnx.state(model, nnx.Param)
-  loss, vjp_fn, (aux, new_state) = jax.vjp(primal, params, probes,
-                                            has_aux=True)
+  loss, vjp_fn, (aux, new_state) = jax.vjp(primal, _differentiated(first),
+                                            probes, has_aux=True)
   grads, probe_grads = vjp_fn(jnp.ones_like(loss))
   nnx.update(objects, new_state)
   value = (loss, aux) if has_aux else loss

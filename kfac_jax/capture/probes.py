@@ -20,7 +20,8 @@ import contextlib
 import dataclasses
 import itertools
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -185,6 +186,31 @@ def skip_advice(*names: str) -> str:
   return (f"pass skip_layers=[{patterns}] to value_grad_and_stats, "
           "trace_layers and scale_by_kfac to leave "
           f"{'it' if len(names) == 1 else 'them'} to the chained optimizer")
+
+
+def warn_if_no_layers(caller: str, captured: Collection[str],
+                      skip: Sequence[re.Pattern[str]]) -> None:
+  """Warns when the capture found no layer: K-FAC would then do nothing,
+  every parameter going to the chained optimizer as it is.
+
+  Args:
+    caller: the public function, named in the warning.
+    captured: the names of the captured layers.
+    skip: the compiled ``skip_layers``, named in the warning when given.
+  """
+  if captured:
+    return
+  reason = ("the loss called none of the layers the capture knows (Linen "
+            "Dense, DenseGeneral, Conv, Embed; NNX Linear, LinearGeneral, "
+            "Conv, Embed) on the params, model or nnx.State it was given")
+  if skip:
+    patterns = ", ".join(repr(pattern.pattern) for pattern in skip)
+    reason += f", or skip_layers [{patterns}] matched every one it called"
+  # Stack: the user's call, api.py, the front end, here.
+  warnings.warn(
+      f"{caller} captured no layer: {reason}. scale_by_kfac would then "
+      "precondition nothing, leaving every parameter to the chained "
+      "optimizer.", stacklevel=4)
 
 
 def record_call(calls: dict[str, list[Call]], counter: CallCounter, name: str,
