@@ -98,6 +98,8 @@ class LayerInfo:
 
   @property
   def stack_shape(self) -> tuple[int, ...]:
+    """The kernel's leading layer axes (``nn.scan``'s), ``()`` for one
+    layer."""
     return self.kernel_shape[:self.stack_ndim]
 
   @property
@@ -110,16 +112,18 @@ class LayerInfo:
 
   @property
   def output_shape(self) -> tuple[int, ...]:
+    """The kernel's output axes, after the contracted ones."""
     return self.kernel_shape[self.stack_ndim + len(self.contracted_shape):]
 
   @property
   def activation_dim(self) -> int:
-    """Size of each block's A: ``prod(contracted)`` plus one for the bias."""
+    """The size of each block's A, ``prod(contracted)`` plus one for the
+    bias."""
     return math.prod(self.contracted_shape) + int(self.has_bias)
 
   @property
   def gradient_dim(self) -> int:
-    """Size of each block's G: output features per group."""
+    """The size of each block's G, the output features per group."""
     return math.prod(self.output_shape) // self.groups
 
   @property
@@ -129,7 +133,8 @@ class LayerInfo:
 
   @property
   def block_names(self) -> tuple[str, ...]:
-    """State keys of the blocks: the layer name, or ``name[i]`` for several.
+    """The state's keys of the blocks, the layer name or ``name[i]`` for
+    several.
 
     ``i = stack_index * groups + group``, with the stack index flattened in
     row-major order.

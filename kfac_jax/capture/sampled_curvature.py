@@ -19,7 +19,8 @@ function returning ``s`` gives stats that replace the loss's in
 gradients of ``s`` are meaningless; the parameters' gradients come from the
 training loss. ``Hᵢ`` is the Hessian of the per-example loss as written in
 each docstring (summed over the last axis; averaging over it divides ``H``
-by its size, which a fixed damping or the adaptive mode absorbs).
+by its size, which a fixed damping or the adaptive mode absorbs). For a
+softmax classifier::
 
   def curvature_fn(params, x, key):
     logits = model.apply({"params": params}, x)
