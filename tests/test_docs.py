@@ -155,3 +155,13 @@ def test_coverage_counts_members_not_only_the_packages_all():
   text = ".. autoclass:: kfac_jax.LayerInfo\n   :members: groups\n"
   assert coverage.documented(text) == {"kfac_jax.LayerInfo",
                                        "kfac_jax.LayerInfo.groups"}
+
+
+def test_the_examples_page_shows_the_code_of_every_example_it_runs():
+  page = (DOCS / "examples.md").read_text(encoding="utf-8")
+  run = set(re.findall(r"python -m examples\.(\w+)", page))
+  shown = set(re.findall(
+      r"^```\{literalinclude\} \.\./examples/(\w+)\.py$", page, re.M))
+  assert len(run) >= 6 and run <= shown, sorted(run - shown)
+  for name in shown:
+    assert (DOCS.parent / "examples" / f"{name}.py").is_file(), name
