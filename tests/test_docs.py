@@ -165,3 +165,23 @@ def test_the_examples_page_shows_the_code_of_every_example_it_runs():
   assert len(run) >= 6 and run <= shown, sorted(run - shown)
   for name in shown:
     assert (DOCS.parent / "examples" / f"{name}.py").is_file(), name
+
+
+@pytest.mark.parametrize("site", ["python", "jax", "optax", "flax",
+                                  "flax-linen"])
+def test_each_inventory_entry_names_an_object_that_exists(site):
+  """The offline intersphinx inventories (docs/inventories, read by
+  docs/conf.py) list real objects, each with a page and an anchor."""
+  import builtins  # pylint: disable=g-import-not-at-top
+  coverage = _api_coverage()
+  lines = [line for line in (DOCS / "inventories" / f"{site}.txt").read_text(
+      encoding="utf-8").splitlines() if line.strip() and line[0] != "#"]
+  assert lines
+  for line in lines:
+    name, role, priority, uri, display = line.split()
+    assert role.startswith("py:") and priority == "1" and display == "-", line
+    assert ".html#" in uri and not uri.startswith(("/", "http")), line
+    assert "$" not in uri[:-1], line  # intersphinx replaces a final $ only
+    obj = coverage.resolve(name) if "." in name else getattr(
+        builtins, name, None)
+    assert obj is not None, line
