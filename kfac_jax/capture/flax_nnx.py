@@ -175,7 +175,8 @@ class _Capture:
   merged: bool
   skipped_classes: dict[str, str]
 
-  def scope(self, name: str) -> Any:
+  def scope(self, name: str) -> contextlib.AbstractContextManager[None]:
+    """The shape pass's marker of a call of layer ``name`` (none after)."""
     if self.trace_check is None:
       return contextlib.nullcontext()
     return self.trace_check.scope(name)
