@@ -14,7 +14,9 @@ from kfac_jax.preconditioning.eigen import EigenPreconditioner
 from kfac_jax.preconditioning.inverse import InversePreconditioner
 from kfac_jax.preconditioning.subspace import SubspaceSolver
 from kfac_jax.transform.alias import kfac
+from kfac_jax.transform.checks import NO_STATS
 from kfac_jax.hyperparameters import ComputeMethod
+from kfac_jax.hyperparameters import DampingMode
 from kfac_jax.transform.partition_specs import get_opt_state_partition_specs
 from kfac_jax.transform.quadratic_model import AdaptiveConfig
 from kfac_jax.transform.quadratic_model import QuadraticModelState
@@ -31,12 +33,14 @@ __all__ = [
     "AdaptiveConfig",
     "AssignmentStrategy",
     "ComputeMethod",
+    "DampingMode",
     "DistributedStrategy",
     "EigenPreconditioner",
     "InversePreconditioner",
     "LayerInfo",
     "LayerFactors",
     "LayerStatistics",
+    "NO_STATS",
     "QuadraticModelState",
     "ScaleByKFACState",
     "ShardedPreconditioners",

@@ -112,6 +112,37 @@ class ComputeMethod(enum.Enum):
     return parse_enum(cls, "compute_method", value)
 
 
+class WeightSharing(enum.Enum):
+  """The rows of a layer that shares its weights over positions
+  (``factors.batch``): every position a row (KFAC-expand), or one row per
+  example (KFAC-reduce)."""
+
+  EXPAND = "expand"
+  REDUCE = "reduce"
+
+  @classmethod
+  def parse(cls, value: "WeightSharing | str") -> "WeightSharing":
+    return parse_enum(cls, "weight_sharing", value)
+
+
+class DampingMode(enum.Enum):
+  """What the damping λ is measured against.
+
+  ``RELATIVE``: each layer's curvature normalized to unit mean eigenvalue,
+  ``Â = A / (tr A / dA)``, ``Ĝ = G / (tr G / dG)``, so λ is a fraction of
+  the layer's own mean curvature and ``P`` keeps the gradient's scale.
+  ``ABSOLUTE``: λ added to the factors as they are (KAISA's convention,
+  whose factors scale with the batch size and the layer's inputs).
+  """
+
+  RELATIVE = "relative"
+  ABSOLUTE = "absolute"
+
+  @classmethod
+  def parse(cls, value: "DampingMode | str") -> "DampingMode":
+    return parse_enum(cls, "damping_mode", value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Hyperparameter:
   """A checked constant or schedule; call it with the step count.

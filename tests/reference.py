@@ -205,6 +205,8 @@ class KFACReference:
   factor_update_steps: int = 1
   inv_update_steps: int = 1
   outer_product: bool = True
+  relative: bool = False  # damping_mode="relative" (normalized factors)
+  momentum: float = 0.0  # the chained momentum KL clipping reads
   step: int = 0
   factors: dict = dataclasses.field(default_factory=dict)
   decomposition: dict = dataclasses.field(default_factory=dict)
@@ -231,6 +233,24 @@ class KFACReference:
     if self.step % self.inv_update_steps == 0:
       for name in names:
         a, g = self.factors[name]
+        if self.relative and self.method != "eigen":
+          # (Â + √λI)⁻¹ ∇ (Ĝ + √λI)⁻¹, Â = A / (tr A / dA).
+          root = np.sqrt(self.damping)
+          self.decomposition[name] = tuple(
+              np.linalg.inv(f / np.mean(np.diag(f)) + root * np.eye(len(f)))
+              for f in (a, g))
+          continue
+        if self.relative:
+          # (Â ⊗ Ĝ + λI)⁻¹ vec(∇) by a dense solve of the Kronecker
+          # matrix: row-major vec(Â ∇ Ĝ) = (Â ⊗ Ĝ) vec(∇). The state keeps
+          # the eigenvalues of A and G as they are.
+          normalized = [f / np.mean(np.diag(f)) for f in (a, g)]
+          matrix = np.kron(*normalized) + self.damping * np.eye(len(a) *
+                                                                len(g))
+          self.decomposition[name] = (
+              None, np.maximum(np.linalg.eigvalsh(a), 0), None,
+              np.maximum(np.linalg.eigvalsh(g), 0), matrix)
+          continue
         if self.method == "eigen":
           da, qa = np.linalg.eigh(a)
           dg, qg = np.linalg.eigh(g)
@@ -245,7 +265,10 @@ class KFACReference:
     out = {}
     for name in names:
       grad = grads[name]
-      if self.method == "eigen":
+      if self.relative and self.method == "eigen":
+        out[name] = np.linalg.solve(self.decomposition[name][-1],
+                                    grad.reshape(-1)).reshape(grad.shape)
+      elif self.method == "eigen":
         qa, da, qg, dg, frozen = self.decomposition[name]
         scale = frozen if self.outer_product else 1 / (
             np.outer(da, dg) + self.damping)
@@ -254,7 +277,7 @@ class KFACReference:
         a_inv, g_inv = self.decomposition[name]
         out[name] = a_inv @ grad @ g_inv
     if self.kl_clip is not None:
-      vg = self.learning_rate**2 * sum(
+      vg = (self.learning_rate / (1 - self.momentum))**2 * sum(
           np.sum(out[n] * grads[n]) for n in names)
       nu = 1.0 if vg == 0 else min(1.0, np.sqrt(self.kl_clip / abs(vg)))
       out = {n: nu * p for n, p in out.items()}
@@ -332,9 +355,12 @@ def kfac_state(state):
               None)
 
 
-def kfac_condition(factors, damping: float) -> float:
+def kfac_condition(factors, damping: float, relative: bool = False,
+                   method: str = "eigen") -> float:
   """The largest ``κ(A ⊗ G + λI) = (‖A‖‖G‖ + λ)/(λmin(A)λmin(G) + λ)`` over
-  ``factors`` (``{layer: (A, G)}``, stacked layers' factors too).
+  ``factors`` (``{layer: (A, G)}``, stacked layers' factors too); with
+  ``relative`` damping of the normalized factors ``Â``, ``Ĝ``, and for the
+  inverse method ``κ((Â + √λI) ⊗ (Ĝ + √λI))``.
 
   First-order perturbation of the solve ``P = M⁻¹ vec(∇)``: rounding of
   relative size δ in ``M`` (the factors) or in ``∇`` moves ``P`` by up to
@@ -344,6 +370,15 @@ def kfac_condition(factors, damping: float) -> float:
   for a, g in factors.values():
     ea = np.linalg.eigvalsh(np.asarray(a, np.float64)).clip(0)
     eg = np.linalg.eigvalsh(np.asarray(g, np.float64)).clip(0)
+    if relative:
+      ea = ea / ea.mean(axis=-1, keepdims=True)
+      eg = eg / eg.mean(axis=-1, keepdims=True)
+      if method != "eigen":
+        root = np.sqrt(damping)
+        worst = max(worst, float(np.max(
+            (ea[..., -1] + root) * (eg[..., -1] + root) /
+            ((ea[..., 0] + root) * (eg[..., 0] + root)))))
+        continue
     top = ea[..., -1] * eg[..., -1] + damping
     worst = max(worst, float(np.max(top / (ea[..., 0] * eg[..., 0] + damping))))
   return worst

@@ -46,7 +46,8 @@ def one_step(**kwargs):
   """The updates and state of the first step, with ``S = S_batch`` (d = 0)."""
   params, x, y = problem()
   tx = kfac_jax.scale_by_kfac(eigenvalue_correction=True, factor_decay=0.0,
-                              kl_clip=None, damping=DAMPING, **kwargs)
+                              kl_clip=None, damping=DAMPING,
+                              **{"damping_mode": "absolute", **kwargs})
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
   updates, state = tx.update(grads, tx.init(params), params, kfac_stats=stats)
   return params, x, y, grads, updates, state

@@ -130,7 +130,7 @@ def test_kaisa_schedule_matches_kaisas_formula(compute_method, kl_clip):
   # Steps 0 and 1 at decay 0, then 1/2, 2/3: the first factor is the batch's.
   tx = kfac_jax.scale_by_kfac(
       learning_rate=LEARNING_RATE, damping=DAMPING, kl_clip=kl_clip,
-      compute_method=compute_method,
+      compute_method=compute_method, damping_mode="absolute",
       factor_decay=kfac_jax.schedules.exp_decay_factor_averaging())
   ref = reference.KFACReference(damping=DAMPING, factor_decay=0.0,
                                 learning_rate=LEARNING_RATE, kl_clip=kl_clip,
@@ -141,7 +141,7 @@ def test_kaisa_schedule_matches_kaisas_formula(compute_method, kl_clip):
 def test_constant_zero_decay_replaces_the_factors_by_the_batch_factors():
   tx = kfac_jax.scale_by_kfac(learning_rate=LEARNING_RATE, damping=DAMPING,
                               kl_clip=None, compute_method="inverse",
-                              factor_decay=0.0)
+                              factor_decay=0.0, damping_mode="absolute")
   ref = reference.KFACReference(damping=DAMPING, factor_decay=0.0,
                                 learning_rate=LEARNING_RATE, kl_clip=None,
                                 method="inverse")

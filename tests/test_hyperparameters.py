@@ -22,7 +22,7 @@ def test_schedules_are_called_with_the_step():
   damping = optax.linear_schedule(0.01, 0.001, 4)
   params, batches, loss_fn, reference_tensors = make_problem("mlp", True)
   tx = kfac_jax.scale_by_kfac(damping=damping, kl_clip=None,
-                              compute_method="inverse")
+                              compute_method="inverse", damping_mode="absolute")
   state = tx.init(params)
   for step in range(3):
     x, y = next(batches)

@@ -233,19 +233,11 @@ def test_nnx_variables_docstring_examples_run():
   assert result.attempted > 0 and result.failed == 0, result
 
 
-def test_the_state_given_to_the_capture_is_refused_with_the_fix():
-  """A loss that merges the State builds layers the capture cannot see: it
-  returned no stats, silently, before this check."""
-  graphdef, params = nnx.split(Mlp(nnx.Rngs(0)), nnx.Param)
-  x, y = batches()[0]
-  loss = lambda p, x, y: cross_entropy(nnx.merge(graphdef, p)(x), y)
-  with pytest.raises(TypeError, match=r"nnx.State.*nnx.merge\(graphdef"):
-    kfac_jax.value_grad_and_stats(loss)(params, x, y)
-  with pytest.raises(TypeError, match="nnx.State"):
-    kfac_jax.trace_layers(loss, params, x, y)
-  # Params in which the capture finds no layer (here a bare weight; or an
-  # NNX model merged from plain dicts inside the loss): a warning, not
-  # silence.
+def test_params_in_which_the_capture_finds_no_layer_warn():
+  """A bare weight (or a model built inside the loss from a plain dict):
+  a warning, not silence. A loss that merges the nnx.State it is given is
+  captured (tests/test_nnx_merge.py)."""
+  x, _ = batches()[0]
   weights = {"w": jnp.ones((5,))}
   with pytest.warns(UserWarning, match="captured no layer"):
     _, _, stats = kfac_jax.value_grad_and_stats(

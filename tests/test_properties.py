@@ -145,7 +145,8 @@ def test_update_is_the_damped_kronecker_solve(specs, batch, damping,
              if bias else {})
       } for k, (i, out, bias) in enumerate(specs)
   }
-  config = dict(damping=damping, factor_decay=factor_decay, kl_clip=None)
+  config = dict(damping=damping, factor_decay=factor_decay, kl_clip=None,
+                damping_mode="absolute")
   transforms = {
       "eigen": kfac_jax.scale_by_kfac(
           compute_method="eigen",

@@ -29,7 +29,9 @@ def run_and_compare(kind, use_bias, steps=3, accumulation_steps=1, **kwargs):
       method=kwargs.get("compute_method", "eigen"),
       factor_update_steps=kwargs.get("factor_update_steps", 1),
       inv_update_steps=kwargs.get("inv_update_steps", 1),
-      outer_product=kwargs.get("compute_eigenvalue_outer_product", True))
+      outer_product=kwargs.get("compute_eigenvalue_outer_product", True),
+      relative=kwargs.get("damping_mode", "relative") == "relative",
+      momentum=kwargs.get("momentum", 0.0))
   state = tx.init(params)
 
   @jax.jit
@@ -49,10 +51,14 @@ def run_and_compare(kind, use_bias, steps=3, accumulation_steps=1, **kwargs):
     rounding = dict(micro_batches=accumulation_steps, mixes=mixes)
     for name, p_ref in expected.items():
       where = f"{name} at step {ref.step}"
+      # Relative damping adds the normalizations' sums of dA and dG
+      # diagonal entries.
       close(as_matrix(updates[name]), p_ref,
-            terms=update_terms(kind, p_ref.shape, **rounding),
-            condition=reference.kfac_condition({name: ref.factors[name]},
-                                               DAMPING), err_msg=where)
+            terms=update_terms(kind, p_ref.shape, **rounding) + (
+                sum(p_ref.shape) if ref.relative else 0),
+            condition=reference.kfac_condition(
+                {name: ref.factors[name]}, DAMPING, ref.relative, ref.method),
+            err_msg=where)
       a_ref, g_ref = ref.factors[name]
       identity_weight = ref.factor_decay**mixes
       for got, factor in ((state.factors[name].activation_factor, a_ref),
@@ -79,9 +85,17 @@ def run_and_compare(kind, use_bias, steps=3, accumulation_steps=1, **kwargs):
 @pytest.mark.parametrize("use_bias", [True, False])
 @pytest.mark.parametrize("compute_method", ["eigen", "inverse"])
 @pytest.mark.parametrize("kl_clip", [0.001, None])
-def test_matches_reference(kind, use_bias, compute_method, kl_clip):
+@pytest.mark.parametrize("damping_mode", ["relative", "absolute"])
+def test_matches_reference(kind, use_bias, compute_method, kl_clip,
+                           damping_mode):
   run_and_compare(kind, use_bias, compute_method=compute_method,
-                  kl_clip=kl_clip)
+                  kl_clip=kl_clip, damping_mode=damping_mode)
+
+
+@pytest.mark.parametrize("compute_method", ["eigen", "inverse"])
+def test_kl_clipping_measures_the_chained_momentums_step(compute_method):
+  run_and_compare("mlp", True, compute_method=compute_method, momentum=0.9,
+                  kl_clip=1e-4)
 
 
 @pytest.mark.parametrize("compute_method", ["eigen", "inverse"])
@@ -150,17 +164,19 @@ def _gradient_matrix(layer) -> np.ndarray:
 
 
 @pytest.mark.parametrize("outer_product", [True, False])
-def test_eigen_damping_between_decompositions(outer_product):
+@pytest.mark.parametrize("damping_mode", ["relative", "absolute"])
+def test_eigen_damping_between_decompositions(outer_product, damping_mode):
   """With compute_eigenvalue_outer_product the scale 1/(d_A d_Gᵀ + λ) is
   computed at the decomposition and keeps that step's λ; without, each step
   divides by its own λ. Against Q_A[(Q_Aᵀ∇Q_G)/(d_A d_Gᵀ + λ)]Q_Gᵀ in
-  float64 from the state's eigenbases."""
+  float64 from the state's eigenbases (relative damping: the eigenvalues
+  divided by their means)."""
   params, batches, loss_fn, _ = make_problem("mlp", True)
   decomposition_damping, later_damping = 1e-2, 1.0
   tx = kfac_jax.scale_by_kfac(
       damping=lambda step: jnp.where(step == 0, decomposition_damping,
                                      later_damping),
-      kl_clip=None, inv_update_steps=2,
+      kl_clip=None, inv_update_steps=2, damping_mode=damping_mode,
       compute_eigenvalue_outer_product=outer_product)
   x, y = next(batches)
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
@@ -175,11 +191,14 @@ def test_eigen_damping_between_decompositions(outer_product):
         preconditioner.gradient_eigenvalues))
     gradient = _gradient_matrix(grads[name])
     rotated = q_a.T @ gradient @ q_g
+    if damping_mode == "relative":
+      d_a, d_g = d_a / d_a.mean(), d_g / d_g.mean()
     scales = np.outer(d_a, d_g) + damping
     expected = q_a @ (rotated / scales) @ q_g.T
     # Both rotations' products (2·(dA + dG)), the division and the outer
-    # product: each of ‖∇‖, divided by at most the smallest d_A d_Gᵀ + λ.
-    terms = 2 * sum(gradient.shape) + 2
+    # product (and the means' sums of dA and dG): each of ‖∇‖, divided by at
+    # most the smallest d_A d_Gᵀ + λ.
+    terms = 3 * sum(gradient.shape) + 2
     close(_gradient_matrix(updates[name]), expected, terms=terms,
           scale=np.linalg.norm(gradient) / scales.min(), err_msg=name)
 
@@ -210,10 +229,13 @@ def test_the_preconditioner_before_the_first_decomposition(
           scale * _gradient_matrix(grads[name]), terms=2)
 
 
-def test_dense_layer_equals_explicit_kronecker_solve():
-  """P = solve(kron(A, G) + λI, vec(∇)) with the explicit Kronecker matrix."""
+@pytest.mark.parametrize("damping_mode", ["relative", "absolute"])
+def test_dense_layer_equals_explicit_kronecker_solve(damping_mode):
+  """P = solve(kron(A, G) + λI, vec(∇)) with the explicit Kronecker matrix
+  (relative damping: of A and G divided by their mean eigenvalues)."""
   params, batches, loss_fn, reference_tensors = make_problem("mlp", True)
-  tx = kfac_jax.scale_by_kfac(damping=DAMPING, kl_clip=None, factor_decay=0.5)
+  tx = kfac_jax.scale_by_kfac(damping=DAMPING, kl_clip=None, factor_decay=0.5,
+                              damping_mode=damping_mode)
   state = tx.init(params)
   x, y = next(batches)
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
@@ -225,10 +247,12 @@ def test_dense_layer_equals_explicit_kronecker_solve():
     g = 0.5 * np.eye(tensors[name].gradient_rows.shape[1]) + 0.5 * reference.cov(
         tensors[name].gradient_rows)
     grad = tensors[name].gradient
+    if damping_mode == "relative":
+      a, g = a / np.trace(a) * len(a), g / np.trace(g) * len(g)
     kron = np.kron(a, g) + DAMPING * np.eye(a.shape[0] * g.shape[0])
     expected = np.linalg.solve(kron, grad.reshape(-1)).reshape(grad.shape)
     close(as_matrix(updates[name]), expected,
-          terms=update_terms("mlp", grad.shape),
+          terms=update_terms("mlp", grad.shape) + sum(grad.shape),
           condition=reference.kfac_condition({name: (a, g)}, DAMPING),
           err_msg=name)
 
@@ -249,7 +273,8 @@ def test_kfac_alias_with_accumulation_matches_manual_chain(steps_type,
   alias = kfac_jax.kfac(learning_rate, momentum=0.9, weight_decay=1e-3,
                         nesterov=nesterov,
                         **{**kwargs, "accumulation_steps": steps_type(2)})
-  plain = kfac_jax.scale_by_kfac(learning_rate=learning_rate, **kwargs)
+  plain = kfac_jax.scale_by_kfac(learning_rate=learning_rate, momentum=0.9,
+                                 **kwargs)
   sgd = optax.chain(optax.add_decayed_weights(1e-3),
                     optax.sgd(learning_rate, momentum=0.9, nesterov=nesterov))
 

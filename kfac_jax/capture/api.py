@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,18 +15,12 @@ from kfac_jax.hyperparameters import static_bool
 from kfac_jax.transform import boxing
 
 
-def _front_end(params_or_model: Any, caller: str):
-  """The capture of the model's Flax API, from what the loss is given."""
-  if isinstance(params_or_model, nnx.Module):
+def _front_end(params_or_model: Any):
+  """The capture of the model's Flax API, from what the loss is given: an
+  NNX model, or the nnx.State a loss merges into one (capture/nnx_merge.py),
+  else Linen params."""
+  if isinstance(params_or_model, (nnx.Module, nnx.State)):
     return flax_nnx
-  if isinstance(params_or_model, nnx.State):
-    # A loss that merges the State into a model builds its layers where the
-    # capture cannot switch them: it would see no layer and return no stats.
-    raise TypeError(
-        f"{caller}: got an nnx.State; the NNX capture needs the model. Give "
-        "the loss the model instead: fun(model, *args) with model = "
-        "nnx.merge(graphdef, params); its gradients are the same nnx.State "
-        "of Params, which scale_by_kfac.update takes as it is.")
   return flax_linen
 
 
@@ -49,7 +42,11 @@ def value_grad_and_stats(
   gradients are then an ``nnx.State`` of its ``nnx.Param``s. NNX objects
   among the arguments (an ``nnx.Rngs`` for dropout) have their state updates
   written back; only the model is differentiated and captured. Layers
-  stacked by ``nnx.vmap`` and run by ``nnx.scan`` are included.
+  stacked by ``nnx.vmap`` and run by ``nnx.scan`` are included. Or, as in
+  Flax's functional idiom, ``fun(params, *args, **kwargs)`` with the
+  ``nnx.State`` of ``nnx.split(model, nnx.Param)``, which ``fun`` merges
+  (``nnx.merge(graphdef, params)``); the gradients come back in that State.
+  Stacked layers then need the model form (an error names them).
 
   Captured layers: Linen ``Dense``, ``DenseGeneral`` (without
   ``batch_dims``), ``Conv`` and ``Embed``; NNX ``Linear``, ``LinearGeneral``,
@@ -80,18 +77,13 @@ def value_grad_and_stats(
   skip = compile_patterns(skip_layers)
 
   def value_grads_and_stats(params_or_model: Any, *args: Any, **kwargs: Any):
-    front_end = _front_end(params_or_model, "value_grad_and_stats")
+    front_end = _front_end(params_or_model)
     value, grads, stats = front_end.value_grad_and_stats(
         fun, has_aux, skip, _unboxed(front_end, params_or_model), *args,
         **kwargs)
     if front_end is flax_linen:  # The gradients in the params' boxes.
       grads = boxing.like(params_or_model, grads)
-    if not stats and not skip:
-      warnings.warn(
-          "value_grad_and_stats captured no layer: the loss called none of "
-          "the captured Flax layers with these params (an NNX model built "
-          "inside the loss is not seen: pass the model itself), so "
-          "scale_by_kfac will precondition nothing.", stacklevel=2)
+    # A capture of no layer warns in the front end (probes.warn_if_no_layers).
     return value, grads, stats
 
   return value_grads_and_stats
@@ -110,8 +102,8 @@ def trace_layers(fun: Callable[..., Any], params_or_model: Any, *args: Any,
 
   Args:
     fun: the loss function given to ``value_grad_and_stats``.
-    params_or_model: Linen params (arrays or ``jax.ShapeDtypeStruct``s) or an
-      NNX model.
+    params_or_model: Linen params (arrays or ``jax.ShapeDtypeStruct``s), an
+      NNX model, or the ``nnx.State`` that ``fun`` merges.
     *args: example arguments (arrays or ``jax.ShapeDtypeStruct``s).
     skip_layers: as for ``value_grad_and_stats``: matching layers are left
       out of the table.
@@ -123,7 +115,7 @@ def trace_layers(fun: Callable[..., Any], params_or_model: Any, *args: Any,
     by class name without a warning).
   """
   _check_callable(fun, "trace_layers")
-  front_end = _front_end(params_or_model, "trace_layers")
+  front_end = _front_end(params_or_model)
   return front_end.trace_layers(fun, compile_patterns(skip_layers),
                                 _unboxed(front_end, params_or_model), *args,
                                 **kwargs)

@@ -123,9 +123,12 @@ def decompose_checked(
 ) -> tuple[dict[str, Preconditioner], DecompositionCounts]:
   """Decomposes ``factors`` (batched by size); non-finite results keep ``previous``.
 
-  A method with a ``warm_start`` refines ``previous``'s eigenbases, and its
+  A method's ``prepare`` (relative damping) transforms the factors and λ
+  first; one with a ``warm_start`` refines ``previous``'s eigenbases, and its
   ``finish`` runs per factor (``Method``).
   """
+  if method.prepare is not None:
+    factors, damping = method.prepare(factors, damping)
   warm = None
   if method.warm_start is not None:
     warm = {name: method.warm_start(previous[name]) for name in factors}

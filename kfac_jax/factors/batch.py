@@ -15,6 +15,16 @@ With ``cov(x) = xᵀx / N`` and ``N`` the rows of ``x``, per Kronecker block
   and ``G`` as for a dense layer.
 * Scanned layers: the same for each slice of the leading stack axes.
 
+Weight sharing (``reduce``): a dense layer applied to ``[B, T..., in]`` (the
+positions of a sequence) or a convolution (its output positions) shares its
+weights over ``R`` positions per example. The rows above treat every
+position as an example (KFAC-expand). KFAC-reduce (Eschenhagen et al.
+2023) gives each example one row instead, ``â_n = (1/R) Σ_r a_{n,r}`` and
+``ĝ_n = Σ_r g_{n,r}`` (inputs averaged, cotangents summed; a convolution's
+without KAISA's ``1/S``), so ``A = cov(â)`` and ``G = cov(ĝ)`` over the
+``B`` examples: ``R`` times fewer rows in the factor products. Embeddings
+keep their rows.
+
 A layer called several times contributes the sum of its calls' factors;
 of those calls, one whose output does not reach the loss (all its
 cotangents zero) contributes none.
@@ -22,6 +32,7 @@ cotangents zero) contributes none.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -45,12 +56,26 @@ def covariance(rows: jax.Array) -> jax.Array:
   return contract_rows(rows, rows) / rows.shape[-2]
 
 
-def activation_rows(inputs: jax.Array, signature: LayerSignature) -> jax.Array:
-  """The rows ``a`` of each group of one layer slice: ``[groups, N, activation_dim]``."""
+def _shared_axes(tensor: jax.Array, trailing: int) -> tuple[int, ...]:
+  """The weight-sharing axes of a slice ``[B, R..., *features]`` whose last
+  ``trailing`` axes are features: those between the example axis and them."""
+  return tuple(range(1, tensor.ndim - trailing))
+
+
+def activation_rows(inputs: jax.Array, signature: LayerSignature,
+                    reduce: bool = False) -> jax.Array:
+  """The rows ``a`` of each group of one layer slice: ``[groups, N, activation_dim]``.
+
+  ``reduce``: one row per example, the mean over its shared positions
+  (KFAC-reduce, module docstring).
+  """
   if signature.conv is None:
     contracted = tuple(range(-len(signature.input_axes), 0))
     rows = jnp.moveaxis(inputs, signature.input_axes, contracted)
-    rows = rows.reshape(1, -1, math.prod(rows.shape[inputs.ndim - len(contracted):]))
+    if reduce:
+      rows = jnp.mean(rows.astype(COMPUTE_DTYPE),
+                      axis=_shared_axes(rows, len(contracted)))
+    rows = rows.reshape(1, -1, math.prod(rows.shape[rows.ndim - len(contracted):]))
     scale = 1
   else:
     groups = signature.conv.feature_group_count
@@ -59,6 +84,10 @@ def activation_rows(inputs: jax.Array, signature: LayerSignature) -> jax.Array:
     patches = jax.vmap(conv_patches, in_axes=(-2, None))(split,
                                                           signature.conv)
     scale = math.prod(patches.shape[2:-1])
+    if reduce:
+      patches = jnp.mean(patches.astype(COMPUTE_DTYPE),
+                         axis=tuple(range(2, patches.ndim - 1)))
+      scale = 1
     rows = patches.reshape(groups, -1, patches.shape[-1])
   rows = rows.astype(COMPUTE_DTYPE)
   if signature.has_bias:
@@ -75,15 +104,25 @@ def token_frequencies(token_ids: jax.Array,
   return jnp.diag(counts / ids.shape[0])[None]
 
 
-def gradient_rows(output_cotangents: jax.Array,
-                  signature: LayerSignature) -> jax.Array:
-  """The rows ``g`` of each group of one layer slice: ``[groups, N, gradient_dim]``."""
+def gradient_rows(output_cotangents: jax.Array, signature: LayerSignature,
+                  reduce: bool = False) -> jax.Array:
+  """The rows ``g`` of each group of one layer slice: ``[groups, N, gradient_dim]``.
+
+  ``reduce``: one row per example, the sum over its shared positions
+  (KFAC-reduce, module docstring).
+  """
   conv = signature.conv
+  if reduce:
+    # A convolution's features are its channels; its positions are shared.
+    trailing = signature.output_ndim if conv is None else 1
+    output_cotangents = jnp.sum(output_cotangents.astype(COMPUTE_DTYPE),
+                                axis=_shared_axes(output_cotangents, trailing))
   if conv is None:
     features = math.prod(output_cotangents.shape[-signature.output_ndim:])
     return output_cotangents.reshape(1, -1, features).astype(COMPUTE_DTYPE)
   groups = conv.feature_group_count
-  spatial_size = math.prod(output_cotangents.shape[-1 - len(conv.window):-1])
+  spatial_size = (1 if reduce else math.prod(
+      output_cotangents.shape[-1 - len(conv.window):-1]))
   # Merge, then split: sharding rules allow one kind of change per reshape.
   rows = output_cotangents.reshape(-1, output_cotangents.shape[-1])
   rows = rows.reshape(rows.shape[0], groups, -1)
@@ -100,8 +139,8 @@ def _per_block(rows_fn: Callable[[jax.Array, LayerSignature], jax.Array],
   return rows.reshape((-1,) + rows.shape[2:])
 
 
-def fisher_scales(output_cotangent: jax.Array,
-                  signature: LayerSignature) -> tuple[float, float]:
+def fisher_scales(output_cotangent: jax.Array, signature: LayerSignature,
+                  reduce: bool = False) -> tuple[float, float]:
   """``(A scale, G scale)`` that bring one call's factors to the Fisher's.
 
   The captured cotangents are those of a loss averaged over the ``N`` rows
@@ -110,9 +149,17 @@ def fisher_scales(output_cotangent: jax.Array,
   A convolution with ``T`` output positions (``N = B·T`` rows) has both of
   KAISA's factors divided by ``T`` (``A = Ω/T²``, ``G = Γ/(B²T²)`` with
   ``Ω``, ``Γ`` the per-position covariances of inputs and of ``∇ℓ``), while
-  KFC's estimate is ``Ω ⊗ TΓ``: ``(T², N²T)``.
+  KFC's estimate is ``Ω ⊗ TΓ``: ``(T², N²T)``. KFAC-reduce's rows
+  (``reduce``) of ``B`` examples: ``(1, B²)``.
   """
   stack = signature.stack_ndim
+  if reduce:
+    # ∇ℓ_n = Σ_r a_r (B·c_r)ᵀ ≈ â_n (B·ĝ_n)ᵀ for the n-th of B examples.
+    trailing = signature.output_ndim if signature.conv is None else (
+        len(signature.conv.window) + 1)
+    examples = (output_cotangent.shape[stack]
+                if output_cotangent.ndim > stack + trailing else 1)
+    return 1.0, float(examples)**2
   if signature.conv is None:
     rows = math.prod(
         output_cotangent.shape[stack:output_cotangent.ndim -
@@ -125,14 +172,17 @@ def fisher_scales(output_cotangent: jax.Array,
 
 
 def example_subset(tensor: jax.Array, axis: int | None,
-                   examples: int | None) -> jax.Array:
+                   examples: int | float | None) -> jax.Array:
   """``examples`` evenly spaced entries of ``tensor`` along its example ``axis``.
 
   Entries ``0, s, 2s, …`` with stride ``s = ⌊B / examples⌋`` are kept, rather
   than the first ``examples``: on a batch-sharded array, each device then
   keeps an equal share of its own rows and nothing moves between devices.
+  A float ``examples`` in (0, 1) is a fraction: ``max(1, round(f·B))``.
   ``examples`` None or ``≥ B``, or ``axis`` None: unchanged.
   """
+  if isinstance(examples, float) and axis is not None:
+    examples = max(1, round(examples * tensor.shape[axis]))
   if examples is None or axis is None or examples >= tensor.shape[axis]:
     return tensor
   stride = tensor.shape[axis] // examples
@@ -159,14 +209,15 @@ def _example_axis(tensor: jax.Array, signature: LayerSignature,
   return None if axis >= tensor.ndim or axis in features else axis
 
 
-def _calls(stats: LayerStatistics, fisher_scaled: bool, examples: int | None
+def _calls(stats: LayerStatistics, fisher_scaled: bool,
+           examples: int | float | None, reduce: bool
            ) -> tuple[list[jax.Array], list[jax.Array],
                       list[tuple[float, float]]]:
   """Per call: the inputs and cotangents ``batch_factors`` reads (their
   ``example_subset``) and the ``(A, G)`` scales it gives them."""
   signature = stats.signature
-  scales = [fisher_scales(g, signature) if fisher_scaled else (1.0, 1.0)
-            for g in stats.output_cotangents]
+  scales = [fisher_scales(g, signature, reduce) if fisher_scaled else
+            (1.0, 1.0) for g in stats.output_cotangents]
   inputs = [example_subset(x, _example_axis(x, signature, True), examples)
             for x in stats.inputs]
   cotangents = [
@@ -176,7 +227,7 @@ def _calls(stats: LayerStatistics, fisher_scaled: bool, examples: int | None
 
 
 def dense_calls(stats: LayerStatistics, fisher_scaled: bool = False,
-                examples: int | None = None
+                examples: int | float | None = None, reduce: bool = False
                 ) -> list[tuple[jax.Array, jax.Array, float]]:
   """Per call of a dense layer, the rows of ``batch_factors``' A and G.
 
@@ -186,14 +237,25 @@ def dense_calls(stats: LayerStatistics, fisher_scaled: bool = False,
     ``scale = s_A·s_G``.
   """
   signature = stats.signature
-  inputs, cotangents, scales = _calls(stats, fisher_scaled, examples)
-  return [(_per_block(activation_rows, x, signature),
-           _per_block(gradient_rows, g, signature), a_scale * g_scale)
+  inputs, cotangents, scales = _calls(stats, fisher_scaled, examples, reduce)
+  rows_of = _rows_functions(signature, reduce)
+  return [(_per_block(rows_of[0], x, signature),
+           _per_block(rows_of[1], g, signature), a_scale * g_scale)
           for x, g, (a_scale, g_scale) in zip(inputs, cotangents, scales)]
 
 
+def _rows_functions(signature: LayerSignature, reduce: bool):
+  """``(activation_rows, gradient_rows)``, reduced for a weight-sharing layer
+  under KFAC-reduce (embeddings keep their rows)."""
+  if not reduce or signature.num_embeddings is not None:
+    return activation_rows, gradient_rows
+  return (functools.partial(activation_rows, reduce=True),
+          functools.partial(gradient_rows, reduce=True))
+
+
 def batch_factors(stats: LayerStatistics, fisher_scaled: bool = False,
-                  examples: int | None = None) -> tuple[jax.Array, jax.Array]:
+                  examples: int | float | None = None,
+                  reduce: bool = False) -> tuple[jax.Array, jax.Array]:
   """``(A [blocks, dA, dA], G [blocks, dG, dG])`` of one batch, summed over calls.
 
   ``fisher_scaled`` scales each call's factors by ``fisher_scales``, so that
@@ -205,10 +267,14 @@ def batch_factors(stats: LayerStatistics, fisher_scaled: bool = False,
   factor products cost ``examples / B`` of the whole batch's. Each
   covariance divides by its own rows, and the Fisher scales are those of the
   whole batch's loss, so the factors estimate the same ``A`` and ``G``.
+
+  ``reduce``: KFAC-reduce's rows for weight-sharing layers (module
+  docstring); else KFAC-expand's.
   """
   signature = stats.signature
-  inputs, cotangents, scales = _calls(stats, fisher_scaled, examples)
-  rows = [_per_block(gradient_rows, g, signature) for g in cotangents]
+  inputs, cotangents, scales = _calls(stats, fisher_scaled, examples, reduce)
+  activation_rows_of, gradient_rows_of = _rows_functions(signature, reduce)
+  rows = [_per_block(gradient_rows_of, g, signature) for g in cotangents]
   gradient_factor = sum(covariance(g) * scale
                         for g, (_, scale) in zip(rows, scales))
   if signature.num_embeddings is not None:
@@ -216,7 +282,7 @@ def batch_factors(stats: LayerStatistics, fisher_scaled: bool = False,
                    for ids in inputs]
   else:
     activations = [
-        covariance(_per_block(activation_rows, x, signature)) * scale
+        covariance(_per_block(activation_rows_of, x, signature)) * scale
         for x, (scale, _) in zip(inputs, scales)]
   if len(rows) > 1:
     # A call whose output does not reach the loss (stop_gradient, a target
@@ -226,7 +292,7 @@ def batch_factors(stats: LayerStatistics, fisher_scaled: bool = False,
     # Judged on all its rows: a subset can hold only zero-cotangent rows
     # (padding) of a call that reaches the loss.
     reached = rows if examples is None else [
-        _per_block(gradient_rows, g, signature)
+        _per_block(gradient_rows_of, g, signature)
         for g in stats.output_cotangents]
     activations = [
         factor * jnp.any(g != 0, axis=(1, 2))[:, None, None].astype(

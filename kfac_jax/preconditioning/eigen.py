@@ -5,7 +5,15 @@ matrix ``∇: [activation_dim, gradient_dim]``
 
     P = Q_A [(Q_Aᵀ ∇ Q_G) / (outer(d_A, d_G) + λ)] Q_Gᵀ,
 
-which is exactly ``(A ⊗ G + λI)⁻¹ vec(∇)`` reshaped.
+which is exactly ``(A ⊗ G + λI)⁻¹ vec(∇)`` reshaped. With relative damping
+(``hyperparameters.DampingMode.RELATIVE``) the eigenvalues enter divided by
+their means ``ā = mean(d_A)``, ``ḡ = mean(d_G)``:
+
+    P = Q_A [(Q_Aᵀ ∇ Q_G) / (outer(d_A, d_G) / (ā ḡ) + λ)] Q_Gᵀ
+      = ā ḡ (A ⊗ G + λ ā ḡ I)⁻¹ vec(∇),
+
+so λ is a fraction of the layer's mean curvature and ``P`` has the scale of
+``∇`` whatever the scale of the factors.
 """
 
 from __future__ import annotations
@@ -73,39 +81,56 @@ def init_eigen(activation_dim: int, gradient_dim: int, dtype: jnp.dtype,
                       if precompute_damped_inverse else None))
 
 
-def _damped_inverse(activation_eigenvalues: jax.Array,
-                    gradient_eigenvalues: jax.Array,
-                    damping: jax.Array) -> jax.Array:
-  outer = (activation_eigenvalues.astype(DECOMPOSITION_DTYPE)[:, None] *
-           gradient_eigenvalues.astype(DECOMPOSITION_DTYPE)[None, :])
-  return 1.0 / (outer + damping)
+def mean_or_one(values: jax.Array) -> jax.Array:
+  """The mean of non-negative ``values``, float32; 1 where it is 0 (a dead
+  layer's factor), so that dividing by it is a no-op there."""
+  mean = jnp.mean(values.astype(DECOMPOSITION_DTYPE))
+  return jnp.where(mean > 0, mean, 1.0)
+
+
+def damped_inverse(activation_eigenvalues: jax.Array,
+                   gradient_eigenvalues: jax.Array, damping: jax.Array,
+                   relative: bool) -> jax.Array:
+  """``1 / (outer(d_A, d_G) + λ)`` ``[dA, dG]``, float32; ``relative``: with
+  ``outer(d_A, d_G) / (mean(d_A) mean(d_G))`` (module docstring)."""
+  activation = activation_eigenvalues.astype(DECOMPOSITION_DTYPE)
+  gradient = gradient_eigenvalues.astype(DECOMPOSITION_DTYPE)
+  if relative:
+    activation = activation / mean_or_one(activation)
+    gradient = gradient / mean_or_one(gradient)
+  return 1.0 / (activation[:, None] * gradient[None, :] + damping)
 
 
 def assemble(activation: tuple[jax.Array, jax.Array],
              gradient: tuple[jax.Array, jax.Array], damping: jax.Array,
-             dtype: jnp.dtype,
-             precompute_damped_inverse: bool) -> EigenPreconditioner:
-  """A layer's preconditioner from ``eigh_factor`` of A and of G, as ``dtype``."""
+             dtype: jnp.dtype, precompute_damped_inverse: bool,
+             relative: bool = False) -> EigenPreconditioner:
+  """A layer's preconditioner from ``eigh_factor`` of A and of G, as ``dtype``.
+
+  ``relative``: λ relative to the mean eigenvalues (module docstring), in
+  the ``damped_inverse`` frozen here.
+  """
   (activation_eigenvalues, activation_eigenvectors) = activation
   (gradient_eigenvalues, gradient_eigenvectors) = gradient
-  damped_inverse = None
+  frozen = None
   if precompute_damped_inverse:
-    damped_inverse = _damped_inverse(activation_eigenvalues,
-                                     gradient_eigenvalues, damping).astype(dtype)
+    frozen = damped_inverse(activation_eigenvalues, gradient_eigenvalues,
+                            damping, relative).astype(dtype)
   return EigenPreconditioner(
       activation_eigenvectors=activation_eigenvectors.astype(dtype),
       activation_eigenvalues=activation_eigenvalues.astype(dtype),
       gradient_eigenvectors=gradient_eigenvectors.astype(dtype),
       gradient_eigenvalues=gradient_eigenvalues.astype(dtype),
-      damped_inverse=damped_inverse)
+      damped_inverse=frozen)
 
 
 def decompose(factors: LayerFactors, damping: jax.Array, dtype: jnp.dtype,
-              precompute_damped_inverse: bool) -> EigenPreconditioner:
+              precompute_damped_inverse: bool,
+              relative: bool = False) -> EigenPreconditioner:
   """Eigendecomposes one layer's A and G (float32), stored as ``dtype``."""
   return assemble(eigh_factor(factors.activation_factor, damping),
                   eigh_factor(factors.gradient_factor, damping), damping,
-                  dtype, precompute_damped_inverse)
+                  dtype, precompute_damped_inverse, relative)
 
 
 def is_finite(preconditioner: EigenPreconditioner) -> jax.Array:
@@ -140,13 +165,15 @@ def are_finite(preconditioners: Sequence[EigenPreconditioner]
 
 def precondition(preconditioner: EigenPreconditioner,
                  gradient: jax.Array | FactoredGradient, damping: jax.Array,
-                 reshard: Reshard = no_reshard) -> jax.Array:
+                 reshard: Reshard = no_reshard,
+                 relative: bool = False) -> jax.Array:
   """``P = Q_A [(Q_Aᵀ ∇ Q_G) ⊙ 1/(outer(d_A, d_G) + λ)] Q_Gᵀ``, float32.
 
   ``∇ [dA, dG]`` dense or factored (``gradient_matrix.sandwich``: the first
   pair of products only; the scaled middle is dense). ``reshard(x, axis)`` is
   applied to each ``[dA, dG]`` operand before a product contracting its
-  ``axis`` (see ``Reshard``).
+  ``axis`` (see ``Reshard``). The frozen ``damped_inverse`` when stored, else
+  ``damped_inverse(d_A, d_G, λ, relative)`` with the current λ.
   """
   # Eigenbases as stored: ``sandwich`` multiplies in ``product_dtype``.
   q_a = preconditioner.activation_eigenvectors
@@ -155,6 +182,7 @@ def precondition(preconditioner: EigenPreconditioner,
   if preconditioner.damped_inverse is not None:
     scale = preconditioner.damped_inverse.astype(DECOMPOSITION_DTYPE)
   else:
-    scale = _damped_inverse(preconditioner.activation_eigenvalues,
-                            preconditioner.gradient_eigenvalues, damping)
+    scale = damped_inverse(preconditioner.activation_eigenvalues,
+                           preconditioner.gradient_eigenvalues, damping,
+                           relative)
   return sandwich(q_a, rotated * scale, q_g.T, reshard)

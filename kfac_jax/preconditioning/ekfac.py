@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax import linalg
-from kfac_jax.preconditioning.eigen import DECOMPOSITION_DTYPE, EigenPreconditioner
+from kfac_jax.preconditioning.eigen import (DECOMPOSITION_DTYPE,
+                                            EigenPreconditioner, mean_or_one)
 
 
 def init_scales(activation_dim: int, gradient_dim: int) -> jax.Array:
@@ -97,10 +98,15 @@ def reproject(scales: jax.Array, old: EigenPreconditioner,
 
 
 def with_scales(preconditioner: EigenPreconditioner, scales: jax.Array,
-                damping: jax.Array) -> EigenPreconditioner:
+                damping: jax.Array,
+                relative: bool = False) -> EigenPreconditioner:
   """``preconditioner`` whose ``eigen.precondition`` gives EKFAC's ``P``.
 
   Its ``damped_inverse`` becomes ``1/(S + λ)``, so
-  ``eigen.precondition`` computes ``Q_A [(Q_Aᵀ ∇ Q_G) / (S + λ)] Q_Gᵀ``.
+  ``eigen.precondition`` computes ``Q_A [(Q_Aᵀ ∇ Q_G) / (S + λ)] Q_Gᵀ``;
+  ``relative``: ``1/(S / mean(S) + λ)``, as the eigen method's relative
+  damping normalizes ``outer(d_A, d_G)``.
   """
+  if relative:
+    scales = scales / mean_or_one(scales)
   return preconditioner._replace(damped_inverse=1.0 / (scales + damping))

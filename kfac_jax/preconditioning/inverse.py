@@ -152,6 +152,44 @@ def are_finite(preconditioners: Sequence[InversePreconditioner]
   return scalars(jnp.isfinite(jnp.sum(sums.reshape(-1, 2), axis=1)))
 
 
+def _mean_eigenvalues(factors: Mapping[str, LayerFactors]
+                      ) -> tuple[dict[str, LayerFactors], jax.Array, jax.Array]:
+  """The factors in float32, and their mean eigenvalues ``tr F / d`` ``[n]``
+  (A's, then G's), from one ``linalg.diagonal_sums`` over all of them."""
+  cast = {name: LayerFactors(*(f.astype(DECOMPOSITION_DTYPE) for f in pair))
+          for name, pair in factors.items()}
+  pairs = list(cast.values())
+  sizes = np.array([[f.shape[0] for f in pair] for pair in pairs],
+                   np.float32).reshape(-1, 2)
+  means = diagonal_sums([f for pair in pairs for f in pair]).reshape(
+      -1, 2) / sizes
+  return cast, means[:, 0], means[:, 1]
+
+
+def normalized(factors: Mapping[str, LayerFactors]) -> dict[str, LayerFactors]:
+  """``(A / ā, G / ḡ)`` per layer, ``ā = tr A / dA``, ``ḡ = tr G / dG``.
+
+  Relative damping (``hyperparameters.DampingMode.RELATIVE``) inverts these
+  with ``√λ`` added to each: ``(Â + √λI)⁻¹ ∇ (Ĝ + √λI)⁻¹ = ā ḡ (A + π√λ'I)⁻¹
+  ∇ (G + √λ'/π I)⁻¹`` with ``λ' = λ ā ḡ`` and ``π = √(ā / ḡ)``: Martens &
+  Grosse's factored damping with λ relative to the layer's mean curvature,
+  scaled to the gradient's size. A zero factor (a dead layer) is left as
+  it is.
+
+  Args:
+    factors: ``{layer: LayerFactors(A [dA, dA], G [dG, dG])}``.
+
+  Returns:
+    ``{layer: LayerFactors(Â, Ĝ)}``, float32, each of mean eigenvalue 1.
+  """
+  cast, activation_mean, gradient_mean = _mean_eigenvalues(factors)
+  safe = lambda mean: jnp.where(mean > 0, mean, 1.0)
+  return {name: LayerFactors(pair.activation_factor / a, pair.gradient_factor / g)
+          for a, g, (name, pair) in zip(scalars(safe(activation_mean)),
+                                        scalars(safe(gradient_mean)),
+                                        cast.items())}
+
+
 def factored_damping_scaled(factors: Mapping[str, LayerFactors],
                             damping: jax.Array) -> dict[str, LayerFactors]:
   """``(A / (π√λ), G·π/√λ)`` per layer: with damping 1, Martens & Grosse's
@@ -171,14 +209,7 @@ def factored_damping_scaled(factors: Mapping[str, LayerFactors],
   Returns:
     ``{layer: LayerFactors(A / (π√λ), G·π/√λ)}``, float32.
   """
-  cast = {name: LayerFactors(*(f.astype(DECOMPOSITION_DTYPE) for f in pair))
-          for name, pair in factors.items()}
-  pairs = list(cast.values())
-  sizes = np.array([[f.shape[0] for f in pair] for pair in pairs],
-                   np.float32).reshape(-1, 2)
-  means = diagonal_sums([f for pair in pairs for f in pair]).reshape(
-      -1, 2) / sizes
-  activation_mean, gradient_mean = means[:, 0], means[:, 1]
+  cast, activation_mean, gradient_mean = _mean_eigenvalues(factors)
   # A zero factor (a dead layer) gets π = 1 rather than 0 or ∞.
   # √a/√g, not √(a/g): the ratio overflows float32 for π past ~1.8e19
   # (large activations, small cotangents), π = ∞ zeroed A's side and made

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from kfac_jax import finite
+from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import batched, eigen, inverse, subspace
 from kfac_jax.preconditioning.batched import Crop, FactorFn, Results
 from kfac_jax.preconditioning.subspace import SubspaceSolver
@@ -45,6 +46,10 @@ class Method(NamedTuple):
     finish: ``(F, factor_fn(F, …), start) -> (results for assemble,
       fell_back int32)``, run per factor outside ``vmap`` (it may
       ``lax.cond``); ``None``: ``factor_fn``'s results as they are.
+    prepare: ``({layer: LayerFactors}, λ) -> (factors, λ)`` handed to
+      ``factor_fn`` instead, before anything else (the inverse method's
+      relative damping: ``inverse.normalized`` factors and ``√λ``);
+      ``None``: as they are.
     keep: ``(ok, candidate, previous) -> Preconditioner``, the candidate
       where ``ok`` else the previous one: ``finite.keep`` (a ``lax.cond``)
       for the eigen method, whose leaves come from ``eigh``, a library call
@@ -66,6 +71,8 @@ class Method(NamedTuple):
                    tuple[Results, jax.Array]] | None = None
   keep: Callable[[jax.Array, Preconditioner, Preconditioner],
                  Preconditioner] = finite.select
+  prepare: Callable[[Mapping[str, LayerFactors], jax.Array],
+                    tuple[Mapping[str, LayerFactors], jax.Array]] | None = None
 
 
 def _eigenbases(preconditioner: eigen.EigenPreconditioner
@@ -77,15 +84,21 @@ def _eigenbases(preconditioner: eigen.EigenPreconditioner
 def make_method(use_eigen: bool, dtype: jnp.dtype,
                 precompute_damped_inverse: bool,
                 decomposition_batch_size: int | None = None,
-                solver: SubspaceSolver | None = None) -> Method:
+                solver: SubspaceSolver | None = None,
+                relative_damping: bool = False) -> Method:
   """The eigen (``use_eigen``) or inverse method, storing results as ``dtype``.
 
   ``solver``: the eigen method refreshes its eigenbases by subspace
   iteration (``SubspaceSolver``); ``None``: a full ``eigh`` each time.
+  ``relative_damping``: the eigen method divides the eigenvalues by their
+  means before adding λ (``eigen``'s module docstring); the inverse method is
+  inverts ``inverse.normalized`` factors with ``√λ`` added to each
+  (``Method.prepare``).
   """
   if use_eigen and solver is not None:
     return make_method(True, dtype, precompute_damped_inverse,
-                       decomposition_batch_size)._replace(
+                       decomposition_batch_size,
+                       relative_damping=relative_damping)._replace(
         factor_fn=lambda factor, damping, start: subspace.subspace_refresh(
             factor, start, solver.steps),
         warm_start=_eigenbases,
@@ -99,8 +112,10 @@ def make_method(use_eigen: bool, dtype: jnp.dtype,
         factor_fn=eigen.eigh_factor,
         assemble=functools.partial(
             eigen.assemble, dtype=dtype,
-            precompute_damped_inverse=precompute_damped_inverse),
-        precondition=eigen.precondition,
+            precompute_damped_inverse=precompute_damped_inverse,
+            relative=relative_damping),
+        precondition=functools.partial(eigen.precondition,
+                                       relative=relative_damping),
         are_finite=eigen.are_finite,
         keep=finite.keep,
         decomposition_batch_size=decomposition_batch_size,
@@ -113,4 +128,14 @@ def make_method(use_eigen: bool, dtype: jnp.dtype,
       precondition=inverse.precondition,
       are_finite=inverse.are_finite,
       decomposition_batch_size=decomposition_batch_size,
-      crop=inverse.crop)
+      crop=inverse.crop,
+      prepare=_normalized if relative_damping else None)
+
+
+def _normalized(factors: Mapping[str, LayerFactors], damping: jax.Array
+                ) -> tuple[dict[str, LayerFactors], jax.Array]:
+  """The inverse method's relative damping: ``(Â + √λI)⁻¹ ∇ (Ĝ + √λI)⁻¹``
+  (``inverse.normalized``)."""
+  if not factors:
+    return dict(factors), damping
+  return inverse.normalized(factors), jnp.sqrt(damping)

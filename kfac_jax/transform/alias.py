@@ -69,7 +69,7 @@ def kfac(learning_rate: ScalarOrSchedule,
                      f"{momentum!r}.")
   # Built first: it validates kfac_kwargs (accumulation_steps included).
   preconditioner = scale_by_kfac(learning_rate=learning_rate, damping=damping,
-                                 **kfac_kwargs)
+                                 momentum=momentum, **kfac_kwargs)
   first_order = optax.chain(
       optax.identity() if is_zero(weight_decay) else
       optax.add_decayed_weights(weight_decay),

@@ -191,6 +191,46 @@ def check_split_loss(split_loss: SplitLoss | None, params: Any,
         f"regularizer=None); got {type(split_loss).__name__}.")
 
 
+class NoStats:
+  """The type of ``NO_STATS``."""
+
+  def __repr__(self) -> str:
+    return "kfac_jax.NO_STATS"
+
+
+NO_STATS = NoStats()
+"""``kfac_stats=NO_STATS``: a step computed by a plain ``jax.value_and_grad``.
+
+Its ``update`` preconditions with the state's preconditioners (decomposing
+them on decomposition steps, which need no statistics) and updates no
+factors; on a factor step the factor update is skipped and counted in
+``skipped_factor_updates``. With ``factor_update_steps=k``, steps whose
+count is not a multiple of k can run this cheaper program
+(docs: *Statistics only on factor steps*).
+"""
+
+
+def check_no_stats(config: KFACConfig) -> None:
+  """What ``update(kfac_stats=NO_STATS)`` cannot do without statistics.
+
+  Raises:
+    ValueError: with gradient accumulation (each micro-batch's factors are
+      summed), or with class-name ``skip_layers`` and no layer table (the
+      classes are read from the stats).
+  """
+  if config.accumulation_steps > 1:
+    raise ValueError(
+        "scale_by_kfac.update(kfac_stats=NO_STATS): with accumulation_steps="
+        f"{config.accumulation_steps} every micro-batch of a factor step "
+        "adds its factors; pass each micro-batch's kfac_stats.")
+  if config.layers is None and config.skip_layers:
+    raise ValueError(
+        "scale_by_kfac.update(kfac_stats=NO_STATS) with skip_layers and no "
+        "layer table: which layers a class-name pattern skips is read from "
+        "the stats. Pass layers=kfac_jax.trace_layers(loss_fn, params, "
+        "*batch) to scale_by_kfac.")
+
+
 def check_stats(stats: Mapping[str, LayerStatistics] | None,
                 layers: Mapping[str, LayerInfo], skip: Sequence[re.Pattern[str]],
                 gradients: Any) -> list[str]:
@@ -218,8 +258,10 @@ def check_stats(stats: Mapping[str, LayerStatistics] | None,
         "...) and call tx.update(grads, state, params, kfac_stats=stats). "
         "A wrapper that does not forward extra arguments to tx.update "
         "(flax's TrainState.apply_gradients, optax.lookahead) drops them: "
-        "call tx.update yourself (or use nnx.Optimizer.update, which "
-        "forwards them).")
+        "use kfac_jax.TrainState, whose apply_gradients takes kfac_stats, "
+        "or call tx.update yourself (nnx.Optimizer.update forwards them). "
+        "A step without statistics passes "
+        "kfac_stats=kfac_jax.NO_STATS.")
   if not isinstance(stats, Mapping) or not all(
       isinstance(s, LayerStatistics) for s in stats.values()):
     raise TypeError(

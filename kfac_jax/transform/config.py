@@ -30,7 +30,8 @@ from kfac_jax.preconditioning.methods import make_method
 from kfac_jax.preconditioning.subspace import SubspaceSolver
 from kfac_jax import hyperparameters as hp
 from kfac_jax.transform import nnx_variables
-from kfac_jax.hyperparameters import ComputeMethod, ScalarOrSchedule
+from kfac_jax.hyperparameters import (ComputeMethod, DampingMode,
+                                      ScalarOrSchedule, WeightSharing)
 from kfac_jax.transform.quadratic_model import AdaptiveConfig
 
 # scale_by_kfac's λ unless given (the kfac alias's too).
@@ -53,13 +54,33 @@ class KFACConfig:
     learning_rate: the learning rate of the chained optimizer; only KL clipping
       uses it (``vg = lr² Σ P ⊙ ∇``). Constant or schedule, ≥ 0 (at 0, as
       a warmup from 0 starts, nothing is clipped: ν = 1).
-    damping: λ in ``(A ⊗ G + λI)⁻¹``. Constant or schedule, > 0.
+    damping: λ in ``(A ⊗ G + λI)⁻¹``. Constant or schedule, > 0. With
+      ``damping_mode="relative"`` a fraction of each layer's mean
+      curvature (the same setting serves every layer, batch size and
+      input scale); with ``"absolute"`` in the units of the factors.
+    damping_mode: ``"relative"`` (the default) normalizes each layer's
+      factors to mean eigenvalue 1 before damping them,
+      ``Â = A / (tr A / dA)``, ``Ĝ = G / (tr G / dG)``: the eigen method
+      gives ``(Â ⊗ Ĝ + λI)⁻¹ vec(∇)``, the inverse method
+      ``(Â + √λI)⁻¹ ∇ (Ĝ + √λI)⁻¹`` (Martens & Grosse's π-adjusted damping,
+      λ relative), so ``P`` keeps the gradient's scale and the chained
+      optimizer's learning rate means what it means for SGD.
+      ``"absolute"``: KAISA's ``(A ⊗ G + λI)⁻¹`` and
+      ``(A + λI)⁻¹ ∇ (G + λI)⁻¹`` on the factors as they are (``G`` of the
+      mean loss scales as 1/batch², a convolution's ``A`` as
+      1/positions²). ``None``: relative, or with ``adaptive`` absolute
+      (the only one it takes: its λ is adapted on the Fisher's scale).
     factor_decay: d in ``F ← d·F + (1 − d)·F_batch``. Constant or schedule,
       in [0, 1]: 0 replaces F by ``F_batch``, 1 keeps F.
       ``kfac_jax.schedules.exp_decay_factor_averaging()`` is KAISA's
       ``min(1 − 1/max(step, 1), 0.95)``.
     kl_clip: KL-clipping bound κ. Constant or schedule, > 0; ``None``
       turns clipping off.
+    momentum: the chained optimizer's heavy-ball momentum μ in [0, 1)
+      (constant or schedule; ``None``: 0), read only by KL clipping: the step actually taken settles at
+      ``lr·ν·P / (1 − μ)`` while ``P`` keeps its direction, so the clip
+      measures ``vg = (lr / (1 − μ))² Σ P ⊙ ∇`` and κ bounds that step.
+      ``kfac_jax.kfac`` passes its own.
     factor_update_steps: factors update when ``step % factor_update_steps ==
       0``. Positive integer or schedule.
     inv_update_steps: eigendecompositions (or inverses) are recomputed when
@@ -133,8 +154,16 @@ class KFACConfig:
       ``factors.batch.example_subset``) instead of all B: the factor
       products, ``2·k·Σ(dA² + dG²)`` FLOPs, cost k/B of the whole batch's,
       and estimate the same factors (Martens & Grosse's curvature
-      mini-batch). The gradients still use the whole batch. ``None``, or
-      k ≥ B: every example.
+      mini-batch). A float f in (0, 1): ``max(1, round(f·B))`` examples.
+      The gradients still use the whole batch. ``None``, or k ≥ B: every
+      example.
+    weight_sharing: the rows of a layer that shares its weights over
+      positions (a ``Dense`` on ``[B, T, d]``, a convolution's output
+      positions; ``factors.batch``). ``"expand"``: every position is a row
+      (``B·T`` rows). ``"reduce"`` (KFAC-reduce, Eschenhagen et al. 2023):
+      one row per example, its inputs averaged and its output cotangents
+      summed over the positions, so the factor products cost ``1/T`` of
+      expand's. Embeddings keep their rows. EKFAC's scales use the same rows.
     gradient_from_stats: precondition each dense layer's gradient in the
       factored form its ``kfac_stats`` give, ``∇ = aᵀg`` (``a [N, dA]`` the
       inputs, with the bias's ones column; ``g [N, dG]`` the output
@@ -197,8 +226,10 @@ class KFACConfig:
 
   learning_rate: ScalarOrSchedule = 0.1
   damping: ScalarOrSchedule = DEFAULT_DAMPING
+  damping_mode: DampingMode | str | None = None
   factor_decay: ScalarOrSchedule = 0.95
   kl_clip: ScalarOrSchedule | None = 0.001
+  momentum: ScalarOrSchedule | None = 0.0
   factor_update_steps: ScalarOrSchedule = 1
   inv_update_steps: ScalarOrSchedule = 1
   compute_method: ComputeMethod | str = ComputeMethod.EIGEN
@@ -215,7 +246,8 @@ class KFACConfig:
   layers: LayerTable | None = None
   precondition_embeddings: bool = False
   decomposition_batch_size: int | None = None
-  factor_batch_size: int | None = None
+  factor_batch_size: int | float | None = None
+  weight_sharing: WeightSharing | str = WeightSharing.EXPAND
   gradient_from_stats: bool = False
   adaptive: AdaptiveConfig | None = None
   eigen_solver: str | SubspaceSolver = "eigh"
@@ -227,6 +259,7 @@ class KFACConfig:
     for name, value in _hyperparameters(self).items():
       set_(name, value)
     set_("compute_method", ComputeMethod.parse(self.compute_method))
+    set_("damping_mode", _damping_mode(self.damping_mode, self.adaptive))
     set_("accumulation_steps", hp.static_positive_integer(
         "accumulation_steps", self.accumulation_steps))
     set_("skip_layers", layers_lib.compile_patterns(self.skip_layers))
@@ -242,9 +275,11 @@ class KFACConfig:
           "*batch)).")
     set_("factor_dtype", _factor_dtype(self.factor_dtype, self.compute_method))
     set_("inv_dtype", hp.preconditioner_dtype("inv_dtype", self.inv_dtype))
-    for name in ("decomposition_batch_size", "factor_batch_size"):
-      if getattr(self, name) is not None:
-        set_(name, hp.static_positive_integer(name, getattr(self, name)))
+    if self.decomposition_batch_size is not None:
+      set_("decomposition_batch_size", hp.static_positive_integer(
+          "decomposition_batch_size", self.decomposition_batch_size))
+    set_("factor_batch_size", _factor_batch_size(self.factor_batch_size))
+    set_("weight_sharing", WeightSharing.parse(self.weight_sharing))
     set_("gradient_from_stats", hp.static_bool("gradient_from_stats",
                                                self.gradient_from_stats))
     _check_gradient_from_stats(self)
@@ -256,7 +291,7 @@ class KFACConfig:
         self.compute_method, self.compute_eigenvalue_outer_product,
         self.inv_dtype, self.mesh_axes, self.grad_worker_fraction,
         self.assignment_strategy, self.decomposition_batch_size,
-        self.subspace_solver))
+        self.subspace_solver, self.relative_damping))
     set_("compute_eigenvalue_outer_product", bool(
         self.compute_eigenvalue_outer_product))
     # Specs made by jax.tree.map over an nnx.State sit in its Variables.
@@ -272,6 +307,16 @@ class KFACConfig:
     """
     return (self.adaptive is not None and
             self.compute_method is ComputeMethod.INVERSE)
+
+  @property
+  def reduce(self) -> bool:
+    """Whether weight-sharing layers' factors use KFAC-reduce's rows."""
+    return self.weight_sharing is WeightSharing.REDUCE
+
+  @property
+  def relative_damping(self) -> bool:
+    """Whether λ is relative to each layer's mean curvature."""
+    return self.damping_mode is DampingMode.RELATIVE
 
   @property
   def subspace_solver(self) -> SubspaceSolver | None:
@@ -299,10 +344,39 @@ def _hyperparameters(config: KFACConfig) -> dict[str, Any]:
       factor_decay=hp.decay("factor_decay", config.factor_decay),
       kl_clip=(None if config.kl_clip is None else
                hp.positive("kl_clip", config.kl_clip)),
+      # From 1 on the chained momentum buffer grows geometrically.
+      momentum=hp.hyperparameter(
+          "momentum", 0.0 if config.momentum is None else config.momentum,
+          lambda v: (0 <= v) & (v < 1), "in [0, 1)"),
       factor_update_steps=hp.positive_integer("factor_update_steps",
                                               config.factor_update_steps),
       inv_update_steps=hp.positive_integer("inv_update_steps",
                                            config.inv_update_steps))
+
+
+def _damping_mode(mode: Any, adaptive: AdaptiveConfig | None) -> DampingMode:
+  """``mode`` parsed; ``None``: relative, or the adaptive mode's absolute λ."""
+  if mode is None:
+    return DampingMode.RELATIVE if adaptive is None else DampingMode.ABSOLUTE
+  mode = DampingMode.parse(mode)
+  if adaptive is not None and mode is DampingMode.RELATIVE:
+    raise ValueError(
+        "scale_by_kfac(adaptive=...) adapts an absolute λ on the Fisher's "
+        "scale, which its quadratic model adds as it is; pass "
+        "damping_mode=None or 'absolute' (got 'relative').")
+  return mode
+
+
+def _factor_batch_size(size: Any) -> int | float | None:
+  """A positive integer (examples), a fraction in (0, 1), or None."""
+  if isinstance(size, float) and not size.is_integer():
+    if not 0 < size < 1:
+      raise ValueError(
+          "factor_batch_size must be a positive integer (examples) or a "
+          f"fraction of the batch in (0, 1); got {size!r}.")
+    return size
+  return None if size is None else hp.static_positive_integer(
+      "factor_batch_size", size)
 
 
 def _check_layer_table(layers: Any) -> None:
@@ -412,6 +486,7 @@ def make_placement(
     assignment_strategy: AssignmentStrategy | str,
     decomposition_batch_size: int | None = None,
     solver: SubspaceSolver | None = None,
+    relative_damping: bool = False,
 ) -> placement_lib.Placement:
   """Where ``scale_by_kfac``'s preconditioners are computed and kept."""
   method = make_method(
@@ -420,7 +495,8 @@ def make_placement(
       precompute_damped_inverse=hp.static_bool(
           "compute_eigenvalue_outer_product",
           compute_eigenvalue_outer_product),
-      decomposition_batch_size=decomposition_batch_size, solver=solver)
+      decomposition_batch_size=decomposition_batch_size, solver=solver,
+      relative_damping=relative_damping)
   distribution = strategy.make_config(mesh_axes, grad_worker_fraction,
                                       assignment_strategy)
   if distribution is None:

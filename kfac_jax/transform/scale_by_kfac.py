@@ -158,7 +158,7 @@ def update(
     state: ScaleByKFACState,
     params: Any = None,
     *,
-    kfac_stats: Mapping[str, LayerStatistics] | None = None,
+    kfac_stats: Mapping[str, LayerStatistics] | checks.NoStats | None = None,
     split_loss: SplitLoss | None = None,
     **extra_args: Any,
 ) -> tuple[Any, ScaleByKFACState]:
@@ -202,6 +202,30 @@ def _update_values(
                                              adaptive)))
   checks.check_preconditioners(state.preconditioners, jax.eval_shape(
       lambda: config.placement.init(layers_lib.blocks_of(layers))))
+  if kfac_stats is checks.NO_STATS:
+    checks.check_no_stats(config)
+    active, batch_factors, batch_scales, factored = list(layers), None, None, None
+  else:
+    active, batch_factors, batch_scales, factored = _from_stats(
+        config, kfac_stats, layers, updates, sharded)
+  if config.accumulation_steps > 1:
+    return accumulate(config, state, updates, layers, active, batch_factors,
+                      sharded, batch_scales)
+  preconditioned, new_state = step.optimizer_step(
+      config, state, updates, layers, active, batch_factors, sharded, factored,
+      batch_scales)
+  if adaptive is None:
+    return preconditioned, new_state
+  return step.adaptive_step(config, state, new_state, preconditioned, updates,
+                            params, split_loss)
+
+
+def _from_stats(config: KFACConfig, kfac_stats: Any,
+                layers: Mapping[str, layers_lib.LayerInfo], updates: Any,
+                sharded: Mapping[str, tuple[str, ...]]):
+  """The layers to precondition and what the step reads from ``kfac_stats``:
+  the batch factors and EKFAC's scales (as thunks), and the factored
+  gradients of ``gradient_from_stats`` (else ``None``)."""
   active = checks.check_stats(kfac_stats, layers, config.skip_layers, updates)
   if config.layers is None:
     layers_lib.warn_unmatched_skips(
@@ -214,15 +238,6 @@ def _update_values(
     checks.check_dense_only(kfac_stats, active, "eigenvalue_correction=True")
     batch_scales = functools.partial(step.stats_scales, config, kfac_stats,
                                      layers, active)
-  if config.accumulation_steps > 1:
-    return accumulate(config, state, updates, layers, active, batch_factors,
-                      sharded, batch_scales)
   factored = (step.factored_gradients(kfac_stats, layers, active, sharded)
               if config.gradient_from_stats else None)
-  preconditioned, new_state = step.optimizer_step(
-      config, state, updates, layers, active, batch_factors, sharded, factored,
-      batch_scales)
-  if adaptive is None:
-    return preconditioned, new_state
-  return step.adaptive_step(config, state, new_state, preconditioned, updates,
-                            params, split_loss)
+  return active, batch_factors, batch_scales, factored

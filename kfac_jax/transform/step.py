@@ -59,7 +59,7 @@ BatchScales = Callable[[Mapping[str, EigenPreconditioner]], Blocks]
 def optimizer_step(
     config: KFACConfig, state: ScaleByKFACState, grads: Any,
     layers: Mapping[str, LayerInfo], active: Sequence[str],
-    batch_factors: Callable[[], dict[str, LayerFactors]],
+    batch_factors: Callable[[], dict[str, LayerFactors]] | None,
     sharded: Mapping[str, tuple[str, ...]],
     factored: Mapping[str, FactoredGradient] | None = None,
     batch_scales: BatchScales | None = None,
@@ -72,13 +72,15 @@ def optimizer_step(
     grads: the (mean) gradients of the step.
     layers: the registered layers.
     active: the layers to precondition.
-    batch_factors: gives the batch factors of ``active``'s blocks.
+    batch_factors: gives the batch factors of ``active``'s blocks; ``None``
+      on a step without statistics (``NO_STATS``): no factor update.
     sharded: ``{layer: mesh axes}`` of kernels sharded by
       ``params_partition_specs``.
     factored: ``{block: aᵀg}`` preconditioned in that form instead of the
       block of ``grads`` (``gradient_from_stats``).
     batch_scales: with ``eigenvalue_correction``, gives EKFAC's batch
-      ``S_batch`` of ``active``'s blocks in the given eigenbases.
+      ``S_batch`` of ``active``'s blocks in the given eigenbases (``None``
+      without statistics).
 
   Returns:
     The updates and the state after the step (accumulator untouched).
@@ -115,7 +117,8 @@ def optimizer_step(
       scales)
   updates_ok = hp.all_valid(
       count, scheduled_damping, config.kl_clip,
-      None if config.kl_clip is None else config.learning_rate)
+      *((None, None) if config.kl_clip is None else
+        (config.learning_rate, config.momentum)))
   if updates_ok is not None:
     preconditioned = {b: jnp.where(updates_ok, p, 0.0)
                       for b, p in preconditioned.items()}
@@ -139,14 +142,15 @@ def optimizer_step(
 
 def update_factors(
     config: KFACConfig, state: ScaleByKFACState,
-    batch_factors: Callable[[], dict[str, LayerFactors]],
+    batch_factors: Callable[[], dict[str, LayerFactors]] | None,
     decomposition_step: jax.Array,
 ) -> tuple[dict[str, LayerFactors], jax.Array]:
   """The running factors and skipped-update count after this step's update.
 
   On factor steps, ``F ← d·F + (1 − d)·F_batch`` for the blocks
   ``batch_factors`` gives; a batch whose factors hold NaN/Inf (or a
-  scheduled ``d`` out of range) never enters them and is counted. Factor
+  scheduled ``d`` out of range), or a factor step without statistics
+  (``batch_factors`` ``None``), never enters them and is counted. Factor
   updates only average finite batches into finite factors, so a non-finite
   running factor comes from outside (a corrupted restore, float16 storage
   overflowing): the exact O(d²) check runs on decomposition steps only, and
@@ -168,9 +172,12 @@ def update_factors(
   def updated():
     # (The gradients are not checked: they do not enter the factors, and
     # the check cost ~10 % of a step and of its compile time.)
-    new = batch_factors()
-    ok = linalg.psd_all_finite(
-        f for factors in new.values() for f in factors)
+    if batch_factors is None:  # a step without statistics (NO_STATS)
+      new, ok = {}, jnp.array(False)
+    else:
+      new = batch_factors()
+      ok = linalg.psd_all_finite(
+          f for factors in new.values() for f in factors)
     if decay_ok is not None:
       ok = ok & decay_ok
     decay = config.factor_decay(count)
@@ -285,6 +292,9 @@ def update_scales(config: KFACConfig, state: ScaleByKFACState, dims: Dims,
   scales = lax.cond(refresh, reprojected, lambda: current)
   factor_step = count % config.factor_update_steps(count) == 0
 
+  if batch_scales is None:  # a step without statistics (NO_STATS)
+    return scales
+
   def averaged():
     new = batch_scales(bases)
     ok = finite.all_finite(new)
@@ -335,17 +345,19 @@ def precondition(
         sharded)
   else:
     preconditioned = config.placement.precondition_replicated(
-        {b: ekfac.with_scales(p, scales[b], damping)
+        {b: ekfac.with_scales(p, scales[b], damping, config.relative_damping)
          for b, p in preconditioners.items()}, gradients, damping, sharded)
   return preconditioned, gradient_matrices
 
 
 def kl_clip(config: KFACConfig, count: jax.Array, preconditioned: Blocks,
             gradient_matrices: Blocks, active_blocks: Sequence[str]) -> Blocks:
-  """``preconditioned`` scaled by KL clipping's ``ν`` (``kl_clip_scale``)."""
+  """``preconditioned`` scaled by KL clipping's ``ν`` (``kl_clip_scale``),
+  measured on the steady step of the chained momentum, ``lr / (1 − μ)``."""
+  rate = config.learning_rate(count) / (1 - config.momentum(count))
   nu = kl_clip_scale([preconditioned[b] for b in active_blocks],
-                     [gradient_matrices[b] for b in active_blocks],
-                     config.learning_rate(count), config.kl_clip(count))
+                     [gradient_matrices[b] for b in active_blocks], rate,
+                     config.kl_clip(count))
   return {b: nu * p for b, p in preconditioned.items()}
 
 
@@ -408,7 +420,8 @@ def stats_scales(config: KFACConfig, stats: Mapping[str, LayerStatistics],
   for name in active:
     calls = batch_lib.dense_calls(stats[name],
                                   fisher_scaled=config.adaptive is not None,
-                                  examples=config.factor_batch_size)
+                                  examples=config.factor_batch_size,
+                                  reduce=config.reduce)
     for index, block in enumerate(layers[name].block_names):
       blocks[block] = ekfac.batch_scales(
           [(a[index], g[index], scale) for a, g, scale in calls],
@@ -425,7 +438,8 @@ def stats_factors(config: KFACConfig, stats: Mapping[str, LayerStatistics],
   for name in active:
     factors = batch_lib.batch_factors(stats[name],
                                       fisher_scaled=config.adaptive is not None,
-                                      examples=config.factor_batch_size)
+                                      examples=config.factor_batch_size,
+                                      reduce=config.reduce)
     blocks.update((block, LayerFactors(a, g)) for block, a, g in zip(
         layers[name].block_names, *factors))
   return blocks
