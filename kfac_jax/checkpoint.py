@@ -255,7 +255,9 @@ def recompute_preconditioners(
 
   Returns:
     ``tree`` with every K-FAC state's ``preconditioners`` (and
-    ``rejected_decompositions``) replaced.
+    ``rejected_decompositions``) replaced; in a tree of Flax-boxed params
+    (``nn.with_logical_partitioning``) the packed rows boxed as ``init``
+    boxes them.
 
   Raises:
     ValueError: ``tree`` holds no K-FAC state; ``mesh`` is not the

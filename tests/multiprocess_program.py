@@ -32,22 +32,22 @@ import sys
 import time
 import traceback
 
-# Set before jax is imported by the modules below.
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import kfac_jax
+from kfac_jax import checkpoint
+from kfac_jax.factors.running import factor_dims
+from kfac_jax.transform.config import KFACConfig
+from tests.multidevice import STRATEGIES, TOLERANCE, comparable
+
+# Local devices of each role (the caller sets them in XLA_FLAGS).
 _ROLE_DEVICES = {"distributed": 4, "single": 8}
-_FLAGS_SET = "device_count" in os.environ.get("XLA_FLAGS", "")
-
-import flax.linen as nn  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
-import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jax.sharding import AxisType, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-import kfac_jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-from kfac_jax import checkpoint  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tests.multidevice import (STRATEGIES, comparable, per_layer)  # pylint: disable=g-import-not-at-top,wrong-import-position
-
 STEPS = 3  # decompositions at steps 0 and 2 (inv_update_steps=2)
 AXES = ("data", "fsdp")
 DAMPING = 0.01
@@ -172,9 +172,17 @@ def train(mesh, kwargs, params_specs, batch_spec, adaptive=False,
   return all_updates, params, state
 
 
+def per_layer(state, kwargs):
+  """``{layer: preconditioner}`` of a (host) state of
+  ``scale_by_kfac(**kwargs)``, read in the layout its placement packs."""
+  return KFACConfig(**kwargs).placement.per_layer(factor_dims(state.factors),
+                                                  state.preconditioners)
+
+
 def record(records, label, updates, state, kwargs):
   """Adds the run's updates and K-FAC state (the eigenvectors' sign
-  freedom taken out: ``multidevice.comparable``) to ``records``."""
+  freedom taken out: ``multidevice.comparable``) to ``records``;
+  ``kwargs`` are the ``scale_by_kfac`` arguments."""
   kfac_state = state if isinstance(state, kfac_jax.ScaleByKFACState) else (
       state[0])
   host = to_host(kfac_state)
@@ -208,7 +216,7 @@ def cases(records):
         updates, run_params, state = train(
             mesh, kwargs, specs, PartitionSpec("data" if fsdp else AXES))
         record(records, f"{axis_type.name}/{strategy.name}", updates, state,
-               kwargs)
+               kfac_kwargs(kwargs, False))
       log(f"{axis_type.name} {strategy.name}")
       if axis_type == AxisType.Explicit and strategy.name == "HYBRID_OPT":
         kept = mesh, kwargs, run_params, state
@@ -219,7 +227,7 @@ def cases(records):
   with jax.set_mesh(mesh):
     updates, _, state = train(mesh, kwargs, fsdp_specs(params),
                               PartitionSpec("data"), adaptive=True)
-    record(records, "adaptive", updates, state, kwargs)
+    record(records, "adaptive", updates, state, kfac_kwargs(kwargs, True))
   log("adaptive")
   return kept
 
@@ -275,7 +283,8 @@ def moved_to_comm_opt(records, kept, directory: pathlib.Path):
     updates, _, moved_state = train(
         mesh, comm, None, PartitionSpec(AXES), state=moved["opt_state"],
         params=moved["params"], steps=[0])
-    record(records, "moved_to_comm_opt", updates, moved_state, comm)
+    record(records, "moved_to_comm_opt", updates, moved_state,
+           kfac_kwargs(comm, False))
   log("saved, restored on the mesh, moved to COMM_OPT")
   # Outside the mesh: every array whole on this process's first device.
   restored = checkpoint.restore(directory / "full", without_mesh(saved))
@@ -291,7 +300,6 @@ def restored_elsewhere(out: pathlib.Path) -> None:
   bit for bit, then onto 4 devices (MEM_OPT) and onto one, recomputed there
   with the same preconditioners (``comparable`` arrays within the mesh
   tolerance of ``tests/multidevice.py``)."""
-  from tests.multidevice import TOLERANCE  # pylint: disable=g-import-not-at-top
   deadline = time.monotonic() + 240
   while not (out / MARKER).exists():
     assert time.monotonic() < deadline, "the distributed run wrote nothing"
@@ -313,7 +321,8 @@ def restored_elsewhere(out: pathlib.Path) -> None:
         four, four_kwargs, params, False))
     on_four = checkpoint.recompute_preconditioners(on_four, DAMPING,
                                                    **four_kwargs)
-    four_layers = per_layer(to_host(on_four["opt_state"][0]), four_kwargs)
+    four_layers = per_layer(to_host(on_four["opt_state"][0]),
+                            kfac_kwargs(four_kwargs, False))
   small = {k: v for k, v in saved.items() if "preconditioners" not in k}
   shapes = jax.eval_shape(lambda: {
       "params": params, "opt_state": make_tx({}, False).init(params)})
@@ -343,7 +352,6 @@ def main() -> None:
   parser.add_argument("--num-processes", type=int, default=1)
   parser.add_argument("--port", type=int, default=0)
   args = parser.parse_args()
-  assert _FLAGS_SET, "the caller sets the device count in XLA_FLAGS"
   if args.role == "distributed":
     jax.distributed.initialize(
         coordinator_address=f"localhost:{args.port}",
