@@ -12,13 +12,14 @@ evaluated). The race has two phases:
    rate, except for ``kfac_adaptive``, which has none: its initial damping
    λ₀ (``lr`` in the JSON and tables holds it).
 2. **Final.** Each optimizer's winning value runs with every seed and the full
-   budget.
+   budget. Where the sweep's budget is the full one, its seed-0 run of the
+   winning value is that final run (the same experiment), not repeated.
 
 The target of a task is the best first-order optimizer's final metric (median
 over seeds). For every optimizer and seed the script reports the steps and
 training seconds at the first evaluation that reaches it.
 
-Tasks:
+Tasks (``--tasks``; ``examples/tasks.py``):
 
 * ``autoencoder``: the MNIST deep autoencoder 784-1000-500-250-30-250-500-
   1000-784 (tanh, linear code). The objective is the sigmoid cross-entropy,
@@ -31,23 +32,39 @@ Tasks:
   subset (10k train / 1k test), or on scikit-learn's digits when CIFAR-10 is
   absent. Softmax cross-entropy plus ``1e-4 · ½‖θ‖²``, batch 128. Metric: test
   accuracy (%). Higher is better.
+* ``resnet20``: ResNet-20 (``models.CifarResNet(depth=20)``, BatchNorm) on
+  the same data and objective, batch 128.
+* ``mnist_bn``: Flax's NNX MNIST example's CNN with BatchNorm
+  (``models.BatchNormCNN``: conv 32, conv 64, dense 3136→256→10) on MNIST,
+  softmax cross-entropy, batch 128. Metric: test accuracy (%) over the
+  first ``--eval-examples`` of the 10,000 test images.
+  With BatchNorm the running statistics are model state, threaded through
+  every contestant's step (K-FAC's through ``value_grad_and_stats(...,
+  has_aux=True)``) and used by the evaluation.
 * ``shakespeare``: the character transformer of
   ``examples/shakespeare_transformer.py`` (width 64, 2 scanned blocks,
   context 64) on Tiny Shakespeare, batch 64. Metric: validation loss
   (nats/char) over the first ``--eval-examples`` held-out sequences (default
   all). Lower is better.
+* ``shakespeare_wide``: the same at width 128 and context 128, batch 32
+  (the same characters per step).
 
-Optimizers (``--optimizers``): ``sgd`` (optax.sgd, Nesterov momentum 0.9),
-``adam`` (optax.adam), ``muon`` (optax.contrib.muon; its Adam part for
-non-matrix parameters keeps lr 1e-3), ``kron`` (PSGD Kron from the
-``distributed-kron`` package, if installed), ``kfac`` (kfac_jax.kfac:
-scale_by_kfac + SGD momentum 0.9, with the task's settings in
-``KFAC_SETTINGS``, which come from the examples and are not tuned here) and
-``kfac_adaptive`` (``scale_by_kfac(adaptive=...)``: learning rate, momentum
-and damping from the exact quadratic model, with DeepMind kfac-jax's
-autoencoder-example settings, ``KFAC_ADAPTIVE_SETTINGS``, except for λ's
-floor: the library's ``AdaptiveConfig`` default, 1e-4, where the example has
-1e-5, ``--min-damping``; each run records λ, α, μ and ρ per step). Having no learning
+Optimizers (``--optimizers``; ``race_optimizers.py``): ``adamw``
+(optax.adamw, its default weight decay 1e-4), ``muon``
+(optax.contrib.muon on the kernels of the task's layer table, contracted
+axes reduced and ``nn.scan``'s stacked; its Adam for the other parameters
+at lr 1e-3), ``soap`` (``benchmarks/soap.py``: SOAP with the paper's
+defaults, β₁ = β₂ = 0.95, weight decay 0.01, its bases refreshed every 10
+steps), ``kron`` (PSGD Kron from the ``distributed-kron`` package, if
+installed), ``kfac`` (kfac_jax.kfac: scale_by_kfac + SGD momentum 0.9, with
+``KFAC_SETTINGS``, the same on every task) and ``kfac_adaptive``
+(``scale_by_kfac(adaptive=...)``: learning rate, momentum and damping from
+the exact quadratic model, with DeepMind kfac-jax's autoencoder-example
+settings, ``KFAC_ADAPTIVE_SETTINGS``, except for λ's floor: the library's
+``AdaptiveConfig`` default, 1e-4, where the example has 1e-5,
+``--min-damping``; each run records λ, α, μ and ρ per step; it needs a
+split loss and no model state, so it leaves out the BatchNorm tasks); on
+request ``sgd`` (Nesterov momentum 0.9) and ``adam``. Having no learning
 rate, ``kfac_adaptive`` is swept over its initial damping λ₀ (the example's
 150 the center): λ then moves by at most a factor 0.95⁵ every 5 steps, so λ₀
 sets the step sizes of the first ~100 steps. On request, the same mode with
@@ -135,7 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       epilog="Protocol and outputs: see the module docstring and "
       "benchmarks/README.md.",
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--tasks", nargs="+", default=list(tasks.TASK_BUILDERS),
+  parser.add_argument("--tasks", nargs="+", default=list(race.RACE_TASKS),
                       choices=list(tasks.TASK_BUILDERS))
   parser.add_argument("--optimizers", nargs="+",
                       default=list(DEFAULT_OPTIMIZERS),

@@ -115,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                next(burnin))
     counter = [0]
 
-    def step(params, opt_state, step_key, x):
+    def step(carry, step_key, x):
+      params, opt_state = carry
       rng = jax.random.key_data(step_key)  # kfac-jax takes raw uint32 keys
       if counter[0] == 0:  # the burn-in runs inside the first step
         data = iter([*(next(burnin) for _ in range(BURNIN_STEPS)), x])
@@ -125,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         params, opt_state, stats = optimizer.step(
             params, opt_state, rng, batch=x, global_step_int=counter[0])
       counter[0] += 1
-      return params, opt_state, stats["loss"]
+      return (params, opt_state), stats["loss"]
 
     return params, opt_state, step
 
@@ -137,13 +138,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   params, opt_state, step = fresh_run()
   x = jax.device_put(task.data[0][:task.batch_size])
   for i in range(args.warmup_steps):
-    params, opt_state, loss = step(params, opt_state,
-                                   jax.random.fold_in(key, i), x)
+    (params, opt_state), loss = step((params, opt_state),
+                                     jax.random.fold_in(key, i), x)
   jax.block_until_ready(loss)
   compile_seconds = time.perf_counter() - start
   params, opt_state, step = fresh_run()
   record = race_runs.timed_training(
-      task, step, params, opt_state, args.seed, args.budget, args.eval_every,
+      task, step, (params, opt_state), lambda carry: task.evaluate(carry[0]),
+      args.seed, args.budget, args.eval_every,
       args.max_steps, not args.no_progress, "DeepMind kfac-jax adaptive")
   reached = targets.readouts(task, record, args.targets, ())["reached"]
   print(race_report.readouts_table(task, [("DeepMind kfac-jax", record)],

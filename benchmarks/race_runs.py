@@ -30,10 +30,11 @@ def train_run(task: tasks.Task, optimizer: training.Optimizer, seed: int,
   ``curvature_examples``: see ``curvature_batch`` (None: the whole batch).
   ``curvature``: where a ``separate_curvature`` optimizer's stats come from
   on the curvature batch, ``"empirical"`` (the loss) or ``"gauss-newton"``
-  (the task's ``gauss_newton_fn``). The clock and the evaluations are
-  ``timed_training``'s.
+  (the task's ``gauss_newton_fn``). A task's model state (BatchNorm's
+  running statistics) is threaded through every step, K-FAC's included.
+  The clock and the evaluations are ``timed_training``'s.
   """
-  params = task.init(seed)
+  params, model_state = task.initial(seed)
   opt_state = optimizer.tx.init(params)
   example = tuple(a[:task.batch_size] for a in task.data)
   examples = curvature_examples or task.batch_size
@@ -55,19 +56,24 @@ def train_run(task: tasks.Task, optimizer: training.Optimizer, seed: int,
              if optimizer.separate_curvature else task.loss_fn)
   start = time.perf_counter()
   compiled = training.make_train_step(
-      loss_fn, optimizer, split_loss=split_loss,
+      loss_fn, optimizer, stateful=task.stateful, split_loss=split_loss,
       curvature_fn=curvature_fn).lower(
-          params, opt_state, None, jax.random.key(seed), *example).compile()
+          params, opt_state, model_state, jax.random.key(seed),
+          *example).compile()
   compile_seconds = time.perf_counter() - start
 
-  def step(params, opt_state, key, *batch):
-    params, opt_state, _, loss = compiled(params, opt_state, None, key, *batch)
-    return params, opt_state, loss
+  def step(carry, key, *batch):
+    params, opt_state, model_state = carry
+    params, opt_state, model_state, loss = compiled(
+        params, opt_state, model_state, key, *batch)
+    return (params, opt_state, model_state), loss
 
   record = timed_training(
-      task, step, params, opt_state, seed, budget, eval_every, max_steps,
-      progress, label,
-      trace=adaptive_trace if optimizer.needs_split_loss else None)
+      task, step, (params, opt_state, model_state),
+      lambda carry: task.measure(carry[0], carry[2]), seed, budget,
+      eval_every, max_steps, progress, label,
+      trace=((lambda carry: adaptive_trace(carry[1]))
+             if optimizer.needs_split_loss else None))
   return dict(task=task.name, optimizer=optimizer.name,
               description=optimizer.description, seed=seed, budget=budget,
               compile_seconds=compile_seconds, **record)
@@ -81,24 +87,25 @@ def adaptive_trace(opt_state: kfac_jax.ScaleByKFACState) -> dict[str, float]:
               rho=float(model.reduction_ratio))
 
 
-def timed_training(task: tasks.Task, step: Callable[..., tuple[Any, Any, Any]],
-                   params: Any, opt_state: Any, seed: int, budget: float,
-                   eval_every: float, max_steps: int | None, progress: bool,
-                   label: str,
+def timed_training(task: tasks.Task, step: Callable[..., tuple[Any, Any]],
+                   carry: Any, evaluate: Callable[[Any], float], seed: int,
+                   budget: float, eval_every: float, max_steps: int | None,
+                   progress: bool, label: str,
                    trace: Callable[[Any], dict[str, float]] | None = None
                    ) -> dict[str, Any]:
-  """Runs ``step(params, opt_state, key, *batch) -> (params, opt_state,
-  loss)`` on the task's shuffled batches for ``budget`` training seconds,
-  with a fresh PRNG key each step.
+  """Runs ``step(carry, key, *batch) -> (carry, loss)`` on the task's
+  shuffled batches for ``budget`` training seconds, with a fresh PRNG key
+  each step; ``carry`` holds what the steps thread (parameters, optimizer
+  and model state), ``evaluate(carry)`` gives the metric.
 
   Each step is timed alone (``jax.block_until_ready``). The metric is
   evaluated at the start, every ``eval_every`` training seconds and at the
   end, with the training clock stopped. A non-finite mini-batch loss ends the
-  run (``diverged``), its last metric recorded as NaN. ``trace(opt_state)``,
+  run (``diverged``), its last metric recorded as NaN. ``trace(carry)``,
   if given, is read after every step, off the clock, and recorded per step
   (``trace``: ``{name: [value per step]}``).
   """
-  curve = [(0, 0.0, task.evaluate(params))]
+  curve = [(0, 0.0, evaluate(carry))]
   batches = training.epoch_batches(len(task.data[0]), task.batch_size,
                                  epochs=10**9, seed=seed)
   trained, steps, diverged = 0.0, 0, False
@@ -111,14 +118,13 @@ def timed_training(task: tasks.Task, step: Callable[..., tuple[Any, Any, Any]],
     batch = jax.device_put(tuple(a[idx] for a in task.data))
     key = jax.random.fold_in(jax.random.key(seed), steps)
     start = time.perf_counter()
-    params, opt_state, loss = jax.block_until_ready(
-        step(params, opt_state, key, *batch))
+    carry, loss = jax.block_until_ready(step(carry, key, *batch))
     elapsed = time.perf_counter() - start
     trained += elapsed
     steps += 1
     bar.update(min(elapsed, budget - bar.n))
     if trace is not None:
-      for name, value in trace(opt_state).items():
+      for name, value in trace(carry).items():
         traced.setdefault(name, []).append(value)
     if not math.isfinite(float(loss)):
       diverged = True
@@ -126,7 +132,7 @@ def timed_training(task: tasks.Task, step: Callable[..., tuple[Any, Any, Any]],
       break
     done = trained >= budget or steps == max_steps
     if trained >= next_eval or done:
-      curve.append((steps, trained, task.evaluate(params)))
+      curve.append((steps, trained, evaluate(carry)))
       bar.set_postfix(metric=f"{curve[-1][2]:.4g}", refresh=False)
       while next_eval <= trained:
         next_eval += eval_every

@@ -198,13 +198,14 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95,
   decay = b2 if shampoo_decay is None else shampoo_decay
 
   def init_fn(params: optax.Params) -> ScaleBySoapState:
-    factors = jax.tree.map(lambda p: _empty_factors(p, max_precond_dim),
-                           params)
+    empty = lambda: jax.tree.map(
+        lambda p: _empty_factors(p, max_precond_dim), params)
     zeros = lambda p: jnp.zeros(p.shape, jnp.float32)
-    # The bases are set by the first call; zeros hold their place.
+    # The bases are set by the first call; zeros hold their place (arrays
+    # of their own: a train step may donate the state's buffers).
     return ScaleBySoapState(
         count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params),
-        nu=jax.tree.map(zeros, params), factors=factors, bases=factors)
+        nu=jax.tree.map(zeros, params), factors=empty(), bases=empty())
 
   def first_call(updates, state):
     """The factors from the first gradient, their ``eigh`` bases, no step."""

@@ -14,6 +14,9 @@
   a bias), whose running statistics are a mutable ``batch_stats`` collection
   threaded through the step.
 * ``SmallConvNet``: a plain 3-stage CNN without BatchNorm.
+* ``BatchNormCNN``: the CNN of Flax's NNX MNIST example, with BatchNorm
+  (whose running statistics are a ``batch_stats`` collection) and without
+  its dropout.
 * ``CharTransformer``: a character-level transformer with scanned blocks.
 
 This module must not import ``kfac_jax``: ``benchmarks/dm_kfac_step_time.py``
@@ -163,6 +166,31 @@ class SmallConvNet(nn.Module):
       x = nn.relu(nn.Conv(channels * self.width, (3, 3), padding="SAME")(x))
       x = nn.max_pool(x, (2, 2), (2, 2))
     return nn.Dense(self.num_classes)(x.reshape(x.shape[0], -1))
+
+
+class BatchNormCNN(nn.Module):
+  """Flax's NNX MNIST example's CNN, in Linen, without dropout.
+
+  A 3x3 conv with 32·w channels, BatchNorm, ReLU and a 2x2 average pool;
+  the same with 64·w channels; a dense layer of 256·w units with ReLU on
+  the flattened ``[H/4, W/4, 64·w]`` features (3136 of them for MNIST, a
+  3137-row K-FAC factor); dense logits. ``x``: ``[N, H, W, C]`` images.
+  With ``train``, BatchNorm normalizes by the batch's statistics and
+  updates its running ones (``mutable=["batch_stats"]``); without, it
+  uses the running ones.
+  """
+
+  width: int = 1
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+    for channels in (32, 64):
+      x = nn.Conv(channels * self.width, (3, 3), padding="SAME")(x)
+      x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+      x = nn.avg_pool(nn.relu(x), (2, 2), (2, 2))
+    x = nn.relu(nn.Dense(256 * self.width)(x.reshape(x.shape[0], -1)))
+    return nn.Dense(self.num_classes)(x)
 
 
 class TransformerBlock(nn.Module):

@@ -1,9 +1,11 @@
 """The convergence race's training problems (``benchmarks/convergence.py``).
 
-A ``Task`` bundles a data set, a model's init and training objective, the
-objective split for ``scale_by_kfac(adaptive=...)``, its sampled Gauss-Newton
-surrogate and the metric the race reads: the MNIST autoencoder, a small CNN
-on CIFAR-10 (or scikit-learn's digits) and a character transformer on Tiny
+A ``Task`` bundles a data set, a model's init and training objective (with
+its model state, BatchNorm's running statistics, where it has one), the
+objective split for ``scale_by_kfac(adaptive=...)``, its sampled
+Gauss-Newton surrogate and the metric the race reads: the MNIST
+autoencoder, a small CNN and a ResNet-20 on CIFAR-10 (or scikit-learn's
+digits), a BatchNorm CNN on MNIST and two character transformers on Tiny
 Shakespeare. ``benchmarks/dm_kfac_race.py`` runs DeepMind's kfac-jax on the
 autoencoder task.
 """
@@ -11,6 +13,7 @@ autoencoder task.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,23 +43,33 @@ def l2_penalty(params: Any) -> jax.Array:
 class Task:
   """One race track.
 
+  A task without model state (``init_model_state`` None) has
+  ``loss_fn(params, *batch) -> loss`` and ``evaluate(params)``; one with
+  (BatchNorm's ``batch_stats``) has ``loss_fn(params, model_state, *batch)
+  -> (loss, new_model_state)`` and ``evaluate(params, model_state)``, as
+  ``examples.training.make_train_step(stateful=True)`` takes them.
+  ``initial`` and ``measure`` call either kind.
+
   Attributes:
-    name: ``autoencoder``, ``cifar`` or ``shakespeare``.
+    name: a key of ``TASK_BUILDERS``.
     description: one line for the report.
     metric: the metric's name (table header and plot label).
     higher_is_better: direction of the metric.
     data: training arrays with a leading example axis.
     batch_size: examples per step.
     init: ``seed -> params``.
-    loss_fn: ``loss_fn(params, *batch) -> scalar`` (the training objective).
-    evaluate: ``params -> metric`` on the task's evaluation set.
+    loss_fn: the training objective (above).
+    evaluate: the metric on the task's evaluation set (above).
     layers: K-FAC's layer table (``kfac_jax.trace_layers``), or None when
-      ``init`` alone describes the layers.
+      ``init`` alone describes the layers. The race's Muon orthogonalizes
+      the kernels it lists (``benchmarks/race_optimizers.py``).
     split_loss: ``split_loss(*batch) -> kfac_jax.SplitLoss``, the objective
       split into network and loss (for ``kfac_adaptive``).
     gauss_newton_fn: ``gauss_newton_fn(params, key, *batch)``, the
       ``kfac_jax.sampled_curvature`` surrogate of the objective's data term
       (for ``kfac_adaptive --curvature gauss-newton``).
+    init_model_state: ``seed -> model state`` (the same seed's as
+      ``init``), or None for a task without one.
   """
 
   name: str
@@ -71,6 +84,24 @@ class Task:
   layers: Any = None
   split_loss: Callable[..., kfac_jax.SplitLoss] | None = None
   gauss_newton_fn: Callable[..., jax.Array] | None = None
+  init_model_state: Callable[[int], Any] | None = None
+
+  @property
+  def stateful(self) -> bool:
+    """Whether ``loss_fn`` and ``evaluate`` take and give model state."""
+    return self.init_model_state is not None
+
+  def initial(self, seed: int) -> tuple[Any, Any]:
+    """``(params, model_state)`` for ``seed`` (model state None if none)."""
+    state = None if self.init_model_state is None else self.init_model_state(
+        seed)
+    return self.init(seed), state
+
+  def measure(self, params: Any, model_state: Any) -> float:
+    """The metric of ``params`` (with ``model_state`` if the task has one)."""
+    if self.stateful:
+      return self.evaluate(params, model_state)
+    return self.evaluate(params)
 
   def better(self, a: float, b: float) -> bool:
     """Whether metric ``a`` is strictly better than ``b`` (NaN never is)."""
@@ -137,6 +168,8 @@ def autoencoder_task(eval_examples: int | None, batch_size: int) -> Task:
         model.apply({"params": params}, x), x)
 
   eval_x = flags.head((mnist.x_train,), eval_examples)
+  init = lambda seed: model.init(jax.random.key(seed),
+                                 mnist.x_train[:1])["params"]
 
   def evaluate(params) -> float:
     data_term = chunked_mean(lambda x: per_example(params, x), eval_x, 5000)
@@ -152,10 +185,12 @@ def autoencoder_task(eval_examples: int | None, batch_size: int) -> Task:
       higher_is_better=False,
       data=(mnist.x_train,),
       batch_size=batch_size,
-      init=lambda seed: model.init(jax.random.key(seed),
-                                   mnist.x_train[:1])["params"],
+      init=init,
       loss_fn=loss_fn,
       evaluate=evaluate,
+      # No layer table: Dense layers only, which the params describe, and
+      # benchmarks/dm_kfac_race.py builds this task where kfac_jax is
+      # DeepMind's package (no trace_layers).
       split_loss=split_loss,
       gauss_newton_fn=gauss_newton_fn)
 
@@ -182,6 +217,9 @@ def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
     return jnp.argmax(model.apply({"params": params}, x), -1) == y
 
   test = flags.head((images.x_test, images.y_test), eval_examples)
+  init = lambda seed: model.init(jax.random.key(seed),
+                                 images.x_train[:1])["params"]
+  example = (images.x_train[:batch_size], images.y_train[:batch_size])
   return Task(
       name="cifar",
       description=(f"{images.name}, 3-stage CNN, batch {batch_size}; test "
@@ -190,22 +228,26 @@ def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
       higher_is_better=True,
       data=(images.x_train, images.y_train),
       batch_size=batch_size,
-      init=lambda seed: model.init(jax.random.key(seed),
-                                   images.x_train[:1])["params"],
+      init=init,
       loss_fn=loss_fn,
       evaluate=lambda params: 100 * chunked_mean(
           lambda x, y: correct(params, x, y), test, 1000),
+      layers=kfac_jax.trace_layers(loss_fn, init(0), *example),
       split_loss=split_loss,
       gauss_newton_fn=softmax_gauss_newton(model))
 
 
-def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
-  context = 64
+def shakespeare_task(eval_examples: int | None, batch_size: int,
+                     name: str = "shakespeare", width: int = 64,
+                     depth: int = 2, num_heads: int = 4,
+                     context: int = 64) -> Task:
+  """A character transformer (``models.CharTransformer``) on Tiny
+  Shakespeare: next-character cross-entropy, validation loss as metric."""
   vocab_size, (x_train, y_train), val = shakespeare_transformer.load_sequences(
       context)
   val = flags.head(val, eval_examples)
   model = models.CharTransformer(
-      vocab_size, context, width=64, depth=2, num_heads=4)
+      vocab_size, context, width=width, depth=depth, num_heads=num_heads)
 
   def loss_fn(params, x, y):
     return shakespeare_transformer.token_losses(model, params, x, y).mean()
@@ -223,10 +265,11 @@ def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
   init = lambda seed: model.init(jax.random.key(seed), x_train[:1])["params"]
   example = (x_train[:batch_size], y_train[:batch_size])
   return Task(
-      name="shakespeare",
-      description=(f"Tiny Shakespeare, character transformer width 64 × 2 "
-                   f"scanned blocks, batch {batch_size} × {context}; "
-                   f"validation loss over {len(val[0]):,} sequences"),
+      name=name,
+      description=(f"Tiny Shakespeare, character transformer width {width} × "
+                   f"{depth} scanned blocks, {num_heads} heads, batch "
+                   f"{batch_size} × {context}; validation loss over "
+                   f"{len(val[0]):,} sequences"),
       metric="validation loss (nats/char)",
       higher_is_better=False,
       data=(x_train, y_train),
@@ -240,6 +283,85 @@ def shakespeare_task(eval_examples: int | None, batch_size: int) -> Task:
       gauss_newton_fn=softmax_gauss_newton(model))
 
 
-TASK_BUILDERS = {"autoencoder": (autoencoder_task, 1000),
-                 "cifar": (cifar_task, 128),
-                 "shakespeare": (shakespeare_task, 64)}
+def batch_norm_classifier(name: str, description: str, model: Any,
+                          images: datasets.ImageData,
+                          eval_examples: int | None, batch_size: int,
+                          weight_decay: float) -> Task:
+  """A classifier with BatchNorm: softmax cross-entropy (plus
+  ``weight_decay · ½‖θ‖²``) on the batch's statistics, whose running
+  averages (``batch_stats``) are the model state; test accuracy (%) with
+  the running averages as metric."""
+
+  def variables(seed):
+    return model.init(jax.random.key(seed), images.x_train[:1], train=False)
+
+  def loss_fn(params, batch_stats, x, y):
+    logits, updates = model.apply(
+        {"params": params, "batch_stats": batch_stats}, x, train=True,
+        mutable=["batch_stats"])
+    loss = (optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+            + weight_decay * l2_penalty(params))
+    return loss, updates["batch_stats"]
+
+  @jax.jit
+  def correct(params, batch_stats, x, y):
+    logits = model.apply({"params": params, "batch_stats": batch_stats}, x,
+                         train=False)
+    return jnp.argmax(logits, -1) == y
+
+  test = flags.head((images.x_test, images.y_test), eval_examples)
+  init = lambda seed: variables(seed)["params"]
+  init_model_state = lambda seed: variables(seed)["batch_stats"]
+  example = (images.x_train[:batch_size], images.y_train[:batch_size])
+  return Task(
+      name=name,
+      description=(f"{description}, batch {batch_size}; test accuracy over "
+                   f"{len(test[0]):,} test images"),
+      metric="test accuracy (%)",
+      higher_is_better=True,
+      data=(images.x_train, images.y_train),
+      batch_size=batch_size,
+      init=init,
+      loss_fn=loss_fn,
+      evaluate=lambda params, batch_stats: 100 * chunked_mean(
+          lambda x, y: correct(params, batch_stats, x, y), test, 1000),
+      layers=kfac_jax.trace_layers(loss_fn, init(0), init_model_state(0),
+                                   *example),
+      init_model_state=init_model_state)
+
+
+def resnet20_task(eval_examples: int | None, batch_size: int) -> Task:
+  """ResNet-20 (``models.CifarResNet(depth=20)``, BatchNorm) on CIFAR-10,
+  with the CIFAR task's ``1e-4 · ½‖θ‖²``."""
+  images = datasets.load_image_classification()
+  model = models.CifarResNet(depth=20, num_classes=images.num_classes)
+  return batch_norm_classifier(
+      "resnet20", f"{images.name}, ResNet-20 (BatchNorm)", model, images,
+      eval_examples, batch_size, weight_decay=1e-4)
+
+
+def mnist_batch_norm_task(eval_examples: int | None, batch_size: int) -> Task:
+  """Flax's NNX MNIST CNN with BatchNorm (``models.BatchNormCNN``), no
+  weight decay, as that example trains it."""
+  mnist = datasets.load_mnist()
+  images = datasets.ImageData(
+      "MNIST", mnist.x_train.reshape(-1, 28, 28, 1), mnist.y_train,
+      mnist.x_test.reshape(-1, 28, 28, 1), mnist.y_test, 10)
+  return batch_norm_classifier(
+      "mnist_bn", "MNIST, Flax's NNX example CNN with BatchNorm (conv 32, "
+      "conv 64, dense 3136→256→10)", models.BatchNormCNN(), images,
+      eval_examples, batch_size, weight_decay=0.0)
+
+
+# {name: (builder(eval_examples, batch_size) -> Task, the race's batch)}.
+TASK_BUILDERS = {
+    "autoencoder": (autoencoder_task, 1000),
+    "cifar": (cifar_task, 128),
+    "shakespeare": (shakespeare_task, 64),
+    # Twice as wide and twice the context, the same characters per step.
+    "shakespeare_wide": (functools.partial(
+        shakespeare_task, name="shakespeare_wide", width=128,
+        context=128), 32),
+    "resnet20": (resnet20_task, 128),
+    "mnist_bn": (mnist_batch_norm_task, 128),
+}

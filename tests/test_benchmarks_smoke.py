@@ -354,3 +354,121 @@ def test_deepmind_scripts_refuse_this_kfac_jax(tmp_path):
         timeout=240)
     assert result.returncode != 0
     assert "is not DeepMind's kfac-jax" in result.stderr, result.stderr[-2000:]
+
+
+def test_phases_smoke(tmp_path):
+  """Every program is timed, and the table shows each phase beside AdamW's
+  step (the smoke's numbers are one call each: no timing is asserted)."""
+  from benchmarks import phases, phases_report  # pylint: disable=g-import-not-at-top
+  result = run_smoke("phases", tmp_path)
+  (path,) = tmp_path.glob("phases_*.json")
+  (task,) = json.loads(path.read_text())["tasks"]
+  programs = {"adamw", "grad", "capture",
+              *(name for name, *_ in phases.KFAC_PROGRAMS)}
+  assert set(task["median_ms"]) == programs
+  assert all(ms > 0 for ms in task["median_ms"].values())
+  assert task["largest_factor"]["size"] == 257  # the MLP's 256 + bias
+  for label, _ in phases_report.ROWS:
+    assert f"| {label} |" in result.stdout
+
+
+def test_phases_report_arithmetic():
+  """The phases and amortized steps from made-up medians, by hand."""
+  from benchmarks import phases_report  # pylint: disable=g-import-not-at-top
+  ms = dict(adamw=10.0, grad=8.0, capture=11.0, stats=20.0, no_stats=12.0,
+            decompose=52.0, full=62.0, eigen_no_stats=14.0,
+            eigen_decompose=94.0, fraction_stats=16.0, reduce_stats=15.0,
+            both_stats=13.0)
+  out = phases_report.derived(ms, period=10)
+  assert out["adamw_update"] == 2.0 and out["statistics"] == 3.0
+  assert out["factor_update"] == 20.0 - 12.0 - 3.0
+  assert out["preconditioning"] == 4.0 and out["decomposition"] == 40.0
+  assert out["eigen_decomposition"] == 80.0
+  assert out["amortized"] == (9 * 20.0 + 62.0) / 10
+  assert out["amortized_no_stats"] == (9 * 12.0 + 62.0) / 10
+  # The factor step with both levers: 62 − (20 − 13).
+  assert out["amortized_all_levers"] == (9 * 12.0 + 55.0) / 10
+
+
+def test_batch_norm_state_is_threaded_through_every_contestant():
+  """One step of each contestant on the BatchNorm CNN returns BatchNorm's
+  running statistics updated by the step's batch: those of the loss's
+  forward pass at the initial parameters, and for the first BatchNorm the
+  convolution's batch mean computed here by hand (0.9·0 + 0.1·mean)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from benchmarks import race_optimizers  # pylint: disable=g-import-not-at-top
+  from tests import reference  # pylint: disable=g-import-not-at-top
+  task = tasks.mnist_batch_norm_task(eval_examples=64, batch_size=8)
+  assert task.stateful and race_optimizers.unsupported("kfac_adaptive", task)
+  x, y = (a[:8] for a in task.data)
+  params, state = task.initial(0)
+  expected = jax.device_get(task.loss_fn(params, state, x, y)[1])
+  conv = params["Conv_0"]
+  features = jax.lax.conv_general_dilated(
+      x, conv["kernel"], (1, 1), "SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC")) + conv["bias"]
+  by_hand = 0.1 * np.asarray(features, np.float64).mean(axis=(0, 1, 2))
+  # Roundings: the convolutions' sums (9 and 3·3·32 products) and the
+  # means and variances over the positions (8·28·28 and 8·14·14), added.
+  terms = 9 + 2 * 8 * 28 * 28 + 288 + 2 * 8 * 14 * 14
+  names = [n for n in race_optimizers.DEFAULT_OPTIMIZERS
+           if not race_optimizers.unsupported(n, task)
+           and (n != "kron" or race_optimizers.import_kron() is not None)]
+  assert {"adamw", "muon", "soap", "kfac"} <= set(names)
+  for name in names:
+    optimizer = race_optimizers.build_optimizer(
+        name, race_optimizers.CENTERS[name], task)
+    step = training.make_train_step(task.loss_fn, optimizer, stateful=True)
+    fresh = jax.tree.map(np.array, (params, state))
+    new_params, _, new_state, loss = step(
+        fresh[0], optimizer.tx.init(fresh[0]), fresh[1], jax.random.key(0),
+        x, y)
+    assert np.isfinite(float(loss)), name
+    for got, want in zip(jax.tree.leaves(new_state), jax.tree.leaves(expected)):
+      reference.assert_float32_close(got, want, terms=terms, err_msg=name)
+    reference.assert_float32_close(
+        new_state["BatchNorm_0"]["mean"], by_hand, terms=terms, err_msg=name)
+
+
+def test_muon_orthogonalizes_the_kernels_of_the_layer_table():
+  """Muon's dimension numbers: a scanned DenseGeneral kernel reduces its
+  input axis and outputs its heads × head_dim, the stack axis batched; the
+  embedding, biases and norms go to Muon's Adam."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import pytest  # pylint: disable=g-import-not-at-top
+  from benchmarks import race_optimizers  # pylint: disable=g-import-not-at-top
+  if not hasattr(optax.contrib, "MuonDimensionNumbers"):
+    pytest.skip("optax < 0.2.7: Muon takes the 2-D parameters only "
+                "(race_optimizers.muon)")
+  task = tasks.shakespeare_task(eval_examples=8, batch_size=2)
+  params = task.init(0)
+  dims = race_optimizers.muon_dimensions(task.layers)(params)
+  query = dims["blocks"]["attention"]["query"]
+  assert params["blocks"]["attention"]["query"]["kernel"].shape == (
+      2, 64, 4, 16)
+  assert tuple(query["kernel"]) == ((1,), (2, 3))
+  assert query["bias"] is None
+  out = dims["blocks"]["attention"]["out"]["kernel"]
+  assert tuple(out) == ((1, 2), (3,))
+  assert tuple(dims["logits"]["kernel"]) == ((0,), (1,))
+  assert dims["Embed_0"]["embedding"] is None and dims["position"] is None
+  muon = sum(d is not None for d in jax.tree.leaves(
+      dims, is_leaf=lambda d: d is None or isinstance(d, tuple)))
+  assert muon == 7  # q, k, v, out, mlp_in, mlp_out, logits
+
+
+def test_convergence_smoke_on_a_batch_norm_task(tmp_path):
+  """The race trains and evaluates a BatchNorm task with every contestant
+  that can, and says which it leaves out."""
+  result = run_convergence("--smoke", "--tasks", "mnist_bn", "--optimizers",
+                           "adamw", "kfac", "kfac_adaptive", "--out",
+                           str(tmp_path))
+  assert "leaving kfac_adaptive out" in result.stdout
+  (path,) = tmp_path.glob("convergence_*.json")
+  runs = json.loads(path.read_text())["runs"]
+  assert [r["optimizer"] for r in runs] == ["adamw", "kfac"]
+  for run in runs:
+    assert run["steps"] == 2 and not run["diverged"]
+    assert all(0 <= p["metric"] <= 100 for p in run["curve"])
