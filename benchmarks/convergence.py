@@ -2,7 +2,8 @@
 
 Each optimizer trains each task for a fixed budget of *training* seconds
 (compilation and evaluation excluded; the clock stops while the objective is
-evaluated). The race has two phases:
+evaluated), on the wall clock or, with ``--clock cpu``, in the process's
+CPU seconds (for a shared machine: ``race_runs``). The race has two phases:
 
 1. **Sweep.** Every optimizer tries the same three-point grid of its one
    swept setting, ``center × (1/3, 1, 3)`` around its customary value
@@ -174,6 +175,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--center", nargs="*", default=[],
                       help="override sweep centers, e.g. kfac=0.3 adam=1e-3 "
                       "kfac_adaptive=15 (its λ₀)")
+  parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                      help="what the budget's training seconds count: the "
+                      "wall clock, or the process's CPU seconds (the "
+                      "steps' work, which other processes on a shared "
+                      "machine do not lengthen; equal to the wall clock on "
+                      "an otherwise idle core)")
   parser.add_argument("--eval-every", type=float, default=10.0,
                       help="training seconds between evaluations")
   parser.add_argument("--targets", nargs="*", type=float, default=[],

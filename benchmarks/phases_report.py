@@ -2,7 +2,8 @@
 
 ``derived(ms, period)`` turns the programs' times into the phases and
 amortized steps of ``phases.py``'s docstring; ``markdown(result,
-statistic)`` tabulates them from each program's least or median sample,
+statistic)`` tabulates them from each program's median CPU time or its
+least or median wall-clock time,
 one column per task, each cell ``ms (×AdamW)``.
 """
 
@@ -62,10 +63,11 @@ def cell(value: float, baseline: float) -> str:
   return f"{value:.1f} ({value / baseline:.2f}×)"
 
 
-def markdown(result: Mapping[str, Any], statistic: str = "min") -> str:
+def markdown(result: Mapping[str, Any], statistic: str = "cpu") -> str:
   """One column per task: each phase's ms and its ratio to AdamW's step,
-  from each program's ``statistic`` (``"min"`` or ``"median"``) of its
-  samples; then the largest factor's decompositions and the load."""
+  from each program's ``statistic`` (``"cpu"``, ``"min"`` or
+  ``"median"``, ``phases.py --statistic``); then the largest factor's
+  decompositions and the load."""
   columns = result["tasks"]
   values = [derived(t[f"{statistic}_ms"], result["period"]) for t in columns]
   header = "| phase, ms (×AdamW step) | " + " | ".join(

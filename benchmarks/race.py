@@ -37,7 +37,7 @@ def run_key(run: dict[str, Any]) -> tuple:
           run["budget"], None if curvature is None else tuple(curvature),
           run.get("min_damping"), run.get("inv_dtype", "float32"),
           run.get("eval_examples", "unrecorded"), run.get("eval_every"),
-          run.get("max_steps", "unrecorded"))
+          run.get("max_steps", "unrecorded"), run.get("clock", "wall"))
 
 
 class Race:
@@ -77,7 +77,7 @@ class Race:
                    if adaptive else None)
     evaluation = dict(eval_examples=self.args.eval_examples,
                       eval_every=self.args.eval_every,
-                      max_steps=self.args.max_steps)
+                      max_steps=self.args.max_steps, clock=self.args.clock)
     key = run_key(dict(phase=phase, task=task.name, optimizer=name, lr=lr,
                        seed=seed, budget=budget, curvature=curvature,
                        min_damping=min_damping, inv_dtype=inv_dtype,
@@ -96,7 +96,8 @@ class Race:
       label = f"{task.name} {phase} {name} {format_lr(name, lr)} seed={seed}"
       record = race_runs.train_run(task, optimizer, seed, budget, self.args.eval_every,
                          self.args.max_steps, not self.args.no_progress, label,
-                         self.args.curvature_examples, self.args.curvature)
+                         self.args.curvature_examples, self.args.curvature,
+                         self.args.clock)
       record.update(phase=phase, lr=lr, **evaluation)
       if adaptive:
         record.update(curvature=list(curvature), min_damping=min_damping)

@@ -74,7 +74,7 @@ def test_race_takes_the_sweeps_seed_zero_run_and_leaves_out_what_cannot_run(
       curvature_examples=250, min_damping=None, eval_examples=None,
       eval_every=10.0, max_steps=None, no_progress=True, no_sweep=False,
       optimizers=["adam", "kfac_adaptive"], center={}, max_extensions=0,
-      budget=5.0, sweep_budget=None, seeds=[0, 1])
+      budget=5.0, sweep_budget=None, seeds=[0, 1], clock="cpu")
   task = tasks.Task(
       name="toy", description="", metric="loss", higher_is_better=False,
       data=(), batch_size=1, init=None, loss_fn=None, evaluate=None)
