@@ -287,6 +287,8 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
       machine=platform.machine(),
       cpus=os.cpu_count(),
       blas_threads=os.environ.get("OPENBLAS_NUM_THREADS"),
+      xla_flags=os.environ.get("XLA_FLAGS"),
+      load_average_at_start=list(os.getloadavg()),
       started=datetime.datetime.now().isoformat(timespec="seconds"))
 
 

@@ -94,10 +94,20 @@ class Race:
                                   self.args.curvature_examples,
                                   self.args.min_damping, inv_dtype)
       label = f"{task.name} {phase} {name} {format_lr(name, lr)} seed={seed}"
-      record = race_runs.train_run(task, optimizer, seed, budget, self.args.eval_every,
-                         self.args.max_steps, not self.args.no_progress, label,
-                         self.args.curvature_examples, self.args.curvature,
-                         self.args.clock)
+      try:
+        record = race_runs.train_run(
+            task, optimizer, seed, budget, self.args.eval_every,
+            self.args.max_steps, not self.args.no_progress, label,
+            self.args.curvature_examples, self.args.curvature,
+            self.args.clock)
+      except Exception as error:  # pylint: disable=broad-except
+        # One failing run (a contestant that cannot compile or run this
+        # task) is recorded as such, not the end of an hours-long race.
+        tqdm.write(f"{label}: FAILED: {type(error).__name__}: {error}")
+        record = dict(task=task.name, optimizer=name, seed=seed,
+                      budget=budget, error=f"{type(error).__name__}: {error}",
+                      final=math.nan, steps=0, ms_per_step=math.nan,
+                      compile_seconds=math.nan, diverged=False, curve=[])
       record.update(phase=phase, lr=lr, **evaluation)
       if adaptive:
         record.update(curvature=list(curvature), min_damping=min_damping)
