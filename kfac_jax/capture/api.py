@@ -48,6 +48,12 @@ def value_grad_and_stats(
   (``nnx.merge(graphdef, params)``); the gradients come back in that State.
   Stacked layers then need the model form (an error names them).
 
+  A layer applied at every step of a loop that closes over its params (an
+  RNN cell under ``nn.RNN``, ``nn.scan`` or ``nnx.scan``) shares its weights
+  over the steps: its stats carry each step's inputs and cotangents, the
+  steps after the example axis. Called outside ``jit``, what does not depend
+  on the params is concrete, as under ``jax.value_and_grad``.
+
   Captured layers: Linen ``Dense``, ``DenseGeneral`` (without
   ``batch_dims``), ``Conv`` and ``Embed``; NNX ``Linear``, ``LinearGeneral``,
   ``Conv`` and ``Embed``; and their subclasses. An ``Embed`` also called
@@ -58,10 +64,10 @@ def value_grad_and_stats(
     has_aux: whether ``fun`` returns ``(loss, aux)``.
     skip_layers: regexes, as ``scale_by_kfac``'s (module path, or a module
       above it, or the Flax class name): matching layers are not captured.
-      For a layer the capture refuses (an RNN cell whose params ``nn.scan``
-      broadcasts, a layer an NNX lifted transform runs unsliced), with the
-      same patterns given to ``trace_layers`` and ``scale_by_kfac``, which then
-      leave it to the chained optimizer.
+      For a layer the capture refuses (an RNN cell's loop under ``nn.remat``
+      or in another loop, a layer an NNX lifted transform runs unsliced), with
+      the same patterns given to ``trace_layers`` and ``scale_by_kfac``, which
+      then leave it to the chained optimizer.
 
   Returns:
     A function of ``(params_or_model, *args, **kwargs)`` returning
@@ -69,7 +75,8 @@ def value_grad_and_stats(
     ``has_aux``. ``stats`` maps each captured layer's module path
     (``"encoder/Dense_0"``) to its ``LayerStatistics``: the input and the
     loss's output cotangent of every call of the layer, stacked on the layer
-    axes of a scanned layer.
+    axes of a scanned layer, with a loop's steps after the example axis for
+    a layer the loop shares (``[B, T, …]``).
   """
 
   _check_callable(fun, "value_grad_and_stats")

@@ -18,9 +18,9 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from kfac_jax.capture import layers
+from kfac_jax.capture import loops
 from kfac_jax.capture import probes as probes_lib
 from kfac_jax.capture import signatures
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
@@ -108,8 +108,8 @@ class _ShapeRecorder:
       default_factory=probes_lib.CallCounter)
   calls: dict[str, list[probes_lib.Call]] = dataclasses.field(
       default_factory=dict)
-  trace_check: probes_lib.TraceCheck = dataclasses.field(
-      default_factory=probes_lib.TraceCheck)
+  trace_check: loops.TraceCheck = dataclasses.field(
+      default_factory=loops.TraceCheck)
   paths: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
   # Embed layers also called through attend (tied output weights).
   attended: set[str] = dataclasses.field(default_factory=set)
@@ -211,20 +211,26 @@ class _ShapeRecorder:
 
   def check_traces(self) -> None:
     """Each ``nn.scan`` level traces its body twice (see ``CallCounter``):
-    a layer under k of them may run in 2**k traces, no more."""
+    a layer under k of them, stacked or sharing its weights over the steps
+    (``trace_check.shared``), may run in 2**k traces, no more."""
+    refused = {}
     for name, traces in self.counter.traces.items():
-      if len(traces) > 2 ** self.calls[name][0].signature.stack_ndim:
-        raise ValueError(
-            f"value_grad_and_stats: layer {name!r} runs in {len(traces)} "
-            "separate traces, so its calls cannot be told apart. This happens "
-            "with a layer whose params are broadcast over nn.scan steps (an "
-            "RNN cell); a model applied in more than one branch of a "
-            "lax.cond or lax.switch, or also under a jax.grad (or another "
-            "transformation that traces it again) inside the loss; or a "
-            "lifted (scanned/remat) layer applied more than once: twice in "
-            "one model.apply, or in more than one model.apply per loss. "
-            "Apply it once per loss, or "
-            f"{probes_lib.skip_advice(name)}.")
+      levels = self.calls[name][0].signature.stack_ndim + int(
+          name in self.trace_check.shared)
+      if len(traces) > 2 ** levels:
+        refused[name] = len(traces)
+    if refused:
+      names = ", ".join(f"layer {name!r} runs in {count} separate traces"
+                        for name, count in sorted(refused.items()))
+      raise ValueError(
+          f"value_grad_and_stats: {names}, so its calls cannot be told "
+          "apart. This happens with a model applied in more than one branch "
+          "of a lax.cond or lax.switch, or also under a jax.grad (or another "
+          "transformation that traces it again) inside the loss; or a "
+          "lifted (scanned/remat) layer applied more than once: twice in one "
+          "model.apply, in more than one model.apply per loss, or an RNN "
+          "cell run by two nn.scan/nn.RNN calls. Apply it once per loss, or "
+          f"{probes_lib.skip_advice(*sorted(refused))}.")
 
   def stack_shape(self, name: str) -> tuple[int, ...]:
     stack_ndim = self.calls[name][0].signature.stack_ndim
@@ -280,8 +286,9 @@ def _shape_pass(fun: Callable[..., Any], params: Any, skip, args,
 
   out_shape = probes_lib.shape_pass(traced, params, args, kwargs,
                                     trace_check=recorder.trace_check)
+  recorder.trace_check.check()  # finds the layers shared over loop steps
   recorder.check_traces()
-  recorder.trace_check.check()
+  loops.check_shared(recorder.trace_check.shared, recorder.calls)
   probes_lib.drop_attended(recorder.calls, recorder.attended)
   return recorder, out_shape
 
@@ -322,7 +329,8 @@ def value_grad_and_stats(
       return probes_lib.split_output(fun(params, *args, **kwargs), has_aux,
                                      caller)
 
-  loss, vjp_fn, aux = jax.vjp(primal, params, probes, has_aux=True)
-  grads, probe_grads = vjp_fn(jnp.ones_like(loss))
+  loss, aux, grads, probe_grads = loops.probed_vjp(
+      primal, params, probes, shapes.calls, shapes.trace_check.shared,
+      probes_lib.is_eager((params, args, kwargs)))
   value = (loss, aux) if has_aux else loss
   return value, grads, probes_lib.statistics(shapes.calls, probe_grads)

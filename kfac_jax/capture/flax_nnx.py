@@ -14,9 +14,9 @@ Each captured layer's probes are set on the copy as ``Probes``, a
 layers stacked by ``nnx.vmap``) slices them too, and the layer is captured
 with its stack axes; one that passes them whole (``nnx.remat``, ``nnx.jit``,
 ``nnx.cond``) passes the probes whole too. A layer in a loop that does not
-slice its params (an RNN cell broadcast over ``nnx.scan`` steps,
-``nnx.fori_loop``) is refused with an error naming it
-(``probes.TraceCheck``; pass it in ``skip_layers``).
+slice its params (an RNN cell broadcast over ``nnx.scan`` steps) shares its
+weights over the steps (``loops``); one that carries them
+(``nnx.fori_loop`` over the model) is refused with an error naming it.
 
 Given the params' ``nnx.State`` instead of the model, for a loss that merges
 it (``model = nnx.merge(graphdef, params)``), the capture cannot copy the
@@ -37,9 +37,9 @@ from typing import Any
 
 from flax import nnx
 import jax
-import jax.numpy as jnp
 
 from kfac_jax.capture import layers
+from kfac_jax.capture import loops
 from kfac_jax.capture import nnx_merge
 from kfac_jax.capture import probes as probes_lib
 from kfac_jax.capture import signatures
@@ -171,7 +171,7 @@ class _Capture:
   skip: Skip
   attended: set[str]
   outer_vmaps: frozenset[int]
-  trace_check: probes_lib.TraceCheck | None
+  trace_check: loops.TraceCheck | None
   merged: bool
   skipped_classes: dict[str, str]
 
@@ -302,7 +302,7 @@ def _differentiated(first: nnx.Module | nnx.State) -> nnx.State:
 
 def _run(fun: Callable[..., Any], first: nnx.Module | nnx.State, skip: Skip,
          args, kwargs, attended: set[str] | None = None,
-         trace_check: probes_lib.TraceCheck | None = None,
+         trace_check: loops.TraceCheck | None = None,
          skipped_classes: dict[str, str] | None = None
          ) -> tuple[Callable[..., tuple[Any, Any]], tuple[Any, ...]]:
   """``(run, objects)``: ``run(params, hook, probes) -> (fun output, updated
@@ -351,8 +351,9 @@ def _run(fun: Callable[..., Any], first: nnx.Module | nnx.State, skip: Skip,
 
 
 def _shape_pass(fun, first, skip, args, kwargs):
-  """``(calls, out_shape, skipped_classes)`` of the loss (``skipped_classes``
-  recorded only when it merges the State)."""
+  """``(calls, out_shape, skipped_classes, shared)`` of the loss
+  (``skipped_classes`` recorded only when it merges the State; ``shared``:
+  the layers whose weights a loop shares over its steps, ``loops``)."""
   counter = probes_lib.CallCounter(per_trace=False)
   calls: dict[str, list[probes_lib.Call]] = {}
 
@@ -364,7 +365,7 @@ def _shape_pass(fun, first, skip, args, kwargs):
 
   attended: set[str] = set()
   skipped_classes: dict[str, str] = {}
-  trace_check = probes_lib.TraceCheck()
+  trace_check = loops.TraceCheck()
 
   def shape_run(params, args, kwargs):
     run, _ = _run(fun, first, skip, args, kwargs, attended, trace_check,
@@ -375,8 +376,9 @@ def _shape_pass(fun, first, skip, args, kwargs):
                                        args, kwargs, is_leaf=_is_graph_node,
                                        trace_check=trace_check)
   trace_check.check()
+  loops.check_shared(trace_check.shared, calls)
   probes_lib.drop_attended(calls, attended)
-  return calls, out_shape, skipped_classes
+  return calls, out_shape, skipped_classes, trace_check.shared
 
 
 def _kernels(first: nnx.Module | nnx.State,
@@ -403,7 +405,7 @@ def trace_layers(fun: Callable[..., Any], skip: Skip,
                  **kwargs: Any) -> layers.TracedLayers:
   """NNX front end of ``kfac_jax.trace_layers``: ``first`` is the model, or
   the State the loss merges."""
-  calls, _, skipped_classes = _shape_pass(fun, first, skip, args, kwargs)
+  calls, _, skipped_classes, _ = _shape_pass(fun, first, skip, args, kwargs)
   if isinstance(first, nnx.Module):
     skipped_classes = {
         layers.layer_name(path): type(module).__name__
@@ -430,7 +432,7 @@ def value_grad_and_stats(
   structure, as ``jax.value_and_grad`` gives them).
   """
   caller = "value_grad_and_stats"
-  calls, out_shape, _ = _shape_pass(fun, first, skip, args, kwargs)
+  calls, out_shape, _, shared = _shape_pass(fun, first, skip, args, kwargs)
   probes_lib.check_scalar(
       probes_lib.split_output(out_shape, has_aux, caller)[0], caller)
   probes_lib.warn_if_no_layers(caller, calls, skip)
@@ -474,9 +476,9 @@ def value_grad_and_stats(
     loss, aux = probes_lib.split_output(out, has_aux, caller)
     return loss, (aux, new_state)
 
-  loss, vjp_fn, (aux, new_state) = jax.vjp(primal, _differentiated(first),
-                                            probes, has_aux=True)
-  grads, probe_grads = vjp_fn(jnp.ones_like(loss))
+  loss, (aux, new_state), grads, probe_grads = loops.probed_vjp(
+      primal, _differentiated(first), probes, calls, shared,
+      probes_lib.is_eager((_differentiated(first), args, kwargs)))
   nnx.update(objects, new_state)
   value = (loss, aux) if has_aux else loss
   return value, grads, probes_lib.statistics(calls, probe_grads)

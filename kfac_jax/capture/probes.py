@@ -12,17 +12,18 @@ respect to, besides the params:
 
 A shape-only first pass (``jax.eval_shape``) records each call (``Call``) so
 the probes can be allocated; both front ends (Linen, NNX) share this module.
+A layer in a loop that does not slice its params (an RNN cell) is read as
+weight sharing over the loop's steps: ``loops``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import re
 import warnings
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.extend
@@ -32,6 +33,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kfac_jax.capture.layers import LayerInfo, skip_pattern
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
+
+if TYPE_CHECKING:
+  # Annotation only: loops imports this module.
+  from kfac_jax.capture.loops import TraceCheck
 
 # One call's (input probe, output perturbation).
 ProbePair = tuple[jax.Array, jax.Array]
@@ -163,7 +168,7 @@ class CallCounter:
     return 0
 
 
-def _explicit_sharding(array: jax.Array) -> NamedSharding | None:
+def explicit_sharding(array: jax.Array) -> NamedSharding | None:
   """``array``'s sharding if an Explicit mesh axis shards it, else ``None``."""
   sharding = jax.typeof(array).sharding
   spec = getattr(sharding, "spec", None)
@@ -177,7 +182,7 @@ def make_call(signature: LayerSignature, inputs: jax.Array,
   return Call(signature,
               jax.ShapeDtypeStruct(inputs.shape, probe_inputs(inputs).dtype),
               jax.ShapeDtypeStruct(outputs.shape, outputs.dtype),
-              _explicit_sharding(inputs), _explicit_sharding(outputs))
+              explicit_sharding(inputs), explicit_sharding(outputs))
 
 
 def skip_advice(*names: str) -> str:
@@ -298,131 +303,20 @@ def layer_info(name: str, path: tuple[Any, ...], kernel_shape: Sequence[int],
       signature=signature)
 
 
-class TraceCheck:
-  """Checks the shape pass's jaxpr for two things the interceptors, which
-  see a call only while it is traced, cannot see.
-
-  *Loops.* A layer called in the body of a ``lax.scan``, ``lax.map`` or
-  ``fori_loop``/``while_loop`` whose params the loop does not slice (closed
-  over or carried: a loop over micro-batches, an RNN cell) gets the same
-  probes at every step, so their gradients would sum its rows over the
-  steps: ``A`` would be ``(Σₜaₜ)(Σₜaₜ)ᵀ``. A loop that slices stacked params
-  (``nn.scan``/``nnx.scan`` over layers, ``lax.scan`` over a stacked params
-  tree) slices the probes too, along one of the layer's stack axes. So each
-  loop of more than one step around a call must have the length of a stack
-  axis of its own (one that no ``vmap`` inside the loss slices, such as an
-  ``nnx.vmap`` ensemble's), and a ``while`` loop none. (A loop as long as a
-  stack axis that slices it by other means, ``stack[i]`` inside a loop over
-  as many micro-batches, is not told apart.)
-
-  *Reused traces.* ``jax.jit``, ``jax.checkpoint`` and ``nn.jit`` cache a
-  function's trace: called again (twice in one loss, or by a later capture)
-  it runs its cached program without tracing, so the capture would merge or
-  miss its layers' calls. A cached program shows as one sub-jaxpr object
-  held by two equations, or as another check's markers.
-
-  The shape pass runs each call under a ``jax.named_scope`` naming this
-  check and the layer (``scope``) and reports its stack axes (``allow``);
-  ``read`` walks the traced jaxpr (an equation's name stack is relative to
-  the equation holding its sub-jaxpr); ``check`` raises for either problem.
-  """
-
-  _instances = itertools.count()
-
-  def __init__(self):
-    self.id = next(TraceCheck._instances)
-    self.stacks: dict[str, tuple[int, ...]] = {}
-    # Per layer, the lengths of the loops around each of its calls, outer
-    # first (None: a while loop).
-    self.loops: dict[str, set[tuple[int | None, ...]]] = {}
-    self.walked: set[int] = set()  # ids of the sub-jaxprs read
-    self.reused: dict[str, None] = {}  # ordered set
-
-  @contextlib.contextmanager
-  def scope(self, name: str) -> Iterator[None]:
-    """Marks the equations of one call of layer ``name``."""
-    with jax.named_scope(f"__kfac_{self.id}_{name.encode().hex()}__"):
-      yield
-
-  def allow(self, name: str, stack_shape: Sequence[int], kernel: Any,
-            outside: frozenset[int]) -> None:
-    """Records a call of ``name``, whose kernel has ``stack_shape`` in the
-    loss's params and is ``kernel`` where it runs: the vmaps mapping it,
-    less those ``outside`` the loss (the ``batch_traces`` of its arguments),
-    sliced its leading stack axes, which loops then cannot."""
-    vmapped = len(batch_traces(kernel) - outside)
-    self.stacks[name] = tuple(stack_shape[vmapped:])
-
-  def read(self, jaxpr: jax.extend.core.Jaxpr,
-           loops: tuple[int | None, ...] = (), reused: bool = False) -> None:
-    """Records the loops around each marked call, and the layers with calls
-    in a sub-jaxpr met twice (``reused``) or marked by another check."""
-    for eqn in jaxpr.eqns:
-      for check, name in re.findall(r"__kfac_(\d+)_([0-9a-f]*)__",
-                                    str(eqn.source_info.name_stack)):
-        try:
-          name = bytes.fromhex(name).decode()
-        except ValueError:
-          continue  # a module named like a marker, not one
-        if reused or int(check) != self.id:
-          self.reused[name] = None
-        self.loops.setdefault(name, set()).add(loops)
-      if eqn.primitive.name == "while":
-        inner = loops + (None,)
-      elif eqn.primitive.name == "scan" and eqn.params["length"] > 1:
-        inner = loops + (eqn.params["length"],)
-      else:
-        inner = loops
-      for sub_jaxpr in _sub_jaxprs(eqn.params.values()):
-        seen = id(sub_jaxpr) in self.walked
-        self.walked.add(id(sub_jaxpr))
-        self.read(sub_jaxpr, inner, reused or seen)
-
-  def check(self) -> None:
-    if self.reused:
-      raise ValueError(
-          "value_grad_and_stats: layers "
-          f"{', '.join(map(repr, sorted(self.reused)))} "
-          "run in a function whose trace jax reused (a jax.jit, "
-          "jax.checkpoint or nn.jit function called twice in the loss, or "
-          "already traced by an earlier capture): the capture sees a call "
-          "only while it is traced, so it would merge or miss their calls. "
-          "Apply the model plainly in the loss and jit the whole training "
-          "step, create the jitted/checkpointed function inside the loss (a "
-          f"new one per call), or {skip_advice(*sorted(self.reused))}.")
-    for name, stack in self.stacks.items():
-      for loops in self.loops.get(name, ()):
-        axes = list(stack)
-        for length in loops:
-          if length not in axes:
-            steps = ("unknown length (a while_loop)" if length is None else
-                     f"{length} steps")
-            raise ValueError(
-                f"value_grad_and_stats: layer {name!r} runs inside a loop "
-                f"of {steps} (jax.lax.scan, lax.map, fori_loop, while_loop, "
-                "or their nn/nnx forms) with no stack axis of its params "
-                f"left to slice (stack axes {stack}; loops around it "
-                f"{loops}): a loop that does not slice the params (closed "
-                "over, or carried) gives every step the same probes, so the "
-                "layer's inputs and cotangents would be summed over the "
-                "steps. Scan over layers with the params stacked (nn.scan, "
-                "nnx.scan, or lax.scan over a stacked params tree), unroll "
-                "the loop (micro-batches: one value_grad_and_stats each, "
-                "with kfac_jax's gradient accumulation), or "
-                f"{skip_advice(name)}.")
-          axes.remove(length)
+def is_eager(tree: Any) -> bool:
+  """Whether the capture was called outside every JAX transformation, as far
+  as its arguments tell: none of ``tree``'s leaves is a tracer."""
+  return not any(isinstance(leaf, jax.core.Tracer)
+                 for leaf in jax.tree.leaves(tree))
 
 
-def _sub_jaxprs(values: Any) -> Iterator[jax.extend.core.Jaxpr]:
-  """The jaxprs among an equation's params (a scan's body, cond's branches,
-  a remat's or a jit's)."""
-  for value in values:
-    if isinstance(value, jax.extend.core.ClosedJaxpr):
-      yield value.jaxpr
-    elif isinstance(value, jax.extend.core.Jaxpr):
-      yield value
-    elif isinstance(value, (tuple, list)):
-      yield from _sub_jaxprs(value)
+def eager_context(eager: bool) -> contextlib.AbstractContextManager[Any]:
+  """Where the capture traces the loss for a call made outside ``jit``: what
+  does not depend on the params is computed as it is traced
+  (``jax.ensure_compile_time_eval``), as ``jax.value_and_grad`` computes it
+  eagerly, so a loss that hands such a value to NumPy (or branches on it in
+  Python) traces as it runs."""
+  return jax.ensure_compile_time_eval() if eager else contextlib.nullcontext()
 
 
 def shape_pass(fun: Callable[..., Any], params: Any, args: Sequence[Any],
@@ -436,6 +330,8 @@ def shape_pass(fun: Callable[..., Any], params: Any, args: Sequence[Any],
   so Python flags (``train=False``) stay static. ``is_leaf``: subtrees kept
   whole (NNX objects: rebuilt, they would no longer be the model's own).
   ``trace_check``: reads the jaxpr of the calls ``fun`` marked with it.
+  Called outside ``jit`` (``is_eager``), what does not depend on the params
+  is computed as it is traced (``eager_context``).
   """
   leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_leaf)
   abstract = [i for i, leaf in enumerate(leaves)
@@ -449,7 +345,8 @@ def shape_pass(fun: Callable[..., Any], params: Any, args: Sequence[Any],
     return fun(params, args, kwargs)
 
   # What jax.eval_shape does, keeping the jaxpr for the TraceCheck.
-  traced = jax.jit(run).trace(params, [leaves[i] for i in abstract])
+  with eager_context(is_eager((params, args, kwargs))):
+    traced = jax.jit(run).trace(params, [leaves[i] for i in abstract])
   if trace_check is not None:
     trace_check.read(traced.jaxpr.jaxpr)
   return traced.out_info
