@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -99,6 +100,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
       p.kill()
     p.wait()
   if failed is None and None not in codes:
+    shutil.rmtree(logs)
     return 0
   culprit = 0 if failed is None else failed
   reason = (f"did not finish in {args.timeout:g} s" if failed is None else
