@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import errors as flax_errors
 
 from kfac_jax import finite
 from kfac_jax import hyperparameters as hp
@@ -210,10 +211,36 @@ def _real_scalar(name: str, value: Any) -> jax.Array:
   return value
 
 
+def _outputs(split_loss: SplitLoss, params: Any) -> Any:
+  """``split_loss.outputs_fn(params)``; an NNX object it updates but did not
+  make raises a ``ValueError`` naming the fix.
+
+  The quadratic model runs ``outputs_fn`` under ``jax.linearize`` and, for
+  ρ, under ``lax.cond``: NNX refuses updates there to objects made outside
+  (an ``nnx.Rngs`` whose counter dropout advances, a model's BatchNorm
+  statistics). Fresh keys per call would also give ``JΔ``, ``Jδ`` and
+  ``L(θ + v)`` different networks: one dropout mask per step, the one of
+  the gradient's loss, keeps them the model of that loss.
+  """
+  try:
+    return split_loss.outputs_fn(params)
+  except flax_errors.TraceContextError as error:
+    raise ValueError(
+        "SplitLoss.outputs_fn updates an NNX object made outside it (an "
+        "nnx.Rngs whose counter dropout advances, a model's BatchNorm "
+        "statistics): the adaptive mode evaluates it under jax.linearize "
+        "and lax.cond, where NNX refuses such updates. Build what it updates "
+        "inside it: a copy of the model (nnx.merge(graphdef, params, rest, "
+        "copy=True)) and, for dropout, nnx.Rngs(dropout=key) from one key "
+        "drawn outside per step and given to the gradient's loss too, so "
+        "that every evaluation uses the gradient's dropout mask "
+        "(docs/adaptive.md, 'Dropout and other stochastic layers').") from error
+
+
 def loss_value(split_loss: SplitLoss, params: Any) -> jax.Array:
   """``loss_fn(outputs_fn(params)) + regularizer(params)`` (float32)."""
   value = _real_scalar("loss_fn",
-                       split_loss.loss_fn(split_loss.outputs_fn(params)))
+                       split_loss.loss_fn(_outputs(split_loss, params)))
   if split_loss.regularizer is not None:
     value = value + _real_scalar("regularizer", split_loss.regularizer(params))
   return jnp.asarray(value, jnp.float32)
@@ -230,7 +257,8 @@ def curvature_products(
   forward-over-reverse through ``loss_fn`` on the outputs only, whose primal
   output gives ``∇ᵀvᵢ = ∇loss_fn · J vᵢ`` (plus the regularizer's) for free.
   """
-  outputs, jacobian_product = jax.linearize(split_loss.outputs_fn, params)
+  outputs, jacobian_product = jax.linearize(
+      lambda p: _outputs(split_loss, p), params)
   loss = jnp.asarray(_real_scalar("loss_fn", split_loss.loss_fn(outputs)),
                      jnp.float32)
   output_tangents = [jacobian_product(v) for v in vectors]
