@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check: on a machine with an NVIDIA GPU and jax's CUDA
-# plugin installed, in at most 9 minutes (200 + 60 + 60 + 100 + 100 s),
+# plugin installed, in at most 11.5 minutes (200 + 60 + 60 + 100 + 120 +
+# 150 s),
 #   1. the test suite without the 8-simulated-device tests, every result
 #      written as it comes (gpu_check.log) and a junit XML at the end;
 #   2. first-call cost, trace + lower against XLA compile (compile_time.py);
@@ -8,7 +9,10 @@
 #      Householder QR against CholeskyQR2 (decomposition_time.py);
 #   4. the step-time table against SGD and AdamW, eigh against the subspace
 #      solver and EKFAC (step_time.py);
-#   5. a short autoencoder race, Adam against adaptive K-FAC (convergence.py).
+#   5. K-FAC's phases and levers beside AdamW's step on three race
+#      workloads (phases.py, wall clock: the CPU clock does not see the GPU);
+#   6. a short race, AdamW against K-FAC, on the wide transformer and the
+#      BatchNorm CNN (convergence.py).
 # Each part has its own time limit, so a hang costs that part only.
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR            # run from the repo root
@@ -16,9 +20,9 @@
 #   TESTS=tests/test_finite.py bash benchmarks/gpu_check.sh OUT_DIR  # fewer tests
 #
 # The package runs from the checkout (PYTHONPATH), with the machine's jax,
-# flax and optax: nothing is installed. OUT_DIR receives four files:
+# flax and optax: nothing is installed. OUT_DIR receives five files:
 # gpu_check.log (everything printed, the compile table included), junit.xml,
-# step_time.md and race.md.
+# step_time.md, phases.md and race.md.
 set -uo pipefail
 out=${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR}
 python=${PYTHON:-python3}
@@ -61,12 +65,15 @@ part step_time 100 "$python" -m benchmarks.step_time --no-progress \
   --models autoencoder --batch-sizes 256 --rounds 3 \
   --variants sgd adamw kfac-eigen kfac-inverse kfac-eigen-subspace \
   kfac-eigen-ekfac --out "$scratch/st"
-part race 100 "$python" -m benchmarks.convergence --no-progress \
-  --tasks autoencoder --optimizers adam kfac_adaptive --no-sweep --seeds 0 \
-  --budget 20 --out "$scratch/race"
+part phases 120 "$python" -m benchmarks.phases --no-progress \
+  --tasks shakespeare_wide resnet20 mnist_bn --rounds 5 --statistic min \
+  --out "$scratch/ph"
+part race 150 "$python" -m benchmarks.convergence --no-progress \
+  --tasks shakespeare_wide mnist_bn --optimizers adamw kfac --no-sweep \
+  --seeds 0 --budget 15 --eval-examples 2000 --out "$scratch/race"
 
 # The tables, one file per part (the JSON records stay in $scratch).
-for pair in st:step_time race:race; do
+for pair in st:step_time ph:phases race:race; do
   found=$(ls "$scratch/${pair%%:*}"/*.md 2>/dev/null | head -1)
   [ -n "$found" ] && cp "$found" "$out/${pair#*:}.md"
 done

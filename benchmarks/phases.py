@@ -159,22 +159,29 @@ def kfac_tx(task: tasks.Task, changes: dict[str, Any]
                        **dict(KFAC_SETTINGS, factor_update_steps=1, **changes))
 
 
-def warm_factors(task: tasks.Task, loss: Callable[..., Any], params: Any,
-                 model_state: Any, batches: Sequence[tuple[Any, ...]]) -> Any:
-  """Running factors after a few K-FAC steps on real batches."""
-  tx = kfac_tx(task, {})
-  step = train_step(loss, tx, kfac=True, stats=True)
+def warm_factors(step: Callable[..., Any], tx: optax.GradientTransformation,
+                 params: Any, model_state: Any,
+                 batches: Sequence[tuple[Any, ...]]) -> Any:
+  """Running factors after K-FAC steps (``step``, with statistics) on
+  real batches."""
   carry = (copies(params), tx.init(params), copies(model_state))
   for batch in batches:
     carry = step(carry, *batch)
   return kfac_state(carry[1]).factors
 
 
-def build_programs(task: tasks.Task, batch: tuple[Any, ...],
-                   factors: Any) -> list[Program]:
-  """The programs of the module docstring, each with its own carry."""
+def build_programs(task: tasks.Task, batches: Sequence[tuple[Any, ...]]
+                   ) -> tuple[list[Program], Any]:
+  """The programs of the module docstring, each with its own carry, timed
+  on ``batches[0]`` with the factors warmed on the others; and those
+  factors."""
+  batch = batches[0]
   loss = stateful_loss(task)
   params, model_state = task.initial(0)
+  steps = {("inverse", True): train_step(loss, kfac_tx(task, {}), kfac=True,
+                                         stats=True)}
+  factors = warm_factors(steps["inverse", True], kfac_tx(task, {}), params,
+                         model_state, batches[1:])
   grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
   capture = jax.jit(kfac_jax.value_grad_and_stats(loss, has_aux=True))
   adamw = optax.adamw(1e-3)
@@ -187,7 +194,6 @@ def build_programs(task: tasks.Task, batch: tuple[Any, ...],
       Program("capture", lambda _: capture(params, model_state, *batch),
               None),
   ]
-  steps = {}
   for name, config, stats, count in KFAC_PROGRAMS:
     tx = kfac_tx(task, CONFIGS[config])
     step = steps.setdefault((config, stats), train_step(
@@ -202,7 +208,7 @@ def build_programs(task: tasks.Task, batch: tuple[Any, ...],
 
     programs.append(Program(name, run, (copies(params), opt_state,
                                         copies(model_state))))
-  return programs
+  return programs, factors
 
 
 def time_programs(programs: Sequence[Program], rounds: int, calls: int,
@@ -271,10 +277,7 @@ def measure_task(name: str, batch_size: int | None, rounds: int, calls: int,
   batches = [jax.device_put(tuple(a[i * task.batch_size:(i + 1) *
                                     task.batch_size] for a in task.data))
              for i in range(4)]
-  params, model_state = task.initial(0)
-  factors = warm_factors(task, stateful_loss(task), params, model_state,
-                         batches[1:])
-  programs = build_programs(task, batches[0], factors)
+  programs, factors = build_programs(task, batches)
   load = bench_common.load_average()
   first = time_programs(programs, rounds, calls, progress, name)
   return dict(
