@@ -99,7 +99,7 @@ class Race:
             task, optimizer, seed, budget, self.args.eval_every,
             self.args.max_steps, not self.args.no_progress, label,
             self.args.curvature_examples, self.args.curvature,
-            self.args.clock)
+            self.args.clock, race_optimizers.stats_every(name))
       except Exception as error:  # pylint: disable=broad-except
         # One failing run (a contestant that cannot compile or run this
         # task) is recorded as such, not the end of an hours-long race.

@@ -33,17 +33,17 @@ EIGEN_ADAPTIVE = {
                        eigenvalue_correction=True, inv_update_steps=5),
 }
 OPTIMIZERS = ("adamw", "muon", "soap", "kron", "kfac", "kfac_adaptive", "sgd",
-              "adam", *EIGEN_ADAPTIVE)
+              "adam", "kfac_levers", *EIGEN_ADAPTIVE)
 DEFAULT_OPTIMIZERS = OPTIMIZERS[:6]
 FIRST_ORDER = ("sgd", "adam", "adamw", "muon", "soap", "kron")
 # The optimizers without a learning rate: their sweep is over λ₀.
 ADAPTIVE = ("kfac_adaptive", *EIGEN_ADAPTIVE)
-KFAC_OPTIMIZERS = ("kfac", *ADAPTIVE)
+KFAC_OPTIMIZERS = ("kfac", "kfac_levers", *ADAPTIVE)
 # Each optimizer's customary learning rate (SOAP: the paper's default; the
 # adaptive ones: λ₀, that of KFAC_ADAPTIVE_SETTINGS, below); the sweep is
 # center × LR_GRID.
 CENTERS = {"sgd": 1e-2, "adam": 1e-3, "adamw": 1e-3, "muon": 1e-2,
-           "soap": 3e-3, "kron": 3e-4, "kfac": 0.1,
+           "soap": 3e-3, "kron": 3e-4, "kfac": 0.1, "kfac_levers": 0.1,
            **{name: 150.0 for name in ADAPTIVE}}
 LR_GRID = (1 / 3, 1.0, 3.0)
 EXTENSION_FACTOR = 3.0  # beyond a winning edge of the grid
@@ -56,6 +56,13 @@ MUON_ADAM_LR = 1e-3
 # change them; the race records them in its JSON.
 KFAC_SETTINGS = dict(damping=0.01, kl_clip=0.1, inv_update_steps=10,
                      compute_method="inverse")
+# ``kfac_levers`` (on request): KFAC_SETTINGS with issue 49's cheap-step
+# levers, measured by phases.py: statistics only on the factor steps (every
+# STATS_EVERY-th; the others run without, kfac_stats=NO_STATS), from a
+# quarter of each batch, one row per example for weight-sharing layers.
+STATS_EVERY = 10
+KFAC_LEVERS = dict(factor_update_steps=STATS_EVERY, factor_batch_size=0.25,
+                   weight_sharing="reduce")
 # DeepMind kfac-jax's examples/autoencoder_mnist settings (damping adapted
 # every 5 steps by 0.95^5 within [1e-5, 1000], inverses every 5 steps, factor
 # decay 0.95), used for every task; its initial damping, 150, is the center
@@ -105,6 +112,12 @@ def unsupported(name: str, task: tasks.Task) -> str | None:
             "(SplitLoss) and no model state; the task has "
             + ("model state (BatchNorm)" if task.stateful else "no split"))
   return None
+
+
+def stats_every(name: str) -> int | None:
+  """Every how many steps contestant ``name`` reads statistics (None: it
+  is not K-FAC, or reads them every step)."""
+  return STATS_EVERY if name == "kfac_levers" else None
 
 
 def muon_dimensions(layers: Any) -> Any:
@@ -206,15 +219,18 @@ def build_optimizer(name: str, lr: float, task: tasks.Task,
     return training.Optimizer("kron", kron(lr, b1=0.9),
                             description=f"distributed_kron.kron(lr={lr:g}, "
                             "b1=0.9)")
-  if name == "kfac":
-    settings = dict(KFAC_SETTINGS, **kfac_dtypes(inv_dtype))
+  if name in ("kfac", "kfac_levers"):
+    settings = dict(KFAC_SETTINGS, **(KFAC_LEVERS if name == "kfac_levers"
+                                      else {}), **kfac_dtypes(inv_dtype))
     return training.Optimizer(
-        "kfac",
+        name,
         kfac_jax.kfac(learning_rate=lr, momentum=0.9, layers=task.layers,
                       **settings),
         uses_kfac=True,
         description=f"kfac_jax.kfac(lr={lr:g}, momentum=0.9, " + ", ".join(
-            f"{k}={v!r}" for k, v in settings.items()) + ")")
+            f"{k}={v!r}" for k, v in settings.items()) + ")" + (
+                "; kfac_stats=NO_STATS between factor steps"
+                if name == "kfac_levers" else ""))
   if name in ADAPTIVE:
     settings = dict(KFAC_ADAPTIVE_SETTINGS, **EIGEN_ADAPTIVE.get(name, {}),
                     damping=lr, **kfac_dtypes(inv_dtype))

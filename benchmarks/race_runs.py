@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 from tqdm.auto import tqdm
 
 import kfac_jax
@@ -31,8 +32,8 @@ def train_run(task: tasks.Task, optimizer: training.Optimizer, seed: int,
               budget: float, eval_every: float, max_steps: int | None,
               progress: bool, label: str,
               curvature_examples: int | None = None,
-              curvature: str = "batch", clock: str = "wall"
-              ) -> dict[str, Any]:
+              curvature: str = "batch", clock: str = "wall",
+              stats_every: int | None = None) -> dict[str, Any]:
   """Trains for ``budget`` training seconds; returns the run's record.
 
   ``curvature_examples``: see ``curvature_batch`` (None: the whole batch).
@@ -40,7 +41,10 @@ def train_run(task: tasks.Task, optimizer: training.Optimizer, seed: int,
   on the curvature batch, ``"empirical"`` (the loss) or ``"gauss-newton"``
   (the task's ``gauss_newton_fn``). A task's model state (BatchNorm's
   running statistics) is threaded through every step, K-FAC's included.
-  The clock (``CLOCKS[clock]``, which also times the compilation) and the
+  ``stats_every``: a K-FAC optimizer with ``factor_update_steps=k`` reads
+  statistics only on every k-th step; the others run ``no_stats_step``'s
+  program (docs: *Statistics only on factor steps*). The clock
+  (``CLOCKS[clock]``, which also times the compilations) and the
   evaluations are ``timed_training``'s.
   """
   params, model_state = task.initial(seed)
@@ -69,12 +73,21 @@ def train_run(task: tasks.Task, optimizer: training.Optimizer, seed: int,
       curvature_fn=curvature_fn).lower(
           params, opt_state, model_state, jax.random.key(seed),
           *example).compile()
+  plain = compiled
+  if stats_every is not None:
+    plain = no_stats_step(loss_fn, optimizer.tx, task.stateful).lower(
+        params, opt_state, model_state, jax.random.key(seed),
+        *example).compile()
   compile_seconds = CLOCKS[clock]() - start
+  count = [0]
 
   def step(carry, key, *batch):
     params, opt_state, model_state = carry
-    params, opt_state, model_state, loss = compiled(
+    program = (compiled if stats_every is None or count[0] % stats_every == 0
+               else plain)
+    params, opt_state, model_state, loss = program(
         params, opt_state, model_state, key, *batch)
+    count[0] += 1
     return (params, opt_state, model_state), loss
 
   record = timed_training(
@@ -86,6 +99,29 @@ def train_run(task: tasks.Task, optimizer: training.Optimizer, seed: int,
   return dict(task=task.name, optimizer=optimizer.name,
               description=optimizer.description, seed=seed, budget=budget,
               compile_seconds=compile_seconds, clock=clock, **record)
+
+
+def no_stats_step(loss_fn: Callable[..., Any],
+                  tx: optax.GradientTransformation, stateful: bool
+                  ) -> Callable[..., Any]:
+  """A K-FAC step without statistics: ``jax.value_and_grad`` and
+  ``tx.update(..., kfac_stats=kfac_jax.NO_STATS)``, with
+  ``make_train_step``'s signature and donation."""
+
+  def loss_and_state(params, model_state, *batch):
+    if stateful:
+      return loss_fn(params, model_state, *batch)
+    return loss_fn(params, *batch), model_state
+
+  def step(params, opt_state, model_state, key, *batch):
+    del key
+    (loss, model_state), grads = jax.value_and_grad(
+        loss_and_state, has_aux=True)(params, model_state, *batch)
+    updates, opt_state = tx.update(grads, opt_state, params,
+                                   kfac_stats=kfac_jax.NO_STATS)
+    return optax.apply_updates(params, updates), opt_state, model_state, loss
+
+  return jax.jit(step, donate_argnums=(0, 1, 2))
 
 
 def adaptive_trace(opt_state: kfac_jax.ScaleByKFACState) -> dict[str, float]:

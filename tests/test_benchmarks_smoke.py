@@ -470,12 +470,14 @@ def test_convergence_smoke_on_a_batch_norm_task(tmp_path):
   that can, and says which it leaves out; its clock may count CPU
   seconds."""
   result = run_convergence("--smoke", "--tasks", "mnist_bn", "--optimizers",
-                           "adamw", "kfac", "kfac_adaptive", "--clock", "cpu",
-                           "--out", str(tmp_path))
+                           "adamw", "kfac", "kfac_adaptive", "kfac_levers",
+                           "--clock", "cpu", "--out", str(tmp_path))
   assert "leaving kfac_adaptive out" in result.stdout
   (path,) = tmp_path.glob("convergence_*.json")
   runs = json.loads(path.read_text())["runs"]
-  assert [r["optimizer"] for r in runs] == ["adamw", "kfac"]
+  # kfac_levers' second step is its program without statistics.
+  assert [r["optimizer"] for r in runs] == ["adamw", "kfac", "kfac_levers"]
+  assert "NO_STATS between factor steps" in runs[-1]["description"]
   for run in runs:
     assert run["steps"] == 2 and not run["diverged"] and run["clock"] == "cpu"
     assert all(0 <= p["metric"] <= 100 for p in run["curve"])
