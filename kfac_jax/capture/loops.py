@@ -20,7 +20,8 @@ Only a scan at the top of the loss, holding the layer's call directly, is
 rewritten; ``TraceCheck`` refuses the rest with one error listing every
 layer: a ``while_loop``, a loop inside another loop or under ``jax.jit``,
 ``remat`` or ``cond``, a stacked layer in a further loop, and (from
-``probed_vjp``) a loop that carries the params instead of closing over them.
+``probed_vjp``) a loop that changes the params it carries (params carried
+unchanged are loop constants to jax, read as closed over).
 """
 
 from __future__ import annotations
@@ -268,7 +269,7 @@ def probed_vjp(primal: Callable[[Any, Any], tuple[jax.Array, Any]],
 
   Raises:
     ValueError: a ``shared`` layer's probes do not reach its loop as a
-      constant (a loop that carries the params).
+      constant (a loop that changes the params it carries).
   """
   if not any(name in probes for name in shared):
     loss, vjp_fn, aux = jax.vjp(primal, params, probes, has_aux=True)
@@ -413,8 +414,8 @@ def _stacked_zeros(like: jax.Array, steps: int) -> jax.Array:
 def _check_all_sliced(shared: Collection[str], keys: Sequence[ProbeKey],
                       steps: Mapping[ProbeKey, int]) -> None:
   """Refuses the ``shared`` layers none of whose probes a loop held as a
-  constant: the loop carries the params (``nnx.fori_loop`` over the model),
-  or they reach it through another transformation."""
+  constant: the loop changes the params it carries (an inner optimization
+  loop), or they reach it through another transformation."""
   sliced = {key[0] for key in steps}
   carried = sorted(({key[0] for key in keys} & set(shared)) - sliced)
   if carried:
