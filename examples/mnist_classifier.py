@@ -36,33 +36,19 @@ from examples import models
 from examples import reporting
 from examples import training
 
-# Defaults, picked on 2 CPU cores by short sweeps (1 epoch, then 5 epochs):
-# * batch 256, 5 epochs: 1,170 steps, a few minutes for all three optimizers.
-# * SGD lr 0.1 with momentum 0.9 and Adam lr 1e-3: the usual good settings for
-#   this MLP (both reach ~97.7% test accuracy here).
-# * K-FAC: the inverse method with damping 0.3 and kl_clip 1e-3 (lr 0.1,
-#   eigendecompositions/inverses every 10 steps, factor decay 0.95).
-#   Why not the KAISA-style eigen method with damping ~0.003 and kl_clip
-#   0.001-0.01? kfac_jax's G factor is the covariance of the cotangents of the
-#   *mean* loss, so its eigenvalues scale as 1/batch² (~1e-6 here) and the
-#   damping dominates A⊗G: the eigen method then behaves like normalized SGD
-#   whose step length sqrt(kl_clip / damping) ignores the learning rate.
-#   Damping 0.003 with kl_clip 1e-3 (step 0.58) stalls at a train loss ~0.3
-#   after one epoch; kl_clip 3e-5 (step 0.1) gives 0.095 (SGD: 0.112, Adam:
-#   0.125); damping <= 1e-4 diverges whatever the clip. The inverse method
-#   damps A and G separately, so (A + λI)⁻¹ still whitens the layer inputs:
-#   damping 0.1-0.3 with kl_clip 3e-4-3e-3 gives 0.071-0.079 after one epoch,
-#   0.0065 after five (SGD 0.034, Adam 0.034), at half the eigen method's cost
-#   per step.
+# Defaults: SGD lr 0.1 with momentum 0.9 and Adam lr 1e-3, the usual good
+# settings for this MLP; K-FAC the dense-network recipe of the configuration
+# guide's *Recommended settings* (lr 0.3, relative damping 0.01, kl_clip 0.3,
+# inverses every 10 steps).
 DEFAULTS = dict(
     epochs=5,
     batch_size=256,
-    kfac_lr=0.1,
+    kfac_lr=0.3,
     sgd_lr=0.1,
     adam_lr=1e-3,
     compute_method="inverse",
-    damping=0.3,
-    kl_clip=1e-3,
+    damping=0.01,
+    kl_clip=0.3,
     inv_update_steps=10,
     factor_decay=0.95,
 )

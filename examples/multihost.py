@@ -147,8 +147,8 @@ def train(args: argparse.Namespace) -> int:
   params_specs = jax.tree.map(
       lambda p: P(None, "fsdp") if p.ndim == 2 and p.shape[1] % fsdp == 0
       else P(), shapes)
-  kfac_kwargs = dict(learning_rate=0.1, damping=0.01, kl_clip=0.001,
-                     inv_update_steps=10, mesh_axes=("data", "fsdp"),
+  kfac_kwargs = dict(learning_rate=0.1, momentum=0.9, damping=0.01,
+                     kl_clip=0.1, inv_update_steps=10, mesh_axes=("data", "fsdp"),
                      grad_worker_fraction=args.strategy,
                      params_partition_specs=params_specs)
   sgd = optax.sgd(0.1, momentum=0.9)

@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
       lambda p: PartitionSpec(None, "fsdp")
       if p.ndim == 2 and p.shape[1] % fsdp == 0 else PartitionSpec(), params)
   kfac_kwargs = dict(
-      learning_rate=DEFAULTS["kfac_lr"], damping=DEFAULTS["damping"],
+      learning_rate=DEFAULTS["kfac_lr"], momentum=0.9,
+      damping=DEFAULTS["damping"],
       kl_clip=DEFAULTS["kl_clip"], factor_decay=DEFAULTS["factor_decay"],
       inv_update_steps=DEFAULTS["inv_update_steps"],
       compute_method=DEFAULTS["compute_method"],

@@ -17,6 +17,7 @@ from kfac_jax.transform.alias import kfac
 from kfac_jax.transform.checks import NO_STATS
 from kfac_jax.hyperparameters import ComputeMethod
 from kfac_jax.hyperparameters import DampingMode
+from kfac_jax.hyperparameters import WeightSharing
 from kfac_jax.transform.partition_specs import get_opt_state_partition_specs
 from kfac_jax.transform.quadratic_model import AdaptiveConfig
 from kfac_jax.transform.quadratic_model import QuadraticModelState
@@ -47,6 +48,7 @@ __all__ = [
     "SplitLoss",
     "SubspaceSolver",
     "TrainState",
+    "WeightSharing",
     "get_opt_state_partition_specs",
     "kfac",
     "sampled_curvature",

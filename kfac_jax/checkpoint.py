@@ -266,7 +266,13 @@ def recompute_preconditioners(
   if kwargs.get("adaptive") is not None:
     kwargs.setdefault("kl_clip", None)  # The adaptive mode has none.
   config = KFACConfig(damping=damping, **kwargs)
-  decompose_all = jax.jit(functools.partial(_decompose_all, config))
+  # An adaptive state's λ is absolute, whatever the default damping_mode.
+  adaptive_config = config
+  if config.relative_damping and kwargs.get("damping_mode") is None:
+    adaptive_config = KFACConfig(damping=damping,
+                                 **{**kwargs, "damping_mode": "absolute"})
+  decompose_all = jax.jit(functools.partial(_decompose_all, config,
+                                            adaptive_config))
   # A tree of Flax-boxed params keeps its packed rows boxed, as init boxed
   # them (kfac_jax.transform.boxing); its other boxed parts pass through.
   boxed = boxing.has_boxes(tree)
@@ -282,11 +288,19 @@ def recompute_preconditioners(
     return _map_kfac_states(recompute, tree, "recompute_preconditioners")
 
 
-def _decompose_all(config: KFACConfig,
+def _decompose_all(config: KFACConfig, adaptive_config: KFACConfig,
                    state: ScaleByKFACState) -> ScaleByKFACState:
-  """``state`` with its factors decomposed again (``guarded_decomposition``)."""
+  """``state`` with its factors decomposed again (``guarded_decomposition``),
+  under ``adaptive_config`` (absolute λ) if it is the adaptive mode's."""
   dims = factor_dims(state.factors)
   is_adaptive = state.quadratic_model is not None
+  if is_adaptive:
+    config = adaptive_config
+    if config.relative_damping:
+      raise ValueError(
+          "recompute_preconditioners(damping_mode='relative'): the state is "
+          "the adaptive mode's, whose λ is absolute; pass damping_mode=None "
+          "or 'absolute'.")
   if config.adaptive is not None and not is_adaptive:
     raise ValueError(
         "recompute_preconditioners(adaptive=...): the state is not the "

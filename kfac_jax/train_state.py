@@ -18,6 +18,7 @@ from flax.training import train_state
 import optax
 
 from kfac_jax.capture.statistics import LayerStatistics
+from kfac_jax.transform.checks import NoStats
 from kfac_jax.transform.quadratic_model import SplitLoss
 
 
@@ -42,7 +43,8 @@ class TrainState(train_state.TrainState):
   """
 
   def apply_gradients(self, *, grads: Any,
-                      kfac_stats: Mapping[str, LayerStatistics] | None = None,
+                      kfac_stats: (Mapping[str, LayerStatistics] | NoStats |
+                                   None) = None,
                       split_loss: SplitLoss | None = None,
                       **kwargs: Any) -> TrainState:
     """One optimizer step: ``tx.update`` with the stats, then the params.
@@ -50,8 +52,8 @@ class TrainState(train_state.TrainState):
     Args:
       grads: gradients of the structure of ``params``.
       kfac_stats: the third result of ``kfac_jax.value_grad_and_stats``,
-        for ``scale_by_kfac`` in ``tx``; ``None`` passes none (a ``tx``
-        without K-FAC).
+        for ``scale_by_kfac`` in ``tx`` (``kfac_jax.NO_STATS`` on a step
+        without statistics); ``None`` passes none (a ``tx`` without K-FAC).
       split_loss: the adaptive mode's ``SplitLoss`` (``scale_by_kfac(
         adaptive=...)``); ``None`` passes none.
       **kwargs: other fields of the state to ``replace`` (a subclass's

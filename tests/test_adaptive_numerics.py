@@ -130,7 +130,8 @@ def test_an_injected_initial_damping_out_of_range_is_clipped(damping,
   params, batch, split, loss_fn = sigmoid_problem()
   tx = optax.inject_hyperparams(kfac_jax.scale_by_kfac,
                                 static_args=("accumulation_steps",))(
-      damping=damping, kl_clip=None, adaptive=kfac_jax.AdaptiveConfig())
+      damping=damping, kl_clip=None, adaptive=kfac_jax.AdaptiveConfig(),
+      compute_method="eigen")
   state = jax.jit(tx.init)(params)
   assert float(state.inner_state.quadratic_model.damping) == np.float32(
       expected)

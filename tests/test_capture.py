@@ -240,30 +240,3 @@ def test_dense_general_with_batch_dims_is_left_out(batch_dims):
   updates, _ = tx.update(grads, tx.init(params), kfac_stats=stats)
   jax.tree.map(np.testing.assert_array_equal, updates["batched"],
                grads["batched"])
-
-
-def test_boxed_params_are_refused_with_the_way_out():
-  # Partitioned kernels were a crash in the capture (no .shape), and
-  # scale_by_kfac took them for masked leaves: the layer silently got no
-  # K-FAC.
-  class Model(nn.Module):
-
-    @nn.compact
-    def __call__(self, x):
-      return nn.Dense(2, kernel_init=nn.with_partitioning(
-          nn.initializers.lecun_normal(), (None, "model")), name="dense")(x)
-
-  model = Model()
-  x = jnp.ones((4, 3))
-  boxed = model.init(jax.random.PRNGKey(0), x)["params"]
-  loss_fn = lambda params: jnp.mean(model.apply({"params": params}, x)**2)
-  match = r"dense/kernel are boxed \(Partitioned.*nn\.unbox"
-  for call in (lambda: kfac_jax.value_grad_and_stats(loss_fn)(boxed),
-               lambda: kfac_jax.trace_layers(loss_fn, boxed),
-               lambda: kfac_jax.scale_by_kfac().init(boxed)):
-    with pytest.raises(ValueError, match=match):
-      call()
-  params = nn.unbox(boxed)
-  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
-  tx = kfac_jax.scale_by_kfac()
-  assert list(tx.init(params).factors) == ["dense"]

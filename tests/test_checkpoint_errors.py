@@ -91,10 +91,11 @@ def test_restoring_another_configuration_names_the_arrays(tmp_path):
   """Saved without the outer product (no ``damped_inverse``), restored onto
   a target with it: Orbax filled the target's arrays with None silently,
   and the update failed on them."""
-  params, tx, _ = make_training(compute_eigenvalue_outer_product=False)
+  params, tx, _ = make_training(compute_method="eigen",
+                                compute_eigenvalue_outer_product=False)
   saved = {"params": params, "opt_state": tx.init(params)}
   checkpoint.save(tmp_path / "ckpt", saved)
-  _, other_tx, _ = make_training()
+  _, other_tx, _ = make_training(compute_method="eigen")
   target = jax.eval_shape(lambda: {"params": params,
                                    "opt_state": other_tx.init(params)})
   with pytest.raises(ValueError, match=(
@@ -117,7 +118,7 @@ def test_update_without_fitting_preconditioners_points_to_recompute(tmp_path):
     step(params, restored, x, y)
   # Recomputed for another method than the transformation's.
   other = checkpoint.recompute_preconditioners(restored, DAMPING,
-                                               compute_method="inverse")
+                                               compute_method="eigen")
   with pytest.raises(ValueError, match="compute_method.*"
                      "recompute_preconditioners"):
     step(params, other, x, y)

@@ -51,7 +51,7 @@ STEPS = st.one_of(
     st.integers(1, 100).map(
         lambda k: (lambda step: jnp.where(step < 100, 1, k))),
 )
-METHOD = st.sampled_from(["eigen", "inverse", "EIGEN", "Inverse",
+METHOD = st.sampled_from([None, "eigen", "inverse", "EIGEN", "Inverse",
                           kfac_jax.ComputeMethod.EIGEN,
                           kfac_jax.ComputeMethod.INVERSE])
 REGEX = st.sampled_from(["^head$", "Dense", "encoder/.*", "Conv_[0-9]+", ".*"])
@@ -86,7 +86,14 @@ VALID = {
     "assignment_strategy": st.sampled_from(
         ["compute", "memory", "MEMORY"] + list(kfac_jax.AssignmentStrategy)),
     "decomposition_batch_size": st.one_of(st.none(), st.integers(1, 64)),
-    "factor_batch_size": st.one_of(st.none(), st.integers(1, 64)),
+    "factor_batch_size": st.one_of(st.none(), st.integers(1, 64),
+                                   st.floats(1e-3, 0.999)),
+    "weight_sharing": st.sampled_from(
+        ["expand", "reduce", "REDUCE"] + list(kfac_jax.WeightSharing)),
+    "damping_mode": st.sampled_from(
+        [None, "relative", "absolute", "Absolute"] +
+        list(kfac_jax.DampingMode)),
+    "momentum": st.one_of(st.none(), st.floats(0.0, 0.999), st.just(0)),
     "gradient_from_stats": st.one_of(st.booleans(),
                                      st.sampled_from([np.bool_(True)])),
     "eigen_solver": st.one_of(
@@ -107,7 +114,8 @@ def valid_configs(draw):
     config["accumulation_steps"] = 1
   if (config.get("factor_dtype") is not None and
       jnp.dtype(config["factor_dtype"]) == jnp.bfloat16 and
-      kfac_jax.ComputeMethod.parse(config.get("compute_method", "eigen")) is
+      config.get("compute_method") is not None and
+      kfac_jax.ComputeMethod.parse(config["compute_method"]) is
       kfac_jax.ComputeMethod.INVERSE):
     # Rounding to bfloat16 turns rank-deficient factors indefinite, where
     # the inverse method's Cholesky fails (test_validation.py).
@@ -190,11 +198,22 @@ INVALID = {
     "compute_method": st.one_of(
         st.text(max_size=8).filter(
             lambda s: s.lower() not in ("eigen", "inverse")),
-        st.sampled_from([None, 0, 1.0, ["eigen"], ("inverse",), " eigen",
+        st.sampled_from([0, 1.0, ["eigen"], ("inverse",), " eigen",
                          "eig", "cholesky", b"eigen"])),
+    "damping_mode": st.one_of(
+        st.text(max_size=8).filter(
+            lambda s: s.lower() not in ("relative", "absolute")),
+        st.sampled_from([0, ["relative"], "kaisa", b"absolute"])),
+    "weight_sharing": st.sampled_from([None, "", "mean", 1, ["reduce"]]),
+    "momentum": st.one_of(st.floats(max_value=-1e-30),
+                          st.floats(min_value=1.0), NON_FINITE,
+                          st.sampled_from(["0.9", [0.9]])),
     "accumulation_steps": st.one_of(NOT_A_POSITIVE_INT, st.none()),
     "decomposition_batch_size": NOT_A_POSITIVE_INT,
-    "factor_batch_size": NOT_A_POSITIVE_INT,
+    "factor_batch_size": st.one_of(
+        st.integers(max_value=0), st.text(max_size=3),
+        st.floats().filter(lambda f: not 0 < f < 1),
+        st.sampled_from([True, False, [2], (2,), np.float32(2.0)])),
     "gradient_from_stats": st.sampled_from(
         [None, 0, 1, 1.0, "yes", "False", [True], (False,)]),
     "skip_layers": st.one_of(

@@ -61,7 +61,7 @@ def test_embeddings_pass_through_unless_requested():
   tx = kfac_jax.scale_by_kfac(damping=DAMPING, factor_decay=DECAY,
                               kl_clip=None, layers=table,
                               precondition_embeddings=True,
-                              damping_mode="absolute")
+                              damping_mode="absolute", compute_method="eigen")
   state = tx.init(params)
   updates, state = tx.update(grads, state, params, kfac_stats=stats)
   one_hot = np.eye(7)[np.asarray(tokens).reshape(-1)]

@@ -32,7 +32,7 @@ def _kfac_step(model: nn.Module, params, x: np.ndarray, weights: np.ndarray):
   table = kfac_jax.trace_layers(loss_fn, params)
   tx = kfac_jax.scale_by_kfac(damping=DAMPING, factor_decay=DECAY,
                               kl_clip=None, layers=table,
-                              damping_mode="absolute")
+                              damping_mode="absolute", compute_method="eigen")
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
   updates, state = tx.update(grads, tx.init(params), params, kfac_stats=stats)
   return model.apply({"params": params}, x), table, state, updates
@@ -475,7 +475,7 @@ def test_remat_scan_has_two_stack_axes_and_matches_unrolled():
     return jnp.sum(h ** 2)
 
   tx = kfac_jax.scale_by_kfac(damping=DAMPING, kl_clip=None, layers=table,
-                              damping_mode="absolute")
+                              damping_mode="absolute", compute_method="eigen")
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
   updates, state = tx.update(grads, tx.init(params), params, kfac_stats=stats)
   # Reference: the same 4 dense layers unrolled, each its own Kronecker block.

@@ -8,8 +8,9 @@ the StableHLO operations of the MNIST autoencoder's training step
 (which needs no GPU), as a multiple of the Adam step's in the same lowering.
 
 Measured on jax 0.9.2 (0.12.0.1 within 2 %): Adam 698 operations (710) on
-both platforms; K-FAC eigen 2.65x, inverse 3.32x (cpu: its blocked triangular
-solves) and 2.74x (cuda), adaptive 4.36x. Each bound
+both platforms; K-FAC eigen 2.79x, inverse 3.48x (cpu: its blocked
+triangular solves), adaptive (eigen) 4.38x; relative damping's
+normalizations added 0.14x and 0.20x. Each bound
 leaves ~10 % above the larger: a change that grows the step past it must
 show its compile time (benchmarks/compile_time.py) and move the bound
 knowingly.
@@ -54,7 +55,8 @@ def _step(variant: str):
     return step, tx
   if variant == "adaptive":
     tx = kfac_jax.scale_by_kfac(damping=1.0, kl_clip=None, inv_update_steps=5,
-                                adaptive=kfac_jax.AdaptiveConfig())
+                                adaptive=kfac_jax.AdaptiveConfig(),
+                                compute_method="eigen")
   else:
     tx = optax.chain(
         kfac_jax.scale_by_kfac(learning_rate=1e-3, damping=1e-3,

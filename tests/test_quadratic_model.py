@@ -260,7 +260,8 @@ def test_adaptive_mode_in_multi_transform_with_the_masked_params_filled():
       {"kfac": adaptive_tx(), "frozen": optax.set_to_zero()}, labels)
   alone = kfac_jax.scale_by_kfac(
       damping=1.0, kl_clip=None, compute_eigenvalue_outer_product=False,
-      adaptive=kfac_jax.AdaptiveConfig(), skip_layers=["^Dense_1$"])
+      adaptive=kfac_jax.AdaptiveConfig(), skip_layers=["^Dense_1$"],
+      compute_method="eigen")
 
   @jax.jit
   def multi_step(params, state):

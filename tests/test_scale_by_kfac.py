@@ -19,6 +19,7 @@ close = reference.assert_float32_close
 def run_and_compare(kind, use_bias, steps=3, accumulation_steps=1, **kwargs):
   """Runs scale_by_kfac and the reference side by side; checks every step."""
   params, batches, loss_fn, reference_tensors = make_problem(kind, use_bias)
+  kwargs = {"compute_method": "eigen", "kl_clip": 0.001, **kwargs}
   tx = kfac_jax.scale_by_kfac(learning_rate=LEARNING_RATE, damping=DAMPING,
                               accumulation_steps=accumulation_steps, **kwargs)
   ref = reference.KFACReference(
@@ -177,7 +178,7 @@ def test_eigen_damping_between_decompositions(outer_product, damping_mode):
       damping=lambda step: jnp.where(step == 0, decomposition_damping,
                                      later_damping),
       kl_clip=None, inv_update_steps=2, damping_mode=damping_mode,
-      compute_eigenvalue_outer_product=outer_product)
+      compute_method="eigen", compute_eigenvalue_outer_product=outer_product)
   x, y = next(batches)
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
   _, state = tx.update(grads, tx.init(params), params, kfac_stats=stats)
@@ -235,7 +236,7 @@ def test_dense_layer_equals_explicit_kronecker_solve(damping_mode):
   (relative damping: of A and G divided by their mean eigenvalues)."""
   params, batches, loss_fn, reference_tensors = make_problem("mlp", True)
   tx = kfac_jax.scale_by_kfac(damping=DAMPING, kl_clip=None, factor_decay=0.5,
-                              damping_mode=damping_mode)
+                              damping_mode=damping_mode, compute_method="eigen")
   state = tx.init(params)
   x, y = next(batches)
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)

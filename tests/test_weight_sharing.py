@@ -143,5 +143,5 @@ def test_a_fractional_factor_batch_size_keeps_that_share_of_the_examples():
   (half,), _ = batch_lib.batch_factors(stats, examples=0.5)
   (two,), _ = batch_lib.batch_factors(stats, examples=2)
   np.testing.assert_array_equal(half, two)  # round(0.5 · 4) = 2 examples
-  with pytest.raises(ValueError, match="factor_batch_size.*fraction"):
+  with pytest.raises(TypeError, match="factor_batch_size.*fraction"):
     kfac_jax.scale_by_kfac(factor_batch_size=1.5)

@@ -82,8 +82,8 @@ def init_eigen(activation_dim: int, gradient_dim: int, dtype: jnp.dtype,
 
 
 def mean_or_one(values: jax.Array) -> jax.Array:
-  """The mean of non-negative ``values``, float32; 1 where it is 0 (a dead
-  layer's factor), so that dividing by it is a no-op there."""
+  """The mean of non-negative ``values`` (a matrix), float32; 1 where it is
+  0 (a dead layer's factor), so that dividing by it is a no-op there."""
   mean = jnp.mean(values.astype(DECOMPOSITION_DTYPE))
   return jnp.where(mean > 0, mean, 1.0)
 
@@ -93,12 +93,14 @@ def damped_inverse(activation_eigenvalues: jax.Array,
                    relative: bool) -> jax.Array:
   """``1 / (outer(d_A, d_G) + λ)`` ``[dA, dG]``, float32; ``relative``: with
   ``outer(d_A, d_G) / (mean(d_A) mean(d_G))`` (module docstring)."""
-  activation = activation_eigenvalues.astype(DECOMPOSITION_DTYPE)
-  gradient = gradient_eigenvalues.astype(DECOMPOSITION_DTYPE)
+  outer = (activation_eigenvalues.astype(DECOMPOSITION_DTYPE)[:, None] *
+           gradient_eigenvalues.astype(DECOMPOSITION_DTYPE)[None, :])
   if relative:
-    activation = activation / mean_or_one(activation)
-    gradient = gradient / mean_or_one(gradient)
-  return 1.0 / (activation[:, None] * gradient[None, :] + damping)
+    # mean(outer) = mean(d_A)·mean(d_G), summed as a matrix: XLA:CPU
+    # compiles a [d] vector's sum as a windowed tree reduction of its own
+    # (design notes, *Compile time*).
+    outer = outer / mean_or_one(outer)
+  return 1.0 / (outer + damping)
 
 
 def assemble(activation: tuple[jax.Array, jax.Array],

@@ -34,8 +34,9 @@ from kfac_jax.hyperparameters import (ComputeMethod, DampingMode,
                                       ScalarOrSchedule, WeightSharing)
 from kfac_jax.transform.quadratic_model import AdaptiveConfig
 
-# scale_by_kfac's λ unless given (the kfac alias's too).
-DEFAULT_DAMPING = 0.001
+# scale_by_kfac's λ (relative) and κ unless given (the kfac alias's too).
+DEFAULT_DAMPING = 0.01
+DEFAULT_KL_CLIP = 0.1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -85,7 +86,12 @@ class KFACConfig:
       0``. Positive integer or schedule.
     inv_update_steps: eigendecompositions (or inverses) are recomputed when
       ``step % inv_update_steps == 0``. Positive integer or schedule.
-    compute_method: ``"eigen"`` or ``"inverse"``.
+    compute_method: ``"eigen"`` or ``"inverse"``. ``None``: ``"inverse"``
+      (a Cholesky inverse costs 1/4 to 1/7 of an ``eigh`` of the same
+      factor on CPU, and it preconditions with one pair of products instead
+      of two), or ``"eigen"`` where another argument needs eigenbases
+      (``eigenvalue_correction``, ``eigen_solver="subspace"``, bfloat16
+      ``factor_dtype``).
     compute_eigenvalue_outer_product: eigen method only: store
       ``1/(outer(d_A, d_G) + λ)`` at each decomposition (λ then stays fixed
       until the next one) instead of forming it every step.
@@ -228,11 +234,11 @@ class KFACConfig:
   damping: ScalarOrSchedule = DEFAULT_DAMPING
   damping_mode: DampingMode | str | None = None
   factor_decay: ScalarOrSchedule = 0.95
-  kl_clip: ScalarOrSchedule | None = 0.001
+  kl_clip: ScalarOrSchedule | None = DEFAULT_KL_CLIP
   momentum: ScalarOrSchedule | None = 0.0
   factor_update_steps: ScalarOrSchedule = 1
   inv_update_steps: ScalarOrSchedule = 1
-  compute_method: ComputeMethod | str = ComputeMethod.EIGEN
+  compute_method: ComputeMethod | str | None = None
   compute_eigenvalue_outer_product: bool = True
   accumulation_steps: int = 1
   skip_layers: Sequence[str] | str | None = None
@@ -258,7 +264,7 @@ class KFACConfig:
     set_ = functools.partial(object.__setattr__, self)
     for name, value in _hyperparameters(self).items():
       set_(name, value)
-    set_("compute_method", ComputeMethod.parse(self.compute_method))
+    set_("compute_method", _compute_method(self))
     set_("damping_mode", _damping_mode(self.damping_mode, self.adaptive))
     set_("accumulation_steps", hp.static_positive_integer(
         "accumulation_steps", self.accumulation_steps))
@@ -354,6 +360,19 @@ def _hyperparameters(config: KFACConfig) -> dict[str, Any]:
                                            config.inv_update_steps))
 
 
+def _compute_method(config: KFACConfig) -> ComputeMethod:
+  """``compute_method`` parsed; ``None``: the inverse method, unless an
+  option needs eigenbases."""
+  if config.compute_method is not None:
+    return ComputeMethod.parse(config.compute_method)
+  needs_eigen = (
+      hp.static_bool("eigenvalue_correction", config.eigenvalue_correction)
+      or not (isinstance(config.eigen_solver, str) and
+              config.eigen_solver == "eigh")
+      or hp.factor_dtype("factor_dtype", config.factor_dtype) == jnp.bfloat16)
+  return ComputeMethod.EIGEN if needs_eigen else ComputeMethod.INVERSE
+
+
 def _damping_mode(mode: Any, adaptive: AdaptiveConfig | None) -> DampingMode:
   """``mode`` parsed; ``None``: relative, or the adaptive mode's absolute λ."""
   if mode is None:
@@ -371,7 +390,7 @@ def _factor_batch_size(size: Any) -> int | float | None:
   """A positive integer (examples), a fraction in (0, 1), or None."""
   if isinstance(size, float) and not size.is_integer():
     if not 0 < size < 1:
-      raise ValueError(
+      raise TypeError(
           "factor_batch_size must be a positive integer (examples) or a "
           f"fraction of the batch in (0, 1); got {size!r}.")
     return size
