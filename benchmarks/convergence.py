@@ -93,8 +93,9 @@ their inverses stored and applied in bfloat16 (float32 accumulation), the
 products at twice float32's rate on CPUs with AVX512-BF16.
 
 Outputs in ``--out``: ``convergence_<stamp>.json`` (every run's curve,
-settings and versions, rewritten after each run; ``--resume FILE`` continues
-an interrupted race), ``convergence_<stamp>.md`` (tables) and
+settings and versions, rewritten after each run; ``--resume FILE ...``
+continues an interrupted race, or joins races run apart, e.g. in parallel
+processes, into one report), ``convergence_<stamp>.md`` (tables) and
 ``convergence_<stamp>_<task>.png`` (metric vs steps and vs seconds).
 
 Run from the repository root::
@@ -224,8 +225,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="also stop every run after this many steps")
   parser.add_argument("--out", type=pathlib.Path,
                       default=REPO / "results")
-  parser.add_argument("--resume", type=pathlib.Path, default=None,
-                      help="a previous run's JSON: runs recorded there are "
+  parser.add_argument("--resume", type=pathlib.Path, nargs="+",
+                      default=None,
+                      help="previous runs' JSONs: runs recorded there are "
                       "not repeated")
   parser.add_argument("--no-progress", action="store_true")
   parser.add_argument("--smoke", action="store_true",
@@ -249,8 +251,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       raise SystemExit(f"--center {name}={center:g}: must be > 0"
                        + (f" and within [{low:g}, {high:g}], the range of λ"
                           if name in ADAPTIVE else "") + ".")
-  if args.resume is not None and not args.resume.is_file():
-    raise SystemExit(f"--resume {args.resume}: no such file.")
+  for path in args.resume or ():
+    if not path.is_file():
+      raise SystemExit(f"--resume {path}: no such file.")
   if args.curvature_examples < 1:
     raise SystemExit("--curvature-examples must be >= 1.")
   if args.max_extensions < 0:
@@ -277,7 +280,8 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
   return dict(
       command=" ".join([sys.executable.rsplit("/", 1)[-1],
                         *map(str, sys.argv)]),
-      args={k: (str(v) if isinstance(v, pathlib.Path) else v)
+      args={k: (str(v) if isinstance(v, pathlib.Path) else
+                [str(p) for p in v] if k == "resume" and v else v)
             for k, v in vars(args).items()},
       centers=CENTERS, lr_grid=LR_GRID, kfac_settings=KFAC_SETTINGS,
       kfac_adaptive_settings=KFAC_ADAPTIVE_SETTINGS,

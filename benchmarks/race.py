@@ -50,8 +50,8 @@ class Race:
     self.meta = meta
     self.runs: list[dict[str, Any]] = []
     self.done: dict[tuple, dict[str, Any]] = {}
-    if args.resume is not None:
-      previous = json.loads(args.resume.read_text())
+    for path in args.resume or ():
+      previous = json.loads(path.read_text())
       for run in previous["runs"]:
         self.done[run_key(run)] = run
       if previous.get("git_commit") != meta.get("git_commit") or previous.get(

@@ -25,7 +25,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import kfac_jax
 from kfac_jax.factors.running import factor_dims
-from kfac_jax.transform.config import make_placement
+from kfac_jax.transform.config import KFACConfig
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -170,10 +170,9 @@ def comparable(preconditioner) -> list[np.ndarray]:
 
 
 def per_layer(state, kwargs):
-  placement = make_placement(
-      kwargs.get("compute_method", "eigen"), True, jnp.float32,
-      kwargs.get("mesh_axes"), kwargs.get("grad_worker_fraction", "comm_opt"),
-      kwargs.get("assignment_strategy", "compute"))
+  """``state``'s preconditioners per layer, read in the layout of the
+  ``scale_by_kfac`` arguments ``kwargs``."""
+  placement = KFACConfig(**kwargs).placement
   return placement.per_layer(factor_dims(state.factors),
                              state.preconditioners)
 

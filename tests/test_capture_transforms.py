@@ -282,38 +282,60 @@ def _looped_loss(loop, model, x, y):
   return loss_fn
 
 
-@pytest.mark.parametrize("loop", ["scan", "map", "fori_loop", "while_loop"])
-def test_a_layer_in_a_loop_that_does_not_slice_its_params_is_refused(loop):
-  # Every step got the same probes: each layer's inputs and cotangents came
-  # out summed over the micro-batches, A = (x₁ + x₂)(x₁ + x₂)ᵀ, unnoticed.
+@pytest.mark.parametrize("loop", ["scan", "map", "fori_loop"])
+def test_a_loop_closing_over_the_params_is_read_per_step(loop):
+  # Every step once got the same probes: each layer's inputs and cotangents
+  # came out summed over the micro-batches, A = (x₁ + x₂)(x₁ + x₂)ᵀ. Now the
+  # loop's steps are a weight-sharing axis ([B, steps, ·]), holding exactly
+  # the rows of the batch captured without the loop.
   model, x, y, params = _two_dense_setup()
   loss_fn = _looped_loss(loop, model, x, y)
-  for capture in (lambda: kfac_jax.trace_layers(loss_fn, params),
-                  lambda: kfac_jax.value_grad_and_stats(loss_fn)(params)):
-    with pytest.raises(ValueError, match="'hidden' runs inside a loop"):
-      capture()
-  if loop == "while_loop":
-    return  # jax cannot differentiate it: no gradients to compare.
-  # Skipped, the layers go to the chained optimizer; the gradients stay.
-  skip = ["^hidden$", "^out$"]
-  loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn,
-                                                     skip_layers=skip)(params)
-  assert not stats
+  loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  whole_loss = lambda p: 0.5 * jnp.sum((model.apply({"params": p}, x) - y)**2)
+  _, _, whole = kfac_jax.value_grad_and_stats(whole_loss)(params)
+  assert sorted(stats) == sorted(whole) == ["hidden", "out"]
+  for name, layer in stats.items():
+    for looped, alone in ((layer.inputs[0], whole[name].inputs[0]),
+                          (layer.output_cotangents[0],
+                           whole[name].output_cotangents[0])):
+      # Row n of micro-batch m is row m·3 + n of the batch: same values,
+      # computed by the same ops on the same rows.
+      close(np.swapaxes(np.asarray(looped), 0, 1).reshape(alone.shape),
+            alone, terms=TWO_DENSE_GRADIENT)
   expected_loss, expected_grads = jax.value_and_grad(loss_fn)(params)
   close(loss, expected_loss, terms=TWO_DENSE_FORWARD)
   jax.tree.map(lambda a, b: close(a, b, terms=TWO_DENSE_GRADIENT), grads,
                expected_grads)
 
 
-def test_a_root_layer_in_a_loop_or_a_reused_trace_is_refused():
+def test_a_layer_in_a_while_loop_is_refused_and_can_be_skipped():
+  # A while_loop's length is unknown to the shape pass: its steps cannot be
+  # given probes of their own. One error lists both layers.
+  model, x, y, params = _two_dense_setup()
+  loss_fn = _looped_loss("while_loop", model, x, y)
+  for capture in (lambda: kfac_jax.trace_layers(loss_fn, params),
+                  lambda: kfac_jax.value_grad_and_stats(loss_fn)(params)):
+    with pytest.raises(ValueError, match="layers 'hidden', 'out' runs inside "
+                       r"a loop of unknown length.*skip_layers=\['\^hidden\$', "
+                       r"'\^out\$'\]"):
+      capture()
+  # Skipped, the layers go to the chained optimizer; the value stays jax's
+  # (a while_loop has no reverse-mode gradient to compare).
+  skip = ["^hidden$", "^out$"]
+  with pytest.warns(UserWarning, match="captured no layer.*skip_layers"):
+    assert not kfac_jax.trace_layers(loss_fn, params, skip_layers=skip)
+
+
+def test_a_root_layer_in_a_loop_is_read_per_step_a_reused_trace_refused():
   # The model is the layer (its name ''): its marker held no hex digits and
   # was never read, so both went unnoticed, the inputs summed as x₁ + x₂.
   model = nn.Dense(3)
   x = jnp.arange(16.0).reshape(4, 4) / 16
   params = model.init(jax.random.key(0), x)["params"]
   looped = _looped_loss("scan", model, x, jnp.ones((4, 3)))
-  with pytest.raises(ValueError, match="'' runs inside a loop"):
-    kfac_jax.value_grad_and_stats(looped)(params)
+  _, _, stats = kfac_jax.value_grad_and_stats(looped)(params)
+  np.testing.assert_array_equal(
+      np.swapaxes(np.asarray(stats[""].inputs[0]), 0, 1).reshape(x.shape), x)
   jitted_apply = jax.jit(model.apply)
   twice = lambda params: jnp.sum(jitted_apply({"params": params}, x) *
                                  jitted_apply({"params": params}, -x))

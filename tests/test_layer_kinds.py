@@ -345,9 +345,10 @@ def _train_step(loss_fn, tx, params, state):
   return optax.apply_updates(params, updates), state, updates
 
 
-def test_layer_with_params_broadcast_over_scan_steps_is_refused():
-  """An RNN-style cell shares its params over the steps: calls can't be told
-  apart. Skipped in the capture too, it goes to the chained optimizer."""
+def test_a_cell_broadcast_over_scan_steps_is_read_per_step_or_skipped():
+  """An RNN-style cell shares its params over the steps: each step's input
+  and output cotangent, stacked after the example axis ([B, T, ·]), as an
+  unrolled jax loop gives them. Skipped, it goes to the chained optimizer."""
 
   class Cell(nn.Module):
 
@@ -369,20 +370,37 @@ def test_layer_with_params_broadcast_over_scan_steps_is_refused():
   xs = jnp.asarray(np.random.default_rng(7).normal(size=(5, 2, 3)),
                    jnp.float32)
   params = model.init(jax.random.PRNGKey(0), xs)["params"]
+  params = jax.tree.map(lambda p: p + 0.1, params)  # biases non-zero too
   loss_fn = lambda p: jnp.sum(model.apply({"params": p}, xs)**2)
-  with pytest.raises(ValueError, match="'cell/dense'.*skip_layers"):
-    kfac_jax.value_grad_and_stats(loss_fn)(params)
-  with pytest.raises(ValueError, match="'cell/dense'.*skip_layers"):
-    kfac_jax.trace_layers(loss_fn, params)
+
+  def unrolled(shift):
+    """The loss unrolled in Python, ``shift[t]`` added to the cell's Dense
+    output at step t: ``(loss, the Dense's inputs [T, B, 3])``."""
+    cell, head = params["cell"]["dense"], params["head"]
+    h, inputs, ys = jnp.zeros((2, 3)), [], []
+    for t in range(5):
+      inputs.append(h)
+      h = jnp.tanh(h @ cell["kernel"] + cell["bias"] + shift[t] + xs[t])
+      ys.append(h)
+    out = jnp.stack(ys) @ head["kernel"] + head["bias"]
+    return jnp.sum(out**2), jnp.stack(inputs)
+
+  cotangents, inputs = jax.grad(unrolled, has_aux=True)(jnp.zeros((5, 2, 3)))
+  _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  layer = stats["cell/dense"]
+  assert kfac_jax.trace_layers(loss_fn, params)["cell/dense"].stack_ndim == 0
+  # 5 cell steps (a dot of 3, + x, tanh), the head's dot of 3, the sum over
+  # 5 × 2 × 2 outputs; the cotangents, backward through as many.
+  forward = 5 * (3 + 2) + 3 + 20
+  close(layer.inputs[0], jnp.swapaxes(inputs, 0, 1), terms=forward)
+  close(layer.output_cotangents[0], jnp.swapaxes(cotangents, 0, 1),
+        terms=2 * forward)
 
   skip = ["^cell"]
   table = kfac_jax.trace_layers(loss_fn, params, skip_layers=skip)
   loss, grads, stats = kfac_jax.value_grad_and_stats(
       loss_fn, skip_layers=skip)(params)
   assert list(table) == list(stats) == ["head"]
-  # 5 cell steps (a dot of 3, + x, tanh), the head's dot of 3, the sum over
-  # 5 × 2 × 2 outputs; the gradients, backward and the sums over 10 rows.
-  forward = 5 * (3 + 2) + 3 + 20
   close(loss, loss_fn(params), terms=forward)
   jax.tree.map(lambda a, b: close(a, b, terms=2 * forward + 10), grads,
                jax.grad(loss_fn)(params))

@@ -261,15 +261,41 @@ class RecurrentCells(nnx.Module):
 
 
 @pytest.mark.parametrize("ensemble", [False, True])
-def test_a_cell_broadcast_over_scan_steps_is_refused(ensemble):
-  # The ensemble's stack axis is its vmap's, not the scan's: its inputs and
-  # cotangents came out summed over the time steps, unnoticed.
+def test_a_cell_broadcast_over_scan_steps_is_read_per_step(ensemble):
+  # Its inputs and cotangents once came out summed over the time steps. Now
+  # each step's, stacked after the example axis ([members, B, T, 4]), as an
+  # unrolled jax loop gives them; the ensemble's stack axis stays its vmap's.
   model = RecurrentCells(nnx.Rngs(0), ensemble)
   xs = jnp.asarray(np.random.default_rng(2).normal(size=(5, 3, 4)),
                    jnp.float32)
-  with pytest.raises(ValueError, match="'cell' runs inside a loop of 5 "
-                     r"steps.*stack axes \(\).*skip_layers"):
-    kfac_jax.value_grad_and_stats(lambda m: jnp.sum(m(xs)**2))(model)
+  _, _, stats = kfac_jax.value_grad_and_stats(
+      lambda m: jnp.sum(m(xs)**2))(model)
+  kernel, bias = model.cell.kernel[...], model.cell.bias[...]
+  if not ensemble:
+    kernel, bias = kernel[None], bias[None]
+
+  def unrolled(shift):
+    """``shift[t]`` added to the cell's output at step t: ``(loss, the
+    cell's inputs [T, members, B, 4])``."""
+    h, inputs, total = jnp.zeros((kernel.shape[0], 3, 4)), [], 0.0
+    for t in range(5):
+      inputs.append(h)
+      h = jnp.tanh(jnp.einsum("ebi,eio->ebo", h, kernel) + bias[:, None] +
+                   shift[t] + xs[t])
+      total += jnp.sum(h**2)
+    return total, jnp.stack(inputs)
+
+  cotangents, inputs = jax.grad(unrolled, has_aux=True)(
+      jnp.zeros((5, kernel.shape[0], 3, 4)))
+  layer = stats["cell"]
+  assert layer.signature.stack_ndim == int(ensemble)
+  expected = [jnp.moveaxis(v, 0, 2) for v in (inputs, cotangents)]
+  if not ensemble:
+    expected = [v[0] for v in expected]
+  # 5 steps of a dot of 4, the bias, x and tanh; backward through as many.
+  forward = 5 * (4 + 3)
+  close(layer.inputs[0], expected[0], terms=forward)
+  close(layer.output_cotangents[0], expected[1], terms=2 * forward + 5)
 
 
 def test_nnx_stacked_layer_under_a_jax_vmap_over_its_inputs_is_refused():

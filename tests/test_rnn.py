@@ -221,7 +221,7 @@ def test_an_lstm_is_preconditioned_not_rescaled():
   table = kfac_jax.trace_layers(loss_fn, params)
   tx = kfac_jax.scale_by_kfac(damping=DAMPING, factor_decay=DECAY,
                               kl_clip=None, layers=table,
-                              damping_mode="absolute")
+                              compute_method="eigen", damping_mode="absolute")
 
   @jax.jit
   def step(params, state):
