@@ -48,27 +48,29 @@ def load_average() -> list[float] | None:
 def environment() -> dict[str, Any]:
   """Versions and machine facts recorded beside the timings."""
   import flax  # pylint: disable=g-import-not-at-top
+
   return dict(
-      python=platform.python_version(),
-      jax=jax.__version__,
-      jaxlib=getattr(jax.lib, "__version__", None) or _dist_version("jaxlib"),
-      flax=flax.__version__,
-      optax=optax.__version__,
-      numpy=np.__version__,
-      backend=jax.default_backend(),
-      devices=[str(d) for d in jax.devices()],
-      cpu_count=os.cpu_count(),
-      machine=platform.machine(),
-      platform=platform.platform(),
-      load_average_at_start=load_average(),
-      xla_flags=os.environ.get("XLA_FLAGS"),
-      openblas_num_threads=os.environ.get("OPENBLAS_NUM_THREADS"),
+    python=platform.python_version(),
+    jax=jax.__version__,
+    jaxlib=getattr(jax.lib, "__version__", None) or _dist_version("jaxlib"),
+    flax=flax.__version__,
+    optax=optax.__version__,
+    numpy=np.__version__,
+    backend=jax.default_backend(),
+    devices=[str(d) for d in jax.devices()],
+    cpu_count=os.cpu_count(),
+    machine=platform.machine(),
+    platform=platform.platform(),
+    load_average_at_start=load_average(),
+    xla_flags=os.environ.get("XLA_FLAGS"),
+    openblas_num_threads=os.environ.get("OPENBLAS_NUM_THREADS"),
   )
 
 
 def _dist_version(name: str) -> str | None:
   try:
     from importlib import metadata  # pylint: disable=g-import-not-at-top
+
     return metadata.version(name)
   except Exception:  # pylint: disable=broad-except
     return None
@@ -110,7 +112,9 @@ class Contestant:
   notes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def is_decomposition(self, count: int) -> bool:
-    return self.inv_update_steps is not None and count % self.inv_update_steps == 0
+    return (
+      self.inv_update_steps is not None and count % self.inv_update_steps == 0
+    )
 
   def timed_step(self) -> float:
     start = time.perf_counter()
@@ -120,10 +124,14 @@ class Contestant:
     return elapsed
 
 
-def run_interleaved(contestants: Sequence[Contestant], rounds: int,
-                    steps_per_round: int, warmup_steps: int,
-                    progress: Callable[[str], Any] | None = None,
-                    bar: Any = None) -> list[dict[str, Any]]:
+def run_interleaved(
+  contestants: Sequence[Contestant],
+  rounds: int,
+  steps_per_round: int,
+  warmup_steps: int,
+  progress: Callable[[str], Any] | None = None,
+  bar: Any = None,
+) -> list[dict[str, Any]]:
   """Times every contestant's steps, round-robin over contestants.
 
   1. First call of each contestant (compilation included), timed.
@@ -165,28 +173,42 @@ def run_interleaved(contestants: Sequence[Contestant], rounds: int,
       stored = c.read_count(c.carry)
       if stored != c.count:
         raise RuntimeError(
-            f"{c.name}: the optimizer state's count is {stored} but "
-            f"{c.count} steps were taken; the decomposition-step "
-            "classification would be wrong.")
+          f"{c.name}: the optimizer state's count is {stored} but "
+          f"{c.count} steps were taken; the decomposition-step "
+          "classification would be wrong."
+        )
   return meta
 
 
-def run_with_progress(contestants: Sequence[Contestant], args: Any,
-                      desc: str) -> tuple[Any, dict[str, Any]]:
+def run_with_progress(
+  contestants: Sequence[Contestant], args: Any, desc: str
+) -> tuple[Any, dict[str, Any]]:
   """``run_interleaved`` under a tqdm bar, then ``summarize``.
 
   ``args`` supplies ``rounds``, ``steps_per_round``, ``warmup_steps`` and
   ``no_progress``. Returns ``(run metadata, summary)``.
   """
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
-  total = len(contestants) * (1 + args.warmup_steps +
-                              args.rounds * args.steps_per_round)
-  bar = tqdm(total=total, desc=desc, unit="step", disable=args.no_progress,
-             dynamic_ncols=True)
+
+  total = len(contestants) * (
+    1 + args.warmup_steps + args.rounds * args.steps_per_round
+  )
+  bar = tqdm(
+    total=total,
+    desc=desc,
+    unit="step",
+    disable=args.no_progress,
+    dynamic_ncols=True,
+  )
   with bar:
-    meta = run_interleaved(contestants, args.rounds, args.steps_per_round,
-                           args.warmup_steps, progress=bar.set_postfix_str,
-                           bar=bar)
+    meta = run_interleaved(
+      contestants,
+      args.rounds,
+      args.steps_per_round,
+      args.warmup_steps,
+      progress=bar.set_postfix_str,
+      bar=bar,
+    )
   return meta, summarize(contestants)
 
 
@@ -194,8 +216,9 @@ def _median(xs: Sequence[float]) -> float:
   return float(statistics.median(xs)) if xs else float("nan")
 
 
-def summarize(contestants: Sequence[Contestant],
-              baseline: str = "sgd") -> dict[str, dict[str, Any]]:
+def summarize(
+  contestants: Sequence[Contestant], baseline: str = "sgd"
+) -> dict[str, dict[str, Any]]:
   """Medians per contestant and ratios to the baseline's median step.
 
   For K-FAC contestants with period ``T``:
@@ -218,22 +241,22 @@ def summarize(contestants: Sequence[Contestant],
       amortized_s = plain_s
     first_kind = decomp_s if c.is_decomposition(c.first_call_count) else plain_s
     out[c.name] = dict(
-        plain_s=plain_s,
-        decomposition_s=decomp_s,
-        amortized_s=amortized_s,
-        mean_s=float(np.mean(c.times)) if c.times else float("nan"),
-        plain_iqr_s=_iqr(plain),
-        decomposition_iqr_s=_iqr(decomp),
-        n_plain=len(plain),
-        n_decomposition=len(decomp),
-        first_call_s=c.first_call_s,
-        compile_s=c.first_call_s - first_kind,
-        state_bytes=c.state_bytes,
-        inv_update_steps=c.inv_update_steps,
-        times_s=list(c.times),
-        counts=list(c.counts),
-        rounds=list(c.rounds),
-        **c.notes,
+      plain_s=plain_s,
+      decomposition_s=decomp_s,
+      amortized_s=amortized_s,
+      mean_s=float(np.mean(c.times)) if c.times else float("nan"),
+      plain_iqr_s=_iqr(plain),
+      decomposition_iqr_s=_iqr(decomp),
+      n_plain=len(plain),
+      n_decomposition=len(decomp),
+      first_call_s=c.first_call_s,
+      compile_s=c.first_call_s - first_kind,
+      state_bytes=c.state_bytes,
+      inv_update_steps=c.inv_update_steps,
+      times_s=list(c.times),
+      counts=list(c.counts),
+      rounds=list(c.rounds),
+      **c.notes,
     )
   base = out.get(baseline)
   if base is not None:

@@ -50,17 +50,30 @@ _METADATA = re.compile(r", metadata=\{[^}]*\}")
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--variants", nargs="+",
-                 default=["sgd", "kfac-inverse-gfs"],
-                 help="step_time.py variant names")
-  p.add_argument("--kfac-revs", nargs="*", default=[],
-                 help="also time every K-FAC variant as of these revisions")
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  p.add_argument(
+    "--variants",
+    nargs="+",
+    default=["sgd", "kfac-inverse-gfs"],
+    help="step_time.py variant names",
+  )
+  p.add_argument(
+    "--kfac-revs",
+    nargs="*",
+    default=[],
+    help="also time every K-FAC variant as of these revisions",
+  )
   p.add_argument("--batch", type=int, default=256)
-  p.add_argument("--repeats", type=int, default=5,
-                 help="fresh trace + lower + compile per variant")
-  p.add_argument("--smoke", action="store_true",
-                 help="tiny model, 1 repeat (CI)")
+  p.add_argument(
+    "--repeats",
+    type=int,
+    default=5,
+    help="fresh trace + lower + compile per variant",
+  )
+  p.add_argument(
+    "--smoke", action="store_true", help="tiny model, 1 repeat (CI)"
+  )
   p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
   p.add_argument("--no-progress", action="store_true")
   args = p.parse_args(argv)
@@ -99,9 +112,11 @@ def program_size(compiled: Any) -> dict[str, int]:
   for shape, called in _FUSION_CALL.findall(text):
     body = _METADATA.sub("", bodies.get(called, called))
     kernels.add((shape, _NAME.sub("%", body)))
-  return {"fusions": len(_FUSION.findall(text)),
-          "distinct_fusions": len(kernels),
-          "reduce_windows": len(_REDUCE_WINDOW.findall(text))}
+  return {
+    "fusions": len(_FUSION.findall(text)),
+    "distinct_fusions": len(kernels),
+    "reduce_windows": len(_REDUCE_WINDOW.findall(text)),
+  }
 
 
 def time_first_call(contestant: Any) -> dict[str, Any]:
@@ -112,8 +127,11 @@ def time_first_call(contestant: Any) -> dict[str, Any]:
   lowered_at = time.perf_counter()
   compiled = lowered.compile()
   compiled_at = time.perf_counter()
-  return {"lower_s": lowered_at - start, "compile_s": compiled_at - lowered_at,
-          **program_size(compiled)}
+  return {
+    "lower_s": lowered_at - start,
+    "compile_s": compiled_at - lowered_at,
+    **program_size(compiled),
+  }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,16 +143,23 @@ def main(argv: Sequence[str] | None = None) -> int:
   for rev in args.kfac_revs:
     commit, module = step_variants.load_kfac_revision(rev)
     libraries[f"@{commit}"] = module
-  names = [(variant + suffix, variant, lib)
-           for variant in args.variants
-           for suffix, lib in libraries.items()
-           if suffix == "" or step_variants.is_kfac(variant)]
+  names = [
+    (variant + suffix, variant, lib)
+    for variant in args.variants
+    for suffix, lib in libraries.items()
+    if suffix == "" or step_variants.is_kfac(variant)
+  ]
   samples: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in names}
-  progress = tqdm(total=args.repeats * len(names), disable=args.no_progress,
-                  desc="trace + lower + compile")
+  progress = tqdm(
+    total=args.repeats * len(names),
+    disable=args.no_progress,
+    desc="trace + lower + compile",
+  )
   for _ in range(args.repeats):
     for name, variant, lib in names:
-      contestant = step_variants.make_contestant(variant, config, bench_args, lib)
+      contestant = step_variants.make_contestant(
+        variant, config, bench_args, lib
+      )
       samples[name].append(time_first_call(contestant))
       progress.update()
   progress.close()
@@ -143,33 +168,50 @@ def main(argv: Sequence[str] | None = None) -> int:
   for name, runs in samples.items():
     lower = [run["lower_s"] for run in runs]
     compile_s = [run["compile_s"] for run in runs]
-    rows.append({"variant": name,
-                 "lower_s_median": statistics.median(lower),
-                 "lower_s_min": min(lower),
-                 "compile_s_median": statistics.median(compile_s),
-                 "compile_s_min": min(compile_s),
-                 "fusions": runs[0]["fusions"],
-                 "distinct_fusions": runs[0]["distinct_fusions"],
-                 "reduce_windows": runs[0]["reduce_windows"]})
-  lines = [f"{config.description}, batch {args.batch}, {args.repeats} cold "
-           "first calls per variant, interleaved:", "",
-           "| variant | lower s (median, min) | compile s (median, min) | "
-           "fusions (distinct) | reduce-windows |", "|---|---:|---:|---:|---:|"]
+    rows.append(
+      {
+        "variant": name,
+        "lower_s_median": statistics.median(lower),
+        "lower_s_min": min(lower),
+        "compile_s_median": statistics.median(compile_s),
+        "compile_s_min": min(compile_s),
+        "fusions": runs[0]["fusions"],
+        "distinct_fusions": runs[0]["distinct_fusions"],
+        "reduce_windows": runs[0]["reduce_windows"],
+      }
+    )
+  lines = [
+    f"{config.description}, batch {args.batch}, {args.repeats} cold "
+    "first calls per variant, interleaved:",
+    "",
+    "| variant | lower s (median, min) | compile s (median, min) | "
+    "fusions (distinct) | reduce-windows |",
+    "|---|---:|---:|---:|---:|",
+  ]
   for row in rows:
     lines.append(
-        f"| {row['variant']} | {row['lower_s_median']:.2f}, "
-        f"{row['lower_s_min']:.2f} | {row['compile_s_median']:.2f}, "
-        f"{row['compile_s_min']:.2f} | {row['fusions']} "
-        f"({row['distinct_fusions']}) | "
-        f"{row['reduce_windows']} |")
+      f"| {row['variant']} | {row['lower_s_median']:.2f}, "
+      f"{row['lower_s_min']:.2f} | {row['compile_s_median']:.2f}, "
+      f"{row['compile_s_min']:.2f} | {row['fusions']} "
+      f"({row['distinct_fusions']}) | "
+      f"{row['reduce_windows']} |"
+    )
   print("\n".join(lines))
 
   args.out.mkdir(parents=True, exist_ok=True)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   path = args.out / f"compile_time_{stamp}.json"
-  path.write_text(json.dumps({
-      "args": {k: str(v) for k, v in vars(args).items()},
-      "jax": jax.__version__, "rows": rows, "samples": samples}, indent=1))
+  path.write_text(
+    json.dumps(
+      {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "jax": jax.__version__,
+        "rows": rows,
+        "samples": samples,
+      },
+      indent=1,
+    )
+  )
   print(f"wrote {path}")
   return 0
 

@@ -126,7 +126,16 @@ import kfac_jax
 from benchmarks import race
 from benchmarks import race_optimizers
 from benchmarks import race_report
-from benchmarks.race_optimizers import ADAPTIVE, CENTERS, DEFAULT_OPTIMIZERS, EIGEN_ADAPTIVE, KFAC_ADAPTIVE_SETTINGS, KFAC_SETTINGS, LR_GRID, OPTIMIZERS
+from benchmarks.race_optimizers import (
+  ADAPTIVE,
+  CENTERS,
+  DEFAULT_OPTIMIZERS,
+  EIGEN_ADAPTIVE,
+  KFAC_ADAPTIVE_SETTINGS,
+  KFAC_SETTINGS,
+  LR_GRID,
+  OPTIMIZERS,
+)
 from examples import tasks
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -137,102 +146,175 @@ def parse_centers(values: Sequence[str]) -> dict[str, float]:
   for value in values:
     name, _, lr = value.partition("=")
     if name not in CENTERS or not lr:
-      raise SystemExit(f"--center {value!r}: use NAME=VALUE (the learning "
-                       f"rate, kfac_adaptive's λ₀) with NAME in "
-                       f"{tuple(CENTERS)}.")
+      raise SystemExit(
+        f"--center {value!r}: use NAME=VALUE (the learning "
+        f"rate, kfac_adaptive's λ₀) with NAME in "
+        f"{tuple(CENTERS)}."
+      )
     try:
       centers[name] = float(lr)
     except ValueError:
-      raise SystemExit(f"--center {value!r}: {lr!r} is not a "
-                       "number.") from None
+      raise SystemExit(f"--center {value!r}: {lr!r} is not a number.") from None
   return centers
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
-      epilog="Protocol and outputs: see the module docstring and "
-      "benchmarks/README.md.",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--tasks", nargs="+", default=list(race.RACE_TASKS),
-                      choices=list(tasks.TASK_BUILDERS))
-  parser.add_argument("--optimizers", nargs="+",
-                      default=list(DEFAULT_OPTIMIZERS),
-                      choices=OPTIMIZERS)
-  parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
-                      help="seeds of the final runs (init and shuffling)")
-  parser.add_argument("--budget", type=float, default=None,
-                      help="training seconds per final run (default per "
-                      f"task: {race.BUDGETS})")
-  parser.add_argument("--sweep-budget", type=float, default=None,
-                      help="training seconds per sweep run (default: the "
-                      "budget)")
-  parser.add_argument("--no-sweep", action="store_true",
-                      help="skip the sweep: every optimizer runs at its "
-                      "center (learning rate, or kfac_adaptive's λ₀)")
-  parser.add_argument("--max-extensions", type=int, default=2,
-                      help="times the sweep may grow past a winning edge of "
-                      "its grid")
-  parser.add_argument("--center", nargs="*", default=[],
-                      help="override sweep centers, e.g. kfac=0.3 adam=1e-3 "
-                      "kfac_adaptive=15 (its λ₀)")
-  parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                      help="what the budget's training seconds count: the "
-                      "wall clock, or the process's CPU seconds (the "
-                      "steps' work, which other processes on a shared "
-                      "machine do not lengthen; equal to the wall clock on "
-                      "an otherwise idle core)")
-  parser.add_argument("--eval-every", type=float, default=10.0,
-                      help="training seconds between evaluations")
-  parser.add_argument("--targets", nargs="*", type=float, default=[],
-                      help="also report, per final run, when the metric "
-                      "first met each of these values (first evaluation, "
-                      "and the crossing interpolated between evaluations)")
-  parser.add_argument("--at-seconds", nargs="*", type=float, default=[],
-                      help="also report, per final run, the metric at the "
-                      "last evaluation by each of these training seconds")
-  parser.add_argument("--eval-examples", type=int, default=None,
-                      help="evaluate on the first N examples of the task's "
-                      "evaluation set (default: all)")
-  parser.add_argument("--curvature-examples", type=int, default=250,
-                      help="kfac_adaptive: the quadratic model's curvature "
-                      "and reduction ratio use the first N examples of each "
-                      "batch (all of a smaller batch), the factors' "
-                      "statistics N examples (see --curvature); Martens' "
-                      "curvature mini-batch")
-  parser.add_argument("--curvature",
-                      choices=("batch", "subset", "empirical",
-                               "gauss-newton"),
-                      default="subset",
-                      help="kfac_adaptive's factor statistics, from the "
-                      "capture of the whole batch's loss (the empirical "
-                      "Fisher): on its whole batch, or on "
-                      "--curvature-examples evenly spaced examples "
-                      "(factor_batch_size); or from the loss on the "
-                      "curvature examples, or from the task's "
-                      "kfac_jax.sampled_curvature surrogate (Gauss-Newton) "
-                      "on them")
-  parser.add_argument("--min-damping", type=float, default=None,
-                      help="kfac_adaptive: AdaptiveConfig.min_damping, the "
-                      "floor of λ (default: the library's, "
-                      f"{kfac_jax.AdaptiveConfig().min_damping:g})")
-  parser.add_argument("--inv-dtype", choices=("float32", "bfloat16"),
-                      default="float32",
-                      help="kfac and kfac_adaptive: scale_by_kfac's "
-                      "inv_dtype, in which the inverses are stored and "
-                      "applied")
-  parser.add_argument("--max-steps", type=int, default=None,
-                      help="also stop every run after this many steps")
-  parser.add_argument("--out", type=pathlib.Path,
-                      default=REPO / "results")
-  parser.add_argument("--resume", type=pathlib.Path, nargs="+",
-                      default=None,
-                      help="previous runs' JSONs: runs recorded there are "
-                      "not repeated")
+    description=__doc__.split("\n\n")[0],
+    epilog="Protocol and outputs: see the module docstring and "
+    "benchmarks/README.md.",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument(
+    "--tasks",
+    nargs="+",
+    default=list(race.RACE_TASKS),
+    choices=list(tasks.TASK_BUILDERS),
+  )
+  parser.add_argument(
+    "--optimizers",
+    nargs="+",
+    default=list(DEFAULT_OPTIMIZERS),
+    choices=OPTIMIZERS,
+  )
+  parser.add_argument(
+    "--seeds",
+    nargs="+",
+    type=int,
+    default=[0, 1, 2],
+    help="seeds of the final runs (init and shuffling)",
+  )
+  parser.add_argument(
+    "--budget",
+    type=float,
+    default=None,
+    help=f"training seconds per final run (default per task: {race.BUDGETS})",
+  )
+  parser.add_argument(
+    "--sweep-budget",
+    type=float,
+    default=None,
+    help="training seconds per sweep run (default: the budget)",
+  )
+  parser.add_argument(
+    "--no-sweep",
+    action="store_true",
+    help="skip the sweep: every optimizer runs at its "
+    "center (learning rate, or kfac_adaptive's λ₀)",
+  )
+  parser.add_argument(
+    "--max-extensions",
+    type=int,
+    default=2,
+    help="times the sweep may grow past a winning edge of its grid",
+  )
+  parser.add_argument(
+    "--center",
+    nargs="*",
+    default=[],
+    help="override sweep centers, e.g. kfac=0.3 adam=1e-3 "
+    "kfac_adaptive=15 (its λ₀)",
+  )
+  parser.add_argument(
+    "--clock",
+    choices=("wall", "cpu"),
+    default="wall",
+    help="what the budget's training seconds count: the "
+    "wall clock, or the process's CPU seconds (the "
+    "steps' work, which other processes on a shared "
+    "machine do not lengthen; equal to the wall clock on "
+    "an otherwise idle core)",
+  )
+  parser.add_argument(
+    "--eval-every",
+    type=float,
+    default=10.0,
+    help="training seconds between evaluations",
+  )
+  parser.add_argument(
+    "--targets",
+    nargs="*",
+    type=float,
+    default=[],
+    help="also report, per final run, when the metric "
+    "first met each of these values (first evaluation, "
+    "and the crossing interpolated between evaluations)",
+  )
+  parser.add_argument(
+    "--at-seconds",
+    nargs="*",
+    type=float,
+    default=[],
+    help="also report, per final run, the metric at the "
+    "last evaluation by each of these training seconds",
+  )
+  parser.add_argument(
+    "--eval-examples",
+    type=int,
+    default=None,
+    help="evaluate on the first N examples of the task's "
+    "evaluation set (default: all)",
+  )
+  parser.add_argument(
+    "--curvature-examples",
+    type=int,
+    default=250,
+    help="kfac_adaptive: the quadratic model's curvature "
+    "and reduction ratio use the first N examples of each "
+    "batch (all of a smaller batch), the factors' "
+    "statistics N examples (see --curvature); Martens' "
+    "curvature mini-batch",
+  )
+  parser.add_argument(
+    "--curvature",
+    choices=("batch", "subset", "empirical", "gauss-newton"),
+    default="subset",
+    help="kfac_adaptive's factor statistics, from the "
+    "capture of the whole batch's loss (the empirical "
+    "Fisher): on its whole batch, or on "
+    "--curvature-examples evenly spaced examples "
+    "(factor_batch_size); or from the loss on the "
+    "curvature examples, or from the task's "
+    "kfac_jax.sampled_curvature surrogate (Gauss-Newton) "
+    "on them",
+  )
+  parser.add_argument(
+    "--min-damping",
+    type=float,
+    default=None,
+    help="kfac_adaptive: AdaptiveConfig.min_damping, the "
+    "floor of λ (default: the library's, "
+    f"{kfac_jax.AdaptiveConfig().min_damping:g})",
+  )
+  parser.add_argument(
+    "--inv-dtype",
+    choices=("float32", "bfloat16"),
+    default="float32",
+    help="kfac and kfac_adaptive: scale_by_kfac's "
+    "inv_dtype, in which the inverses are stored and "
+    "applied",
+  )
+  parser.add_argument(
+    "--max-steps",
+    type=int,
+    default=None,
+    help="also stop every run after this many steps",
+  )
+  parser.add_argument("--out", type=pathlib.Path, default=REPO / "results")
+  parser.add_argument(
+    "--resume",
+    type=pathlib.Path,
+    nargs="+",
+    default=None,
+    help="previous runs' JSONs: runs recorded there are not repeated",
+  )
   parser.add_argument("--no-progress", action="store_true")
-  parser.add_argument("--smoke", action="store_true",
-                      help="CI check: every task and optimizer, one seed, "
-                      "2-step runs on small evaluation sets, no sweep")
+  parser.add_argument(
+    "--smoke",
+    action="store_true",
+    help="CI check: every task and optimizer, one seed, "
+    "2-step runs on small evaluation sets, no sweep",
+  )
   args = parser.parse_args(argv)
   args.center = parse_centers(args.center)
   if args.smoke:
@@ -248,9 +330,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   for name, center in args.center.items():
     low, high = race.swept_range(name, args)
     if not (center > 0 and low <= center <= high):
-      raise SystemExit(f"--center {name}={center:g}: must be > 0"
-                       + (f" and within [{low:g}, {high:g}], the range of λ"
-                          if name in ADAPTIVE else "") + ".")
+      raise SystemExit(
+        f"--center {name}={center:g}: must be > 0"
+        + (
+          f" and within [{low:g}, {high:g}], the range of λ"
+          if name in ADAPTIVE
+          else ""
+        )
+        + "."
+      )
   for path in args.resume or ():
     if not path.is_file():
       raise SystemExit(f"--resume {path}: no such file.")
@@ -270,30 +358,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def metadata(args: argparse.Namespace) -> dict[str, Any]:
   try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, text=True,
-                            capture_output=True, check=True).stdout.strip()
-    dirty = bool(subprocess.run(
+    commit = subprocess.run(
+      ["git", "rev-parse", "HEAD"],
+      cwd=REPO,
+      text=True,
+      capture_output=True,
+      check=True,
+    ).stdout.strip()
+    dirty = bool(
+      subprocess.run(
         ["git", "status", "--porcelain", "kfac_jax", "benchmarks", "examples"],
-        cwd=REPO, text=True, capture_output=True, check=True).stdout.strip())
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        check=True,
+      ).stdout.strip()
+    )
   except (OSError, subprocess.CalledProcessError):
     commit, dirty = None, None
   return dict(
-      command=" ".join([sys.executable.rsplit("/", 1)[-1],
-                        *map(str, sys.argv)]),
-      args={k: (str(v) if isinstance(v, pathlib.Path) else
-                [str(p) for p in v] if k == "resume" and v else v)
-            for k, v in vars(args).items()},
-      centers=CENTERS, lr_grid=LR_GRID, kfac_settings=KFAC_SETTINGS,
-      kfac_adaptive_settings=KFAC_ADAPTIVE_SETTINGS,
-      eigen_adaptive_settings=EIGEN_ADAPTIVE,
-      git_commit=commit, git_dirty=dirty, jax=jax.__version__,
-      optax=optax.__version__, flax=flax.__version__,
-      machine=platform.machine(),
-      cpus=os.cpu_count(),
-      blas_threads=os.environ.get("OPENBLAS_NUM_THREADS"),
-      xla_flags=os.environ.get("XLA_FLAGS"),
-      load_average_at_start=list(os.getloadavg()),
-      started=datetime.datetime.now().isoformat(timespec="seconds"))
+    command=" ".join([sys.executable.rsplit("/", 1)[-1], *map(str, sys.argv)]),
+    args={
+      k: (
+        str(v)
+        if isinstance(v, pathlib.Path)
+        else [str(p) for p in v]
+        if k == "resume" and v
+        else v
+      )
+      for k, v in vars(args).items()
+    },
+    centers=CENTERS,
+    lr_grid=LR_GRID,
+    kfac_settings=KFAC_SETTINGS,
+    kfac_adaptive_settings=KFAC_ADAPTIVE_SETTINGS,
+    eigen_adaptive_settings=EIGEN_ADAPTIVE,
+    git_commit=commit,
+    git_dirty=dirty,
+    jax=jax.__version__,
+    optax=optax.__version__,
+    flax=flax.__version__,
+    machine=platform.machine(),
+    cpus=os.cpu_count(),
+    blas_threads=os.environ.get("OPENBLAS_NUM_THREADS"),
+    xla_flags=os.environ.get("XLA_FLAGS"),
+    load_average_at_start=list(os.getloadavg()),
+    started=datetime.datetime.now().isoformat(timespec="seconds"),
+  )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,22 +420,40 @@ def main(argv: list[str] | None = None) -> int:
     result = race.race_task(task, args, contest)
     png = pathlib.Path(f"{stem}_{name}.png")
     race_report.plot(result, png)
-    target = ("no first-order optimizer ran" if result["target"] is None else
-              f"{result['target_name']}'s median final {task.metric}, "
-              f"{result['target']:.4g}")
+    target = (
+      "no first-order optimizer ran"
+      if result["target"] is None
+      else f"{result['target_name']}'s median final {task.metric}, "
+      f"{result['target']:.4g}"
+    )
     report += [
-        f"## {name}: {task.description}", "",
-        f"Budget {result['budget']:g} training seconds per run, seeds "
-        f"{args.seeds}; sweep {result['sweep_budget']:g} s, seed 0. Target: "
-        f"{target}.", "", race_report.summary_table(result), "", "Sweep (final metric):",
-        "", race_report.sweep_table(result), "", f"Plot: `{png.name}`", ""]
+      f"## {name}: {task.description}",
+      "",
+      f"Budget {result['budget']:g} training seconds per run, seeds "
+      f"{args.seeds}; sweep {result['sweep_budget']:g} s, seed 0. Target: "
+      f"{target}.",
+      "",
+      race_report.summary_table(result),
+      "",
+      "Sweep (final metric):",
+      "",
+      race_report.sweep_table(result),
+      "",
+      f"Plot: `{png.name}`",
+      "",
+    ]
     if args.targets or args.at_seconds:
-      runs = [(f"{optimizer}, seed {run['seed']}", run)
-              for optimizer, seeds in result["finals"].items()
-              for run in seeds]
-      report += ["Readouts (`--targets`, `--at-seconds`):", "",
-                 race_report.readouts_table(task, runs, args.targets, args.at_seconds),
-                 ""]
+      runs = [
+        (f"{optimizer}, seed {run['seed']}", run)
+        for optimizer, seeds in result["finals"].items()
+        for run in seeds
+      ]
+      report += [
+        "Readouts (`--targets`, `--at-seconds`):",
+        "",
+        race_report.readouts_table(task, runs, args.targets, args.at_seconds),
+        "",
+      ]
     print("\n".join(report[-16:]), flush=True)
   pathlib.Path(f"{stem}.md").write_text("\n".join(report))
   print(f"Wrote {stem}.json, {stem}.md and the plots.", flush=True)

@@ -20,10 +20,12 @@ import types
 
 
 def _site_kfac_jax() -> types.ModuleType:
-  spec = importlib.machinery.PathFinder.find_spec("kfac_jax",
-                                                  site.getsitepackages())
+  spec = importlib.machinery.PathFinder.find_spec(
+    "kfac_jax", site.getsitepackages()
+  )
   if spec is None:
     import kfac_jax  # pylint: disable=g-import-not-at-top
+
     return kfac_jax
   module = importlib.util.module_from_spec(spec)
   sys.modules["kfac_jax"] = module  # its own ``kfac_jax._src`` imports
@@ -37,8 +39,10 @@ kfac_jax = _site_kfac_jax()
 def check_deepmind_kfac() -> dict[str, str]:
   """The version and path of DeepMind's kfac-jax; exits where it is not."""
   if not hasattr(kfac_jax, "Optimizer") or not hasattr(
-      kfac_jax, "register_sigmoid_cross_entropy_loss"):
+    kfac_jax, "register_sigmoid_cross_entropy_loss"
+  ):
     raise SystemExit(
-        f"kfac_jax at {kfac_jax.__file__} is not DeepMind's kfac-jax; run "
-        "this script with the python of a venv that has kfac-jax==0.0.8.")
+      f"kfac_jax at {kfac_jax.__file__} is not DeepMind's kfac-jax; run "
+      "this script with the python of a venv that has kfac-jax==0.0.8."
+    )
   return dict(kfac_jax=kfac_jax.__version__, kfac_jax_path=kfac_jax.__file__)

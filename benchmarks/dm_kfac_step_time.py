@@ -45,8 +45,9 @@ from examples import models  # pylint: disable=g-import-not-at-top
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
   p.add_argument("--batch-size", type=int, default=256)
   p.add_argument("--rounds", type=int, default=4)
   p.add_argument("--steps-per-round", type=int, default=10)
@@ -55,18 +56,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--learning-rate", type=float, default=1e-3)
   p.add_argument("--momentum", type=float, default=0.9)
   p.add_argument("--damping", type=float, default=1e-3)
-  p.add_argument("--norm-constraint", type=float, default=1e-3,
-                 help="DeepMind's norm_constraint: the update is scaled by "
-                 "min(1, sqrt(c / (lr² Σ P·∇))), i.e. KAISA's KL clipping, "
-                 "as kl_clip=1e-3 in step_time.py (<= 0: off)")
-  p.add_argument("--estimation-mode", default="fisher_empirical",
-                 help="DeepMind's estimation_mode (its default is "
-                 "ggn_curvature_prop)")
-  p.add_argument("--smoke", action="store_true",
-                 help="tiny autoencoder, 2 rounds of 3 steps")
+  p.add_argument(
+    "--norm-constraint",
+    type=float,
+    default=1e-3,
+    help="DeepMind's norm_constraint: the update is scaled by "
+    "min(1, sqrt(c / (lr² Σ P·∇))), i.e. KAISA's KL clipping, "
+    "as kl_clip=1e-3 in step_time.py (<= 0: off)",
+  )
+  p.add_argument(
+    "--estimation-mode",
+    default="fisher_empirical",
+    help="DeepMind's estimation_mode (its default is ggn_curvature_prop)",
+  )
+  p.add_argument(
+    "--smoke", action="store_true", help="tiny autoencoder, 2 rounds of 3 steps"
+  )
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", type=pathlib.Path, required=True,
-                 help="JSON file to write")
+  p.add_argument(
+    "--out", type=pathlib.Path, required=True, help="JSON file to write"
+  )
   p.add_argument("--no-progress", action="store_true")
   args = p.parse_args(argv)
   if args.smoke:
@@ -80,8 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   started = time.time()
   env = bench_common.environment()
   env.update(check_deepmind_kfac())
-  widths = (bench_common.SMOKE_AUTOENCODER_WIDTHS if args.smoke else
-            models.AUTOENCODER_WIDTHS)
+  widths = (
+    bench_common.SMOKE_AUTOENCODER_WIDTHS
+    if args.smoke
+    else models.AUTOENCODER_WIDTHS
+  )
   pixels = bench_common.SMOKE_PIXELS if args.smoke else models.MNIST_PIXELS
   model = models.Autoencoder(widths, out_features=pixels)
   key_data, key_init = jax.random.split(jax.random.PRNGKey(args.seed))
@@ -104,11 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   sgd_state = sgd.init(params)
   sgd_contestant = Contestant(
-      name="sgd",
-      step=lambda c: sgd_step(c[0], c[1], x),
-      # Donated: its own copy, as DeepMind's step gets below.
-      carry=(jax.tree.map(jnp.copy, params), sgd_state, jnp.zeros([])),
-      state_bytes=bench_common.tree_nbytes(sgd_state))
+    name="sgd",
+    step=lambda c: sgd_step(c[0], c[1], x),
+    # Donated: its own copy, as DeepMind's step gets below.
+    carry=(jax.tree.map(jnp.copy, params), sgd_state, jnp.zeros([])),
+    state_bytes=bench_common.tree_nbytes(sgd_state),
+  )
 
   # --- DeepMind K-FAC.
   def kfac_loss_fn(params, x):
@@ -117,19 +130,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return models.autoencoder_losses(logits, x).mean()
 
   optimizer = kfac_jax.Optimizer(
-      value_and_grad_func=jax.value_and_grad(kfac_loss_fn),
-      l2_reg=0.0,
-      use_adaptive_learning_rate=False,
-      use_adaptive_momentum=False,
-      use_adaptive_damping=False,
-      curvature_ema=0.95,
-      curvature_update_period=1,
-      inverse_update_period=args.inverse_update_period,
-      num_burnin_steps=0,
-      norm_constraint=(args.norm_constraint
-                       if args.norm_constraint > 0 else None),
-      estimation_mode=args.estimation_mode,
-      multi_device=False,
+    value_and_grad_func=jax.value_and_grad(kfac_loss_fn),
+    l2_reg=0.0,
+    use_adaptive_learning_rate=False,
+    use_adaptive_momentum=False,
+    use_adaptive_damping=False,
+    curvature_ema=0.95,
+    curvature_update_period=1,
+    inverse_update_period=args.inverse_update_period,
+    num_burnin_steps=0,
+    norm_constraint=(
+      args.norm_constraint if args.norm_constraint > 0 else None
+    ),
+    estimation_mode=args.estimation_mode,
+    multi_device=False,
   )
   rng = jax.random.PRNGKey(args.seed + 1)
   init_start = time.perf_counter()
@@ -148,47 +162,60 @@ def main(argv: Sequence[str] | None = None) -> int:
   def kfac_step(carry):
     params, state, _ = carry
     params, state, stats = optimizer.step(
-        params, state, rng, batch=x, learning_rate=lr, momentum=momentum,
-        damping=damping)
+      params,
+      state,
+      rng,
+      batch=x,
+      learning_rate=lr,
+      momentum=momentum,
+      damping=damping,
+    )
     return params, state, stats["loss"]
 
   kfac_contestant = Contestant(
-      name="dm-kfac",
-      step=kfac_step,
-      # DeepMind's step donates params: give it its own copy.
-      carry=(jax.tree.map(jnp.copy, params), kfac_state, jnp.zeros([])),
-      inv_update_steps=args.inverse_update_period,
-      read_count=lambda c: int(c[1].step_counter),
-      state_bytes=bench_common.tree_nbytes(kfac_state),
-      notes=dict(init_s=init_s, curvature_blocks=blocks))
+    name="dm-kfac",
+    step=kfac_step,
+    # DeepMind's step donates params: give it its own copy.
+    carry=(jax.tree.map(jnp.copy, params), kfac_state, jnp.zeros([])),
+    inv_update_steps=args.inverse_update_period,
+    read_count=lambda c: int(c[1].step_counter),
+    state_bytes=bench_common.tree_nbytes(kfac_state),
+    notes=dict(init_s=init_s, curvature_blocks=blocks),
+  )
 
   contestants = [sgd_contestant, kfac_contestant]
   meta, summary = bench_common.run_with_progress(
-      contestants, args, f"DeepMind kfac-jax b={args.batch_size}")
+    contestants, args, f"DeepMind kfac-jax b={args.batch_size}"
+  )
   for c in contestants:
     summary[c.name]["final_loss"] = float(c.carry[2])
   record = dict(
-      command=" ".join([sys.executable, os.path.relpath(sys.argv[0])] +
-                       sys.argv[1:]),
-      args={k: str(v) if isinstance(v, pathlib.Path) else v
-            for k, v in vars(args).items()},
-      environment=env,
-      model="autoencoder",
-      description="-".join(map(str, (pixels, *widths, pixels))) + ", float32",
-      batch=args.batch_size,
-      estimation_mode=args.estimation_mode,
-      rounds=meta,
-      variants=summary,
-      load_average_at_end=bench_common.load_average(),
-      wall_s=time.time() - started,
+    command=" ".join(
+      [sys.executable, os.path.relpath(sys.argv[0])] + sys.argv[1:]
+    ),
+    args={
+      k: str(v) if isinstance(v, pathlib.Path) else v
+      for k, v in vars(args).items()
+    },
+    environment=env,
+    model="autoencoder",
+    description="-".join(map(str, (pixels, *widths, pixels))) + ", float32",
+    batch=args.batch_size,
+    estimation_mode=args.estimation_mode,
+    rounds=meta,
+    variants=summary,
+    load_average_at_end=bench_common.load_average(),
+    wall_s=time.time() - started,
   )
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(json.dumps(record, indent=1))
   for name, s in summary.items():
-    print(f"{name}: step {s['plain_s'] * 1e3:.1f} ms (x{s['plain_x']:.2f}), "
-          f"inverse step {s['decomposition_s'] * 1e3:.1f} ms "
-          f"(x{s['decomposition_x']:.2f}), amortized x{s['amortized_x']:.2f}, "
-          f"compile {s['compile_s']:.1f} s (x{s['compile_x']:.2f})")
+    print(
+      f"{name}: step {s['plain_s'] * 1e3:.1f} ms (x{s['plain_x']:.2f}), "
+      f"inverse step {s['decomposition_s'] * 1e3:.1f} ms "
+      f"(x{s['decomposition_x']:.2f}), amortized x{s['amortized_x']:.2f}, "
+      f"compile {s['compile_s']:.1f} s (x{s['compile_x']:.2f})"
+    )
   print(f"DeepMind curvature blocks: {blocks}")
   print(f"wrote {args.out}")
   return 0

@@ -77,23 +77,23 @@ PLAIN_COUNT, DECOMPOSITION_COUNT = PERIOD + 1, PERIOD
 FRACTION = 0.25
 # K-FAC's configurations: KFAC_SETTINGS with these changes.
 CONFIGS = {
-    "inverse": {},
-    "eigen": dict(compute_method="eigen"),
-    "fraction": dict(factor_batch_size=FRACTION),
-    "reduce": dict(weight_sharing="reduce"),
-    "both": dict(factor_batch_size=FRACTION, weight_sharing="reduce"),
+  "inverse": {},
+  "eigen": dict(compute_method="eigen"),
+  "fraction": dict(factor_batch_size=FRACTION),
+  "reduce": dict(weight_sharing="reduce"),
+  "both": dict(factor_batch_size=FRACTION, weight_sharing="reduce"),
 }
 # (program, configuration, with statistics, count).
 KFAC_PROGRAMS = (
-    ("stats", "inverse", True, PLAIN_COUNT),
-    ("no_stats", "inverse", False, PLAIN_COUNT),
-    ("decompose", "inverse", False, DECOMPOSITION_COUNT),
-    ("full", "inverse", True, DECOMPOSITION_COUNT),
-    ("eigen_no_stats", "eigen", False, PLAIN_COUNT),
-    ("eigen_decompose", "eigen", False, DECOMPOSITION_COUNT),
-    ("fraction_stats", "fraction", True, PLAIN_COUNT),
-    ("reduce_stats", "reduce", True, PLAIN_COUNT),
-    ("both_stats", "both", True, PLAIN_COUNT),
+  ("stats", "inverse", True, PLAIN_COUNT),
+  ("no_stats", "inverse", False, PLAIN_COUNT),
+  ("decompose", "inverse", False, DECOMPOSITION_COUNT),
+  ("full", "inverse", True, DECOMPOSITION_COUNT),
+  ("eigen_no_stats", "eigen", False, PLAIN_COUNT),
+  ("eigen_decompose", "eigen", False, DECOMPOSITION_COUNT),
+  ("fraction_stats", "fraction", True, PLAIN_COUNT),
+  ("reduce_stats", "reduce", True, PLAIN_COUNT),
+  ("both_stats", "both", True, PLAIN_COUNT),
 )
 
 
@@ -116,8 +116,12 @@ def stateful_loss(task: tasks.Task) -> Callable[..., tuple[jax.Array, Any]]:
   return lambda params, state, *batch: (task.loss_fn(params, *batch), state)
 
 
-def train_step(loss: Callable[..., Any], tx: optax.GradientTransformation,
-               kfac: bool, stats: bool) -> Callable[..., Any]:
+def train_step(
+  loss: Callable[..., Any],
+  tx: optax.GradientTransformation,
+  kfac: bool,
+  stats: bool,
+) -> Callable[..., Any]:
   """``step((params, opt_state, model_state), *batch) -> carry``, jitted,
   the carry donated; K-FAC's with its statistics or with ``NO_STATS``."""
 
@@ -125,10 +129,12 @@ def train_step(loss: Callable[..., Any], tx: optax.GradientTransformation,
     params, opt_state, model_state = carry
     if stats:
       (_, model_state), grads, kfac_stats = kfac_jax.value_grad_and_stats(
-          loss, has_aux=True)(params, model_state, *batch)
+        loss, has_aux=True
+      )(params, model_state, *batch)
     else:
       (_, model_state), grads = jax.value_and_grad(loss, has_aux=True)(
-          params, model_state, *batch)
+        params, model_state, *batch
+      )
       kfac_stats = kfac_jax.NO_STATS
     extra = dict(kfac_stats=kfac_stats) if kfac else {}
     updates, opt_state = tx.update(grads, opt_state, params, **extra)
@@ -140,8 +146,11 @@ def train_step(loss: Callable[..., Any], tx: optax.GradientTransformation,
 def with_count(opt_state: Any, count: int) -> Any:
   """The chain's state with ``scale_by_kfac``'s step count set."""
   return tuple(
-      s._replace(count=jnp.asarray(count, jnp.int32))
-      if isinstance(s, kfac_jax.ScaleByKFACState) else s for s in opt_state)
+    s._replace(count=jnp.asarray(count, jnp.int32))
+    if isinstance(s, kfac_jax.ScaleByKFACState)
+    else s
+    for s in opt_state
+  )
 
 
 def kfac_state(opt_state: Any) -> kfac_jax.ScaleByKFACState:
@@ -153,15 +162,23 @@ def copies(tree: Any) -> Any:
   return jax.tree.map(jnp.copy, tree)
 
 
-def kfac_tx(task: tasks.Task, changes: dict[str, Any]
-            ) -> optax.GradientTransformation:
-  return kfac_jax.kfac(1e-3, layers=task.layers,
-                       **dict(KFAC_SETTINGS, factor_update_steps=1, **changes))
+def kfac_tx(
+  task: tasks.Task, changes: dict[str, Any]
+) -> optax.GradientTransformation:
+  return kfac_jax.kfac(
+    1e-3,
+    layers=task.layers,
+    **dict(KFAC_SETTINGS, factor_update_steps=1, **changes),
+  )
 
 
-def warm_factors(step: Callable[..., Any], tx: optax.GradientTransformation,
-                 params: Any, model_state: Any,
-                 batches: Sequence[tuple[Any, ...]]) -> Any:
+def warm_factors(
+  step: Callable[..., Any],
+  tx: optax.GradientTransformation,
+  params: Any,
+  model_state: Any,
+  batches: Sequence[tuple[Any, ...]],
+) -> Any:
   """Running factors after K-FAC steps (``step``, with statistics) on
   real batches."""
   carry = (copies(params), tx.init(params), copies(model_state))
@@ -170,54 +187,77 @@ def warm_factors(step: Callable[..., Any], tx: optax.GradientTransformation,
   return kfac_state(carry[1]).factors
 
 
-def build_programs(task: tasks.Task, batches: Sequence[tuple[Any, ...]]
-                   ) -> tuple[list[Program], Any]:
+def build_programs(
+  task: tasks.Task, batches: Sequence[tuple[Any, ...]]
+) -> tuple[list[Program], Any]:
   """The programs of the module docstring, each with its own carry, timed
   on ``batches[0]`` with the factors warmed on the others; and those
   factors."""
   batch = batches[0]
   loss = stateful_loss(task)
   params, model_state = task.initial(0)
-  steps = {("inverse", True): train_step(loss, kfac_tx(task, {}), kfac=True,
-                                         stats=True)}
-  factors = warm_factors(steps["inverse", True], kfac_tx(task, {}), params,
-                         model_state, batches[1:])
+  steps = {
+    ("inverse", True): train_step(
+      loss, kfac_tx(task, {}), kfac=True, stats=True
+    )
+  }
+  factors = warm_factors(
+    steps["inverse", True], kfac_tx(task, {}), params, model_state, batches[1:]
+  )
   grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
   capture = jax.jit(kfac_jax.value_grad_and_stats(loss, has_aux=True))
   adamw = optax.adamw(1e-3)
   adamw_step = train_step(loss, adamw, kfac=False, stats=False)
   programs = [
-      Program("adamw", lambda c: adamw_step(c, *batch),
-              (copies(params), adamw.init(params), copies(model_state))),
-      # Their outputs are the carry, which the timing blocks on.
-      Program("grad", lambda _: grad(params, model_state, *batch), None),
-      Program("capture", lambda _: capture(params, model_state, *batch),
-              None),
+    Program(
+      "adamw",
+      lambda c: adamw_step(c, *batch),
+      (copies(params), adamw.init(params), copies(model_state)),
+    ),
+    # Their outputs are the carry, which the timing blocks on.
+    Program("grad", lambda _: grad(params, model_state, *batch), None),
+    Program("capture", lambda _: capture(params, model_state, *batch), None),
   ]
   for name, config, stats, count in KFAC_PROGRAMS:
     tx = kfac_tx(task, CONFIGS[config])
-    step = steps.setdefault((config, stats), train_step(
-        loss, tx, kfac=True, stats=stats))
+    step = steps.setdefault(
+      (config, stats), train_step(loss, tx, kfac=True, stats=stats)
+    )
     opt_state = tx.init(params)
-    opt_state = tuple(s._replace(factors=copies(factors)) if isinstance(
-        s, kfac_jax.ScaleByKFACState) else s for s in opt_state)
+    opt_state = tuple(
+      s._replace(factors=copies(factors))
+      if isinstance(s, kfac_jax.ScaleByKFACState)
+      else s
+      for s in opt_state
+    )
 
     def run(carry, step=step, count=count):
       p, o, m = carry
       return step((p, with_count(o, count), m), *batch)
 
-    programs.append(Program(name, run, (copies(params), opt_state,
-                                        copies(model_state))))
+    programs.append(
+      Program(name, run, (copies(params), opt_state, copies(model_state)))
+    )
   return programs, factors
 
 
-def time_programs(programs: Sequence[Program], rounds: int, calls: int,
-                  progress: bool, label: str) -> dict[str, float]:
+def time_programs(
+  programs: Sequence[Program],
+  rounds: int,
+  calls: int,
+  progress: bool,
+  label: str,
+) -> dict[str, float]:
   """First calls (compilation) apart, then ``rounds`` rounds of ``calls``
   timed calls of each program in turn; the first-call seconds."""
   first = {}
-  bar = tqdm(total=len(programs) * (1 + rounds * calls), desc=label,
-             disable=not progress, dynamic_ncols=True, leave=False)
+  bar = tqdm(
+    total=len(programs) * (1 + rounds * calls),
+    desc=label,
+    disable=not progress,
+    dynamic_ncols=True,
+    leave=False,
+  )
   for program in programs:
     start = time.perf_counter()
     program.carry = jax.block_until_ready(program.run(program.carry))
@@ -253,7 +293,8 @@ def time_largest_factor(factors: Any, repeats: int) -> dict[str, Any]:
   name, matrix = largest_factor(factors)
   size = matrix.shape[0]
   damped = matrix + KFAC_SETTINGS["damping"] * jnp.trace(matrix) / size * (
-      jnp.eye(size))
+    jnp.eye(size)
+  )
   eigh = jax.jit(jnp.linalg.eigh)
   inverse = jax.jit(lambda m: jsl.cho_solve(jsl.cho_factor(m), jnp.eye(size)))
   out = dict(factor=name, size=size)
@@ -268,61 +309,88 @@ def time_largest_factor(factors: Any, repeats: int) -> dict[str, Any]:
   return out
 
 
-def measure_task(name: str, batch_size: int | None, rounds: int, calls: int,
-                 progress: bool) -> dict[str, Any]:
+def measure_task(
+  name: str, batch_size: int | None, rounds: int, calls: int, progress: bool
+) -> dict[str, Any]:
   """Every program's median and least milliseconds on one task, and the
   largest factor's decompositions."""
   builder, race_batch = tasks.TASK_BUILDERS[name]
   task = builder(64, batch_size or race_batch)
-  batches = [jax.device_put(tuple(a[i * task.batch_size:(i + 1) *
-                                    task.batch_size] for a in task.data))
-             for i in range(4)]
+  batches = [
+    jax.device_put(
+      tuple(
+        a[i * task.batch_size : (i + 1) * task.batch_size] for a in task.data
+      )
+    )
+    for i in range(4)
+  ]
   programs, factors = build_programs(task, batches)
   load = bench_common.load_average()
   first = time_programs(programs, rounds, calls, progress, name)
   return dict(
-      task=name, description=task.description, batch_size=task.batch_size,
-      load_average_before=load, load_average_after=bench_common.load_average(),
-      median_ms={p.name: 1e3 * statistics.median(p.times) for p in programs},
-      min_ms={p.name: 1e3 * min(p.times) for p in programs},
-      cpu_ms={p.name: 1e3 * statistics.median(p.cpu_times)
-              for p in programs},
-      samples_ms={p.name: [1e3 * t for t in p.times] for p in programs},
-      cpu_samples_ms={p.name: [1e3 * t for t in p.cpu_times]
-                      for p in programs},
-      first_call_s=first,
-      largest_factor=time_largest_factor(factors, max(3, calls)))
+    task=name,
+    description=task.description,
+    batch_size=task.batch_size,
+    load_average_before=load,
+    load_average_after=bench_common.load_average(),
+    median_ms={p.name: 1e3 * statistics.median(p.times) for p in programs},
+    min_ms={p.name: 1e3 * min(p.times) for p in programs},
+    cpu_ms={p.name: 1e3 * statistics.median(p.cpu_times) for p in programs},
+    samples_ms={p.name: [1e3 * t for t in p.times] for p in programs},
+    cpu_samples_ms={p.name: [1e3 * t for t in p.cpu_times] for p in programs},
+    first_call_s=first,
+    largest_factor=time_largest_factor(factors, max(3, calls)),
+  )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--tasks", nargs="+", default=list(RACE_TASKS),
-                      choices=list(tasks.TASK_BUILDERS))
-  parser.add_argument("--batch-size", type=int, default=None,
-                      help="every task's batch (default: each one's race "
-                      "batch)")
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument(
+    "--tasks",
+    nargs="+",
+    default=list(RACE_TASKS),
+    choices=list(tasks.TASK_BUILDERS),
+  )
+  parser.add_argument(
+    "--batch-size",
+    type=int,
+    default=None,
+    help="every task's batch (default: each one's race batch)",
+  )
   parser.add_argument("--rounds", type=int, default=7)
-  parser.add_argument("--calls", type=int, default=1,
-                      help="timed calls of each program per round")
-  parser.add_argument("--statistic", choices=("cpu", "min", "median"),
-                      default="cpu",
-                      help="the table's statistic of each program's "
-                      "samples (the JSON has all three and every sample): "
-                      "the median of the process's CPU seconds (the "
-                      "work, which other processes on a shared machine do "
-                      "not lengthen), or the least or median wall-clock "
-                      "time")
+  parser.add_argument(
+    "--calls", type=int, default=1, help="timed calls of each program per round"
+  )
+  parser.add_argument(
+    "--statistic",
+    choices=("cpu", "min", "median"),
+    default="cpu",
+    help="the table's statistic of each program's "
+    "samples (the JSON has all three and every sample): "
+    "the median of the process's CPU seconds (the "
+    "work, which other processes on a shared machine do "
+    "not lengthen), or the least or median wall-clock "
+    "time",
+  )
   parser.add_argument("--out", type=pathlib.Path, default=REPO / "results")
   parser.add_argument("--no-progress", action="store_true")
-  parser.add_argument("--smoke", action="store_true",
-                      help="CI check: the Shakespeare transformer at batch "
-                      "8, one round of one call")
+  parser.add_argument(
+    "--smoke",
+    action="store_true",
+    help="CI check: the Shakespeare transformer at batch "
+    "8, one round of one call",
+  )
   args = parser.parse_args(argv)
   if args.smoke:
     args.tasks, args.batch_size, args.rounds, args.calls = (
-        ["shakespeare"], 8, 1, 1)
+      ["shakespeare"],
+      8,
+      1,
+      1,
+    )
   for flag in ("batch_size", "rounds", "calls"):
     value = getattr(args, flag)
     if value is not None and value < 1:
@@ -334,14 +402,20 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   args.out.mkdir(parents=True, exist_ok=True)
   stem = args.out / f"phases_{datetime.datetime.now():%Y%m%d-%H%M%S}"
-  result = dict(command=" ".join(["python -m benchmarks.phases",
-                                  *sys.argv[1:]]),
-                environment=bench_common.environment(),
-                kfac_settings=KFAC_SETTINGS, configs=CONFIGS, period=PERIOD,
-                tasks=[])
+  result = dict(
+    command=" ".join(["python -m benchmarks.phases", *sys.argv[1:]]),
+    environment=bench_common.environment(),
+    kfac_settings=KFAC_SETTINGS,
+    configs=CONFIGS,
+    period=PERIOD,
+    tasks=[],
+  )
   for name in args.tasks:
-    result["tasks"].append(measure_task(name, args.batch_size, args.rounds,
-                                        args.calls, not args.no_progress))
+    result["tasks"].append(
+      measure_task(
+        name, args.batch_size, args.rounds, args.calls, not args.no_progress
+      )
+    )
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
   table = phases_report.markdown(result, args.statistic)
   stem.with_suffix(".md").write_text(table + "\n")

@@ -24,16 +24,32 @@ from examples import training
 # eigh, the subspace solver, and the subspace solver with EKFAC's scaling,
 # each at the decomposition period given here.
 EIGEN_ADAPTIVE = {
-    "kfac_eigh": dict(compute_method="eigen", inv_update_steps=5),
-    "kfac_subspace": dict(compute_method="eigen", eigen_solver="subspace",
-                          inv_update_steps=5),
-    "kfac_subspace2": dict(compute_method="eigen", eigen_solver="subspace",
-                           inv_update_steps=2),
-    "kfac_ekfac": dict(compute_method="eigen", eigen_solver="subspace",
-                       eigenvalue_correction=True, inv_update_steps=5),
+  "kfac_eigh": dict(compute_method="eigen", inv_update_steps=5),
+  "kfac_subspace": dict(
+    compute_method="eigen", eigen_solver="subspace", inv_update_steps=5
+  ),
+  "kfac_subspace2": dict(
+    compute_method="eigen", eigen_solver="subspace", inv_update_steps=2
+  ),
+  "kfac_ekfac": dict(
+    compute_method="eigen",
+    eigen_solver="subspace",
+    eigenvalue_correction=True,
+    inv_update_steps=5,
+  ),
 }
-OPTIMIZERS = ("adamw", "muon", "soap", "kron", "kfac", "kfac_adaptive", "sgd",
-              "adam", "kfac_levers", *EIGEN_ADAPTIVE)
+OPTIMIZERS = (
+  "adamw",
+  "muon",
+  "soap",
+  "kron",
+  "kfac",
+  "kfac_adaptive",
+  "sgd",
+  "adam",
+  "kfac_levers",
+  *EIGEN_ADAPTIVE,
+)
 DEFAULT_OPTIMIZERS = OPTIMIZERS[:6]
 FIRST_ORDER = ("sgd", "adam", "adamw", "muon", "soap", "kron")
 # The optimizers without a learning rate: their sweep is over λ₀.
@@ -42,9 +58,17 @@ KFAC_OPTIMIZERS = ("kfac", "kfac_levers", *ADAPTIVE)
 # Each optimizer's customary learning rate (SOAP: the paper's default; the
 # adaptive ones: λ₀, that of KFAC_ADAPTIVE_SETTINGS, below); the sweep is
 # center × LR_GRID.
-CENTERS = {"sgd": 1e-2, "adam": 1e-3, "adamw": 1e-3, "muon": 1e-2,
-           "soap": 3e-3, "kron": 3e-4, "kfac": 0.1, "kfac_levers": 0.1,
-           **{name: 150.0 for name in ADAPTIVE}}
+CENTERS = {
+  "sgd": 1e-2,
+  "adam": 1e-3,
+  "adamw": 1e-3,
+  "muon": 1e-2,
+  "soap": 3e-3,
+  "kron": 3e-4,
+  "kfac": 0.1,
+  "kfac_levers": 0.1,
+  **{name: 150.0 for name in ADAPTIVE},
+}
 LR_GRID = (1 / 3, 1.0, 3.0)
 EXTENSION_FACTOR = 3.0  # beyond a winning edge of the grid
 # Muon's Adam, for the parameters it does not orthogonalize (embeddings,
@@ -54,23 +78,31 @@ MUON_ADAM_LR = 1e-3
 # K-FAC's settings, the same on every task: kfac_jax.kfac (scale_by_kfac,
 # then SGD with momentum 0.9) at the swept learning rate. The one place to
 # change them; the race records them in its JSON.
-KFAC_SETTINGS = dict(damping=0.01, kl_clip=0.1, inv_update_steps=10,
-                     compute_method="inverse")
+KFAC_SETTINGS = dict(
+  damping=0.01, kl_clip=0.1, inv_update_steps=10, compute_method="inverse"
+)
 # ``kfac_levers`` (on request): KFAC_SETTINGS with issue 49's cheap-step
 # levers, measured by phases.py: statistics only on the factor steps (every
 # STATS_EVERY-th; the others run without, kfac_stats=NO_STATS), from a
 # quarter of each batch, one row per example for weight-sharing layers.
 STATS_EVERY = 10
-KFAC_LEVERS = dict(factor_update_steps=STATS_EVERY, factor_batch_size=0.25,
-                   weight_sharing="reduce")
+KFAC_LEVERS = dict(
+  factor_update_steps=STATS_EVERY,
+  factor_batch_size=0.25,
+  weight_sharing="reduce",
+)
 # DeepMind kfac-jax's examples/autoencoder_mnist settings (damping adapted
 # every 5 steps by 0.95^5 within [1e-5, 1000], inverses every 5 steps, factor
 # decay 0.95), used for every task; its initial damping, 150, is the center
 # of kfac_adaptive's sweep (CENTERS). The inverse method (with π-split
 # damping in this mode) costs less per step than the eigen method.
 KFAC_ADAPTIVE_SETTINGS = dict(
-    compute_method="inverse", factor_decay=0.95, factor_update_steps=1,
-    inv_update_steps=5, kl_clip=None)
+  compute_method="inverse",
+  factor_decay=0.95,
+  factor_update_steps=1,
+  inv_update_steps=5,
+  kl_clip=None,
+)
 
 
 def import_kron():
@@ -82,6 +114,7 @@ def import_kron():
   lets the annotation evaluate; nothing else of jax is touched.
   """
   from jax.sharding import PartitionSpec  # pylint: disable=g-import-not-at-top
+
   if not hasattr(PartitionSpec, "__class_getitem__"):
     PartitionSpec.__class_getitem__ = classmethod(lambda cls, _: cls)
   try:
@@ -108,9 +141,11 @@ def kfac_dtypes(inv_dtype: str) -> dict[str, Any]:
 def unsupported(name: str, task: tasks.Task) -> str | None:
   """Why contestant ``name`` cannot train ``task``, or None if it can."""
   if name in ADAPTIVE and (task.split_loss is None or task.stateful):
-    return (f"{name} needs the loss split into network and loss "
-            "(SplitLoss) and no model state; the task has "
-            + ("model state (BatchNorm)" if task.stateful else "no split"))
+    return (
+      f"{name} needs the loss split into network and loss "
+      "(SplitLoss) and no model state; the task has "
+      + ("model state (BatchNorm)" if task.stateful else "no split")
+    )
   return None
 
 
@@ -127,6 +162,7 @@ def muon_dimensions(layers: Any) -> Any:
   axes out, ``nn.scan``'s stack axes batched; every other parameter
   (embeddings, biases, norms) None, left to Muon's Adam."""
   from optax.contrib import MuonDimensionNumbers  # pylint: disable=g-import-not-at-top
+
   kernels = {}
   for layer in layers.values():
     if layer.kernel_key == "embedding":
@@ -134,19 +170,24 @@ def muon_dimensions(layers: Any) -> Any:
     start = layer.stack_ndim
     middle = start + len(layer.contracted_shape)
     kernels[(*map(str, layer.path), layer.kernel_key)] = MuonDimensionNumbers(
-        reduction_axis=tuple(range(start, middle)),
-        output_axis=tuple(range(middle, len(layer.kernel_shape))))
+      reduction_axis=tuple(range(start, middle)),
+      output_axis=tuple(range(middle, len(layer.kernel_shape))),
+    )
 
   def dimensions(params):
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: kernels.get(tuple(
-            kfac_jax.capture.layers.path_key_name(k) for k in path)), params)
+      lambda path, _: kernels.get(
+        tuple(kfac_jax.capture.layers.path_key_name(k) for k in path)
+      ),
+      params,
+    )
 
   return dimensions
 
 
-def muon(lr: float, task: tasks.Task) -> tuple[optax.GradientTransformation,
-                                               str]:
+def muon(
+  lr: float, task: tasks.Task
+) -> tuple[optax.GradientTransformation, str]:
   """``optax.contrib.muon`` on the task's kernels, Adam (``MUON_ADAM_LR``)
   on the rest, and its description.
 
@@ -159,28 +200,41 @@ def muon(lr: float, task: tasks.Task) -> tuple[optax.GradientTransformation,
   accepted = inspect.signature(optax.contrib.muon).parameters
   if "adam_learning_rate" not in accepted:
     tx = optax.partition(
-        {"muon": optax.chain(optax.contrib.scale_by_muon(),
-                             optax.scale_by_learning_rate(lr)),
-         "adam": optax.adam(MUON_ADAM_LR)},
-        lambda params: jax.tree.map(
-            lambda x: "muon" if x.ndim == 2 else "adam", params))
-    return tx, (f"optax.contrib.scale_by_muon() on the 2-D parameters, lr="
-                f"{lr:g}; optax.adam({MUON_ADAM_LR:g}) on the others")
+      {
+        "muon": optax.chain(
+          optax.contrib.scale_by_muon(), optax.scale_by_learning_rate(lr)
+        ),
+        "adam": optax.adam(MUON_ADAM_LR),
+      },
+      lambda params: jax.tree.map(
+        lambda x: "muon" if x.ndim == 2 else "adam", params
+      ),
+    )
+    return tx, (
+      f"optax.contrib.scale_by_muon() on the 2-D parameters, lr="
+      f"{lr:g}; optax.adam({MUON_ADAM_LR:g}) on the others"
+    )
   kwargs = dict(adam_learning_rate=MUON_ADAM_LR)
   which = "2-D parameters"
   if task.layers is not None and "muon_weight_dimension_numbers" in accepted:
     kwargs["muon_weight_dimension_numbers"] = muon_dimensions(task.layers)
     which = "kernels of the layer table (no embeddings)"
-  return (optax.contrib.muon(lr, **kwargs),
-          f"optax.contrib.muon(lr={lr:g}, adam_learning_rate="
-          f"{MUON_ADAM_LR:g}) on the {which}")
+  return (
+    optax.contrib.muon(lr, **kwargs),
+    f"optax.contrib.muon(lr={lr:g}, adam_learning_rate="
+    f"{MUON_ADAM_LR:g}) on the {which}",
+  )
 
 
-def build_optimizer(name: str, lr: float, task: tasks.Task,
-                    curvature: str = "batch",
-                    curvature_examples: int | None = None,
-                    min_damping: float | None = None,
-                    inv_dtype: str = "float32") -> training.Optimizer:
+def build_optimizer(
+  name: str,
+  lr: float,
+  task: tasks.Task,
+  curvature: str = "batch",
+  curvature_examples: int | None = None,
+  min_damping: float | None = None,
+  inv_dtype: str = "float32",
+) -> training.Optimizer:
   """One contestant at its swept value ``lr``: the learning rate, or
   ``kfac_adaptive``'s initial damping λ₀.
 
@@ -194,56 +248,81 @@ def build_optimizer(name: str, lr: float, task: tasks.Task,
     raise ValueError(f"{name} on {task.name}: {reason}.")
   if name == "sgd":
     return training.Optimizer(
-        "sgd", optax.sgd(lr, momentum=0.9, nesterov=True),
-        description=f"optax.sgd(lr={lr:g}, momentum=0.9, nesterov=True)")
+      "sgd",
+      optax.sgd(lr, momentum=0.9, nesterov=True),
+      description=f"optax.sgd(lr={lr:g}, momentum=0.9, nesterov=True)",
+    )
   if name == "adam":
-    return training.Optimizer("adam", optax.adam(lr),
-                            description=f"optax.adam(lr={lr:g})")
+    return training.Optimizer(
+      "adam", optax.adam(lr), description=f"optax.adam(lr={lr:g})"
+    )
   if name == "adamw":
     return training.Optimizer(
-        "adamw", optax.adamw(lr),
-        description=f"optax.adamw(lr={lr:g}) (weight_decay 1e-4)")
+      "adamw",
+      optax.adamw(lr),
+      description=f"optax.adamw(lr={lr:g}) (weight_decay 1e-4)",
+    )
   if name == "muon":
     tx, description = muon(lr, task)
     return training.Optimizer("muon", tx, description=description)
   if name == "soap":
     return training.Optimizer(
-        "soap", soap.soap(lr),
-        description=f"benchmarks.soap.soap(lr={lr:g}) (b1 = b2 = 0.95, "
-        "weight_decay 0.01, QR refresh every 10 steps)")
+      "soap",
+      soap.soap(lr),
+      description=f"benchmarks.soap.soap(lr={lr:g}) (b1 = b2 = 0.95, "
+      "weight_decay 0.01, QR refresh every 10 steps)",
+    )
   if name == "kron":
     kron = import_kron()
     if kron is None:
-      raise SystemExit("--optimizers kron needs the distributed-kron package: "
-                       "pip install distributed-kron (or leave kron out).")
-    return training.Optimizer("kron", kron(lr, b1=0.9),
-                            description=f"distributed_kron.kron(lr={lr:g}, "
-                            "b1=0.9)")
-  if name in ("kfac", "kfac_levers"):
-    settings = dict(KFAC_SETTINGS, **(KFAC_LEVERS if name == "kfac_levers"
-                                      else {}), **kfac_dtypes(inv_dtype))
+      raise SystemExit(
+        "--optimizers kron needs the distributed-kron package: "
+        "pip install distributed-kron (or leave kron out)."
+      )
     return training.Optimizer(
-        name,
-        kfac_jax.kfac(learning_rate=lr, momentum=0.9, layers=task.layers,
-                      **settings),
-        uses_kfac=True,
-        description=f"kfac_jax.kfac(lr={lr:g}, momentum=0.9, " + ", ".join(
-            f"{k}={v!r}" for k, v in settings.items()) + ")" + (
-                "; kfac_stats=NO_STATS between factor steps"
-                if name == "kfac_levers" else ""))
+      "kron",
+      kron(lr, b1=0.9),
+      description=f"distributed_kron.kron(lr={lr:g}, b1=0.9)",
+    )
+  if name in ("kfac", "kfac_levers"):
+    settings = dict(
+      KFAC_SETTINGS,
+      **(KFAC_LEVERS if name == "kfac_levers" else {}),
+      **kfac_dtypes(inv_dtype),
+    )
+    return training.Optimizer(
+      name,
+      kfac_jax.kfac(
+        learning_rate=lr, momentum=0.9, layers=task.layers, **settings
+      ),
+      uses_kfac=True,
+      description=f"kfac_jax.kfac(lr={lr:g}, momentum=0.9, "
+      + ", ".join(f"{k}={v!r}" for k, v in settings.items())
+      + ")"
+      + (
+        "; kfac_stats=NO_STATS between factor steps"
+        if name == "kfac_levers"
+        else ""
+      ),
+    )
   if name in ADAPTIVE:
-    settings = dict(KFAC_ADAPTIVE_SETTINGS, **EIGEN_ADAPTIVE.get(name, {}),
-                    damping=lr, **kfac_dtypes(inv_dtype))
+    settings = dict(
+      KFAC_ADAPTIVE_SETTINGS,
+      **EIGEN_ADAPTIVE.get(name, {}),
+      damping=lr,
+      **kfac_dtypes(inv_dtype),
+    )
     if curvature == "subset":
       settings["factor_batch_size"] = curvature_examples
     adaptive = adaptive_config(min_damping)
     return training.Optimizer(
-        name,
-        kfac_jax.scale_by_kfac(layers=task.layers, adaptive=adaptive,
-                               **settings),
-        uses_kfac=True, needs_split_loss=True,
-        separate_curvature=curvature in ("empirical", "gauss-newton"),
-        description=f"kfac_jax.scale_by_kfac(adaptive={adaptive}, " +
-        ", ".join(f"{k}={v!r}" for k, v in settings.items()) +
-        f"), curvature {curvature!r}")
+      name,
+      kfac_jax.scale_by_kfac(layers=task.layers, adaptive=adaptive, **settings),
+      uses_kfac=True,
+      needs_split_loss=True,
+      separate_curvature=curvature in ("empirical", "gauss-newton"),
+      description=f"kfac_jax.scale_by_kfac(adaptive={adaptive}, "
+      + ", ".join(f"{k}={v!r}" for k, v in settings.items())
+      + f"), curvature {curvature!r}",
+    )
   raise ValueError(f"unknown optimizer {name!r}; use one of {OPTIMIZERS}.")

@@ -16,8 +16,16 @@ def test_sweep_grid_of_learning_rates_and_adaptive_damping():
   (kfac_adaptive's λ₀ around kfac-jax's 150) and grows past a winning edge."""
   # The race's own grid logic, checked without running it.
   task = tasks.Task(
-      name="toy", description="", metric="loss", higher_is_better=False,
-      data=(), batch_size=1, init=None, loss_fn=None, evaluate=None)
+    name="toy",
+    description="",
+    metric="loss",
+    higher_is_better=False,
+    data=(),
+    batch_size=1,
+    init=None,
+    loss_fn=None,
+    evaluate=None,
+  )
 
   class Recorded:
     """The sweep's runs: the final loss is |log10(value / best)|."""
@@ -50,38 +58,74 @@ def test_sweep_grid_of_learning_rates_and_adaptive_damping():
 
 
 def test_race_takes_the_sweeps_seed_zero_run_and_leaves_out_what_cannot_run(
-    tmp_path, monkeypatch):
+  tmp_path, monkeypatch
+):
   """At the sweep's budget the final seed-0 run of the winner is the
   sweep's run (not trained again); a contestant the task cannot run
   (the adaptive mode without a split loss) is left out."""
   import json  # pylint: disable=g-import-not-at-top
   from benchmarks import race  # pylint: disable=g-import-not-at-top
+
   trained = []
 
   def train_run(task, optimizer, seed, budget, *args, **kwargs):
     del task, budget, args, kwargs
     name, lr = optimizer
     trained.append((name, lr, seed))
-    return dict(optimizer=name, final=abs(math.log10(lr / 1e-3)) + seed,
-                steps=1, ms_per_step=1.0, compile_seconds=0.0,
-                diverged=False, curve=[])
+    return dict(
+      optimizer=name,
+      final=abs(math.log10(lr / 1e-3)) + seed,
+      steps=1,
+      ms_per_step=1.0,
+      compile_seconds=0.0,
+      diverged=False,
+      curve=[],
+    )
 
   monkeypatch.setattr(race.race_runs, "train_run", train_run)
-  monkeypatch.setattr(race.race_optimizers, "build_optimizer",
-                      lambda name, lr, *args, **kwargs: (name, lr))
+  monkeypatch.setattr(
+    race.race_optimizers,
+    "build_optimizer",
+    lambda name, lr, *args, **kwargs: (name, lr),
+  )
   args = argparse.Namespace(
-      resume=None, inv_dtype="float32", curvature="subset",
-      curvature_examples=250, min_damping=None, eval_examples=None,
-      eval_every=10.0, max_steps=None, no_progress=True, no_sweep=False,
-      optimizers=["adam", "kfac_adaptive"], center={}, max_extensions=0,
-      budget=5.0, sweep_budget=None, seeds=[0, 1], clock="cpu")
+    resume=None,
+    inv_dtype="float32",
+    curvature="subset",
+    curvature_examples=250,
+    min_damping=None,
+    eval_examples=None,
+    eval_every=10.0,
+    max_steps=None,
+    no_progress=True,
+    no_sweep=False,
+    optimizers=["adam", "kfac_adaptive"],
+    center={},
+    max_extensions=0,
+    budget=5.0,
+    sweep_budget=None,
+    seeds=[0, 1],
+    clock="cpu",
+  )
   task = tasks.Task(
-      name="toy", description="", metric="loss", higher_is_better=False,
-      data=(), batch_size=1, init=None, loss_fn=None, evaluate=None)
+    name="toy",
+    description="",
+    metric="loss",
+    higher_is_better=False,
+    data=(),
+    batch_size=1,
+    init=None,
+    loss_fn=None,
+    evaluate=None,
+  )
   contest = race.Race(args, tmp_path / "race.json", {})
   result = race.race_task(task, args, contest)
-  assert trained == [("adam", 3.33e-4, 0), ("adam", 1e-3, 0),
-                     ("adam", 3e-3, 0), ("adam", 1e-3, 1)]
+  assert trained == [
+    ("adam", 3.33e-4, 0),
+    ("adam", 1e-3, 0),
+    ("adam", 3e-3, 0),
+    ("adam", 1e-3, 1),
+  ]
   assert list(result["finals"]) == ["adam"]
   first, second = result["finals"]["adam"]
   assert first["reused"] == "sweep" and first["phase"] == "final"

@@ -75,9 +75,11 @@ def _has_factor(shape: Sequence[int], axis: int, max_precond_dim: int) -> bool:
 
 def _empty_factors(param: jax.Array, max_precond_dim: int) -> AxisMatrices:
   return tuple(
-      jnp.zeros((n, n), jnp.float32)
-      if _has_factor(param.shape, i, max_precond_dim) else None
-      for i, n in enumerate(param.shape))
+    jnp.zeros((n, n), jnp.float32)
+    if _has_factor(param.shape, i, max_precond_dim)
+    else None
+    for i, n in enumerate(param.shape)
+  )
 
 
 def _mode_product(x: jax.Array, matrix: jax.Array, axis: int) -> jax.Array:
@@ -109,11 +111,13 @@ def _gram(g: jax.Array, axis: int) -> jax.Array:
   return jnp.tensordot(g, g, axes=(others, others), precision=_HIGHEST)
 
 
-def _update_factors(g: jax.Array, factors: AxisMatrices,
-                    decay: float) -> AxisMatrices:
+def _update_factors(
+  g: jax.Array, factors: AxisMatrices, decay: float
+) -> AxisMatrices:
   return tuple(
-      None if f is None else decay * f + (1 - decay) * _gram(g, axis)
-      for axis, f in enumerate(factors))
+    None if f is None else decay * f + (1 - decay) * _gram(g, axis)
+    for axis, f in enumerate(factors)
+  )
 
 
 def _eigh_basis(factor: jax.Array | None) -> jax.Array | None:
@@ -123,8 +127,9 @@ def _eigh_basis(factor: jax.Array | None) -> jax.Array | None:
   return jnp.flip(jnp.linalg.eigh(factor)[1], axis=1)
 
 
-def _power_qr(factor: jax.Array, basis: jax.Array, nu: jax.Array,
-              axis: int) -> tuple[jax.Array, jax.Array]:
+def _power_qr(
+  factor: jax.Array, basis: jax.Array, nu: jax.Array, axis: int
+) -> tuple[jax.Array, jax.Array]:
   """Algorithm 4 on one axis: the columns sorted by ``diag(Qᵀ F Q)``
   (descending), ``nu``'s axis permuted alike, then ``qr(F Q)``."""
   product = jnp.matmul(factor, basis, precision=_HIGHEST)
@@ -134,9 +139,13 @@ def _power_qr(factor: jax.Array, basis: jax.Array, nu: jax.Array,
   return q, jnp.take(nu, order, axis=axis)
 
 
-def _refresh(factors: AxisMatrices, bases: AxisMatrices, mu: jax.Array,
-             nu: jax.Array, refresh: Refresh
-             ) -> tuple[AxisMatrices, jax.Array, jax.Array]:
+def _refresh(
+  factors: AxisMatrices,
+  bases: AxisMatrices,
+  mu: jax.Array,
+  nu: jax.Array,
+  refresh: Refresh,
+) -> tuple[AxisMatrices, jax.Array, jax.Array]:
   """New bases; ``mu`` rotated into them, ``nu`` permuted (QR) or kept."""
   new_bases = []
   for axis, (factor, basis) in enumerate(zip(factors, bases)):
@@ -152,31 +161,45 @@ def _refresh(factors: AxisMatrices, bases: AxisMatrices, mu: jax.Array,
   return tuple(new_bases), mu, nu
 
 
-def _check(b1: float, b2: float, shampoo_decay: float | None, eps: float,
-           precondition_frequency: int, max_precond_dim: int,
-           refresh: str) -> None:
-  for name, value in (("b1", b1), ("b2", b2), ("shampoo_decay",
-                                               shampoo_decay)):
+def _check(
+  b1: float,
+  b2: float,
+  shampoo_decay: float | None,
+  eps: float,
+  precondition_frequency: int,
+  max_precond_dim: int,
+  refresh: str,
+) -> None:
+  for name, value in (("b1", b1), ("b2", b2), ("shampoo_decay", shampoo_decay)):
     if value is not None and not 0 <= value < 1:
-      raise ValueError(f"scale_by_soap: {name} must be in [0, 1); got "
-                       f"{value!r}.")
+      raise ValueError(
+        f"scale_by_soap: {name} must be in [0, 1); got {value!r}."
+      )
   if not eps > 0:
     raise ValueError(f"scale_by_soap: eps must be > 0; got {eps!r}.")
-  for name, value in (("precondition_frequency", precondition_frequency),
-                      ("max_precond_dim", max_precond_dim)):
+  for name, value in (
+    ("precondition_frequency", precondition_frequency),
+    ("max_precond_dim", max_precond_dim),
+  ):
     if not (isinstance(value, int) and value >= 1):
-      raise ValueError(f"scale_by_soap: {name} must be a positive integer; "
-                       f"got {value!r}.")
+      raise ValueError(
+        f"scale_by_soap: {name} must be a positive integer; got {value!r}."
+      )
   if refresh not in ("qr", "eigh"):
-    raise ValueError(f"scale_by_soap: refresh must be 'qr' or 'eigh'; got "
-                     f"{refresh!r}.")
+    raise ValueError(
+      f"scale_by_soap: refresh must be 'qr' or 'eigh'; got {refresh!r}."
+    )
 
 
-def scale_by_soap(b1: float = 0.95, b2: float = 0.95,
-                  shampoo_decay: float | None = None, eps: float = 1e-8,
-                  precondition_frequency: int = 10,
-                  max_precond_dim: int = 10000,
-                  refresh: Refresh = "qr") -> optax.GradientTransformation:
+def scale_by_soap(
+  b1: float = 0.95,
+  b2: float = 0.95,
+  shampoo_decay: float | None = None,
+  eps: float = 1e-8,
+  precondition_frequency: int = 10,
+  max_precond_dim: int = 10000,
+  refresh: Refresh = "qr",
+) -> optax.GradientTransformation:
   """SOAP's direction ``N`` (module docstring), to be scaled by ``-lr``.
 
   Args:
@@ -193,26 +216,34 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95,
   Returns:
     An ``optax.GradientTransformation`` with a ``ScaleBySoapState``.
   """
-  _check(b1, b2, shampoo_decay, eps, precondition_frequency, max_precond_dim,
-         refresh)
+  _check(
+    b1, b2, shampoo_decay, eps, precondition_frequency, max_precond_dim, refresh
+  )
   decay = b2 if shampoo_decay is None else shampoo_decay
 
   def init_fn(params: optax.Params) -> ScaleBySoapState:
     empty = lambda: jax.tree.map(
-        lambda p: _empty_factors(p, max_precond_dim), params)
+      lambda p: _empty_factors(p, max_precond_dim), params
+    )
     zeros = lambda p: jnp.zeros(p.shape, jnp.float32)
     # The bases are set by the first call; zeros hold their place (arrays
     # of their own: a train step may donate the state's buffers).
     return ScaleBySoapState(
-        count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params),
-        nu=jax.tree.map(zeros, params), factors=empty(), bases=empty())
+      count=jnp.zeros([], jnp.int32),
+      mu=jax.tree.map(zeros, params),
+      nu=jax.tree.map(zeros, params),
+      factors=empty(),
+      bases=empty(),
+    )
 
   def first_call(updates, state):
     """The factors from the first gradient, their ``eigh`` bases, no step."""
-    factors = jax.tree.map(lambda g, f: _update_factors(g, f, decay),
-                           updates, state.factors)
-    bases = jax.tree.map(lambda _, f: tuple(map(_eigh_basis, f)), updates,
-                         factors)
+    factors = jax.tree.map(
+      lambda g, f: _update_factors(g, f, decay), updates, state.factors
+    )
+    bases = jax.tree.map(
+      lambda _, f: tuple(map(_eigh_basis, f)), updates, factors
+    )
     zeros = jax.tree.map(jnp.zeros_like, updates)
     return zeros, state._replace(factors=factors, bases=bases)
 
@@ -221,44 +252,61 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95,
     k = state.count.astype(jnp.float32)
     rotated = jax.tree.map(_project, updates, state.bases)
     mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, rotated)
-    nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu,
-                      rotated)
+    nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, rotated)
     correction = jnp.sqrt(1 - b2**k) / (1 - b1**k)
     directions = jax.tree.map(
-        lambda g, m, v, q: (correction * _project_back(
-            m / (jnp.sqrt(v) + eps), q)).astype(g.dtype),
-        updates, mu, nu, state.bases)
-    factors = jax.tree.map(lambda g, f: _update_factors(g, f, decay),
-                           updates, state.factors)
+      lambda g, m, v, q: (
+        correction * _project_back(m / (jnp.sqrt(v) + eps), q)
+      ).astype(g.dtype),
+      updates,
+      mu,
+      nu,
+      state.bases,
+    )
+    factors = jax.tree.map(
+      lambda g, f: _update_factors(g, f, decay), updates, state.factors
+    )
 
     def refreshed():
       # Per parameter (the gradients' leaves) a (bases, mu, nu) triple,
       # then the three trees.
       treedef = jax.tree.structure(updates)
-      triples = [_refresh(f, q, m, v, refresh) for f, q, m, v in zip(
-          *(treedef.flatten_up_to(t) for t in (factors, state.bases, mu,
-                                                nu)))]
+      triples = [
+        _refresh(f, q, m, v, refresh)
+        for f, q, m, v in zip(
+          *(treedef.flatten_up_to(t) for t in (factors, state.bases, mu, nu))
+        )
+      ]
       return tuple(treedef.unflatten(part) for part in zip(*triples))
 
     bases, mu, nu = jax.lax.cond(
-        state.count % precondition_frequency == 0, refreshed,
-        lambda: (state.bases, mu, nu))
+      state.count % precondition_frequency == 0,
+      refreshed,
+      lambda: (state.bases, mu, nu),
+    )
     return directions, ScaleBySoapState(state.count, mu, nu, factors, bases)
 
   def update_fn(updates, state, params=None):
     del params
-    directions, state = jax.lax.cond(state.count == 0, first_call, adam_step,
-                                     updates, state)
+    directions, state = jax.lax.cond(
+      state.count == 0, first_call, adam_step, updates, state
+    )
     return directions, state._replace(count=optax.safe_increment(state.count))
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def soap(learning_rate: optax.ScalarOrSchedule, b1: float = 0.95,
-         b2: float = 0.95, weight_decay: float = 0.01,
-         shampoo_decay: float | None = None, eps: float = 1e-8,
-         precondition_frequency: int = 10, max_precond_dim: int = 10000,
-         refresh: Refresh = "qr") -> optax.GradientTransformation:
+def soap(
+  learning_rate: optax.ScalarOrSchedule,
+  b1: float = 0.95,
+  b2: float = 0.95,
+  weight_decay: float = 0.01,
+  shampoo_decay: float | None = None,
+  eps: float = 1e-8,
+  precondition_frequency: int = 10,
+  max_precond_dim: int = 10000,
+  refresh: Refresh = "qr",
+) -> optax.GradientTransformation:
   """SOAP with decoupled weight decay (the paper's defaults, lr aside).
 
   ``optax.chain(scale_by_soap(...), add_decayed_weights(weight_decay),
@@ -277,7 +325,15 @@ def soap(learning_rate: optax.ScalarOrSchedule, b1: float = 0.95,
     An ``optax.GradientTransformation``.
   """
   return optax.chain(
-      scale_by_soap(b1, b2, shampoo_decay, eps, precondition_frequency,
-                    max_precond_dim, refresh),
-      optax.add_decayed_weights(weight_decay),
-      optax.scale_by_learning_rate(learning_rate))
+    scale_by_soap(
+      b1,
+      b2,
+      shampoo_decay,
+      eps,
+      precondition_frequency,
+      max_precond_dim,
+      refresh,
+    ),
+    optax.add_decayed_weights(weight_decay),
+    optax.scale_by_learning_rate(learning_rate),
+  )

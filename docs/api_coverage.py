@@ -18,8 +18,12 @@ from collections.abc import Iterator
 
 # kfac_jax.checkpoint is imported on its own (it needs the checkpoint extra,
 # which the docs and test extras install).
-PUBLIC_MODULES = ("kfac_jax", "kfac_jax.sampled_curvature",
-                  "kfac_jax.schedules", "kfac_jax.checkpoint")
+PUBLIC_MODULES = (
+  "kfac_jax",
+  "kfac_jax.sampled_curvature",
+  "kfac_jax.schedules",
+  "kfac_jax.checkpoint",
+)
 
 
 def resolve(dotted: str) -> object | None:
@@ -45,9 +49,12 @@ def _members(module_name: str) -> Iterator[tuple[str, object]]:
   module = resolve(module_name)
   names = getattr(module, "__all__", None)
   if names is None:
-    names = [name for name, obj in vars(module).items()
-             if not name.startswith("_")
-             and getattr(obj, "__module__", None) == module.__name__]
+    names = [
+      name
+      for name, obj in vars(module).items()
+      if not name.startswith("_")
+      and getattr(obj, "__module__", None) == module.__name__
+    ]
   for name in names:
     yield f"{module_name}.{name}", getattr(module, name)
 
@@ -61,10 +68,14 @@ def _class_members(cls: type) -> Iterator[str]:
     if isinstance(value, enum.Enum):
       yield name
       continue
-    function = value.fget if isinstance(value, property) else getattr(
-        value, "__func__", value)
+    function = (
+      value.fget
+      if isinstance(value, property)
+      else getattr(value, "__func__", value)
+    )
     if inspect.isfunction(function) and function.__module__.startswith(
-        "kfac_jax"):
+      "kfac_jax"
+    ):
       yield name
 
 
@@ -83,8 +94,10 @@ def public_members() -> list[str]:
 
 
 _DIRECTIVE = re.compile(
-    r"^\.\. auto(function|class|module|data|exception):: ([\w.]+)\s*\n"
-    r"((?:[ \t]+:.*\n)*)", re.M)
+  r"^\.\. auto(function|class|module|data|exception):: ([\w.]+)\s*\n"
+  r"((?:[ \t]+:.*\n)*)",
+  re.M,
+)
 _MEMBERS = re.compile(r":members:(.*)")
 
 
@@ -98,8 +111,9 @@ def documented(api_text: str) -> set[str]:
     listed = _MEMBERS.search(options)
     if listed is None:
       continue
-    members = [member.strip() for member in listed.group(1).split(",")
-               if member.strip()]
+    members = [
+      member.strip() for member in listed.group(1).split(",") if member.strip()
+    ]
     if not members:
       obj = resolve(name)
       if kind == "class" and inspect.isclass(obj):

@@ -41,12 +41,12 @@ copyright = "kfac_jax contributors, Apache-2.0"  # pylint: disable=redefined-bui
 release = kfac_jax.__version__
 
 extensions = [
-    "myst_parser",
-    "sphinx.ext.autodoc",
-    "sphinx.ext.autosummary",
-    "sphinx.ext.intersphinx",
-    "sphinx.ext.napoleon",
-    "sphinx.ext.mathjax",
+  "myst_parser",
+  "sphinx.ext.autodoc",
+  "sphinx.ext.autosummary",
+  "sphinx.ext.intersphinx",
+  "sphinx.ext.napoleon",
+  "sphinx.ext.mathjax",
 ]
 source_suffix = {".md": "markdown"}
 root_doc = "index"
@@ -69,11 +69,11 @@ autodoc_typehints = "description"
 autodoc_typehints_description_target = "documented"
 # The package's aliases by name, not expanded into their unions.
 autodoc_type_aliases = {
-    "ScalarOrSchedule": "ScalarOrSchedule",
-    "Schedule": "Schedule",
-    "hp.Schedule": "Schedule",
-    "LayerTable": "LayerTable",
-    "TracedLayers": "TracedLayers",
+  "ScalarOrSchedule": "ScalarOrSchedule",
+  "Schedule": "Schedule",
+  "hp.Schedule": "Schedule",
+  "LayerTable": "LayerTable",
+  "TracedLayers": "TracedLayers",
 }
 autodoc_typehints_format = "short"
 autodoc_member_order = "bysource"
@@ -93,11 +93,11 @@ html_static_path: list[str] = []
 # Sphinx inventory (version 2: "name domain:role priority uri display", the
 # uri relative to the site, "$" for the name, "-" for the name as display).
 INVENTORY_SITES = {
-    "python": "https://docs.python.org/3/",
-    "jax": "https://docs.jax.dev/en/latest/",
-    "optax": "https://optax.readthedocs.io/en/latest/",
-    "flax": "https://flax.readthedocs.io/en/latest/",
-    "flax-linen": "https://flax-linen.readthedocs.io/en/latest/",
+  "python": "https://docs.python.org/3/",
+  "jax": "https://docs.jax.dev/en/latest/",
+  "optax": "https://optax.readthedocs.io/en/latest/",
+  "flax": "https://flax.readthedocs.io/en/latest/",
+  "flax-linen": "https://flax-linen.readthedocs.io/en/latest/",
 }
 _INVENTORY_DIR = DOCS / "_build" / "inventories"
 
@@ -105,16 +105,21 @@ _INVENTORY_DIR = DOCS / "_build" / "inventories"
 def _inventory_lines(name: str) -> list[str]:
   """The entries of ``docs/inventories/<name>.txt``, comments dropped."""
   text = (DOCS / "inventories" / f"{name}.txt").read_text(encoding="utf-8")
-  return [line for line in text.splitlines()
-          if line.strip() and not line.startswith("#")]
+  return [
+    line
+    for line in text.splitlines()
+    if line.strip() and not line.startswith("#")
+  ]
 
 
 def _write_inventory(name: str) -> str:
   """Writes ``<name>.inv`` (the zlib-compressed format intersphinx reads)
   from its text; returns its path."""
-  header = ("# Sphinx inventory version 2\n"
-            f"# Project: {name}\n# Version: latest\n"
-            "# The remainder of this file is compressed using zlib.\n")
+  header = (
+    "# Sphinx inventory version 2\n"
+    f"# Project: {name}\n# Version: latest\n"
+    "# The remainder of this file is compressed using zlib.\n"
+  )
   body = "".join(f"{line}\n" for line in _inventory_lines(name))
   _INVENTORY_DIR.mkdir(parents=True, exist_ok=True)
   path = _INVENTORY_DIR / f"{name}.inv"
@@ -122,8 +127,9 @@ def _write_inventory(name: str) -> str:
   return str(path)
 
 
-intersphinx_mapping = {name: (url, _write_inventory(name))
-                       for name, url in INVENTORY_SITES.items()}
+intersphinx_mapping = {
+  name: (url, _write_inventory(name)) for name, url in INVENTORY_SITES.items()
+}
 intersphinx_timeout = 1  # never used: every inventory is a local file
 
 # -- public names in types ---------------------------------------------------
@@ -153,10 +159,16 @@ def _public_classes() -> Iterator[tuple[str, object]]:
         yield name, api_coverage.resolve(name)
 
 
-_PUBLIC = {defined: public for public, obj in _public_classes()
-           if (defined := _defined_name(obj)) not in (None, public)}
-_DEFINED = re.compile(r"(?<![\w.])(" + "|".join(
-    map(re.escape, sorted(_PUBLIC, key=len, reverse=True))) + r")(?!\w)")
+_PUBLIC = {
+  defined: public
+  for public, obj in _public_classes()
+  if (defined := _defined_name(obj)) not in (None, public)
+}
+_DEFINED = re.compile(
+  r"(?<![\w.])("
+  + "|".join(map(re.escape, sorted(_PUBLIC, key=len, reverse=True)))
+  + r")(?!\w)"
+)
 
 
 def public_names(text: str) -> str:
@@ -204,8 +216,9 @@ def plain_text_for_rst(app, what, name, obj, options, lines) -> None:
     if block_indent is not None:
       out.append(line)
       continue
-    prose.append(public_names(line) if line.lstrip().startswith(":vartype")
-                 else line)
+    prose.append(
+      public_names(line) if line.lstrip().startswith(":vartype") else line
+    )
     if line.rstrip().endswith("::"):
       flush()
       block_indent = indent
@@ -221,8 +234,11 @@ def data_docstrings(app, what, name, obj, options, lines) -> None:
   module = getattr(type(obj), "__module__", "")
   if what != "data" or not module.startswith("kfac_jax"):
     return
-  docs = ModuleAnalyzer.for_module(module).find_attr_docs().get(
-      ("", name.rsplit(".", 1)[1]))
+  docs = (
+    ModuleAnalyzer.for_module(module)
+    .find_attr_docs()
+    .get(("", name.rsplit(".", 1)[1]))
+  )
   if docs:
     lines[:] = list(docs)
 
@@ -261,11 +277,14 @@ def check_api_coverage(app, env) -> None:
   """Fails the build when a public member has no entry in the API
   reference."""
   objects = env.get_domain("py").objects
-  missing = [name for name in api_coverage.public_members()
-             if name not in objects]
+  missing = [
+    name for name in api_coverage.public_members() if name not in objects
+  ]
   if missing:
-    logger.error("undocumented public members (add them to docs/api.md): "
-                 "%s", ", ".join(missing))
+    logger.error(
+      "undocumented public members (add them to docs/api.md): %s",
+      ", ".join(missing),
+    )
     app.statuscode = 1
 
 
@@ -275,7 +294,6 @@ def setup(app):
   app.connect("autodoc-process-docstring", data_docstrings, priority=550)
   # After napoleon (500), which writes the :vartype: lines.
   app.connect("autodoc-process-docstring", plain_text_for_rst, priority=600)
-  app.connect("object-description-transform", public_type_hints,
-              priority=400)
+  app.connect("object-description-transform", public_type_hints, priority=400)
   app.connect("warn-missing-reference", type_hints_may_stay_text)
   app.connect("env-check-consistency", check_api_coverage)

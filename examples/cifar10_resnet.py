@@ -42,9 +42,16 @@ from examples import training
 # refreshed every 10 steps, as KAISA does for its ResNets; inverses too.
 # K-FAC: the BatchNorm CNN recipe of the configuration guide (lr 0.1,
 # kl_clip 0.1).
-DEFAULTS = dict(mnist_classifier.DEFAULTS, epochs=3, batch_size=128,
-                kfac_lr=0.1, kl_clip=0.1, factor_update_steps=10,
-                optimizers="kfac,sgd,adamw", weight_decay=1e-4)
+DEFAULTS = dict(
+  mnist_classifier.DEFAULTS,
+  epochs=3,
+  batch_size=128,
+  kfac_lr=0.1,
+  kl_clip=0.1,
+  factor_update_steps=10,
+  optimizers="kfac,sgd,adamw",
+  weight_decay=1e-4,
+)
 
 
 def augment(images: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -64,8 +71,9 @@ def augment(images: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 def main(argv: list[str] | None = None) -> int:
   parser = flags.base_parser(__doc__.split("\n\n")[0], **DEFAULTS)
-  parser.add_argument("--depth", type=int, default=20, choices=(20, 32),
-                      help="ResNet depth")
+  parser.add_argument(
+    "--depth", type=int, default=20, choices=(20, 32), help="ResNet depth"
+  )
   args = parser.parse_args(argv)
   flags.check_args(args)
 
@@ -78,44 +86,66 @@ def main(argv: list[str] | None = None) -> int:
 
   @jax.jit
   def per_example(params, batch_stats, x, y):
-    logits = model.apply({"params": params, "batch_stats": batch_stats}, x,
-                         train=False)
+    logits = model.apply(
+      {"params": params, "batch_stats": batch_stats}, x, train=False
+    )
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
     return losses, (jnp.argmax(logits, -1) == y).astype(jnp.float32)
 
   # One augmented copy of the training set per epoch, made up front.
   rng = np.random.default_rng(args.seed)
-  x_train = np.concatenate([augment(data.x_train, rng)
-                            for _ in range(args.epochs)])
+  x_train = np.concatenate(
+    [augment(data.x_train, rng) for _ in range(args.epochs)]
+  )
   y_train = np.tile(data.y_train, args.epochs)
   optimizers = flags.build_optimizers(args)
   steps = training.num_steps(len(x_train), args.batch_size, 1, args.steps)
-  print(f"{data.name}, ResNet-{args.depth}: {args.epochs} epoch(s) capped at "
-        f"{steps} steps of batch {args.batch_size}; "
-        f"{flags.describe_setup()}", flush=True)
+  print(
+    f"{data.name}, ResNet-{args.depth}: {args.epochs} epoch(s) capped at "
+    f"{steps} steps of batch {args.batch_size}; "
+    f"{flags.describe_setup()}",
+    flush=True,
+  )
 
   results = training.compare(
-      optimizers,
-      lambda opt: training.make_train_step(loss_fn, opt, stateful=True),
-      params, (x_train, y_train),
-      batch_size=args.batch_size, epochs=1, max_steps=args.steps,
-      seed=args.seed, desc=f"ResNet-{args.depth}", model_state=batch_stats)
+    optimizers,
+    lambda opt: training.make_train_step(loss_fn, opt, stateful=True),
+    params,
+    (x_train, y_train),
+    batch_size=args.batch_size,
+    epochs=1,
+    max_steps=args.steps,
+    seed=args.seed,
+    desc=f"ResNet-{args.depth}",
+    model_state=batch_stats,
+  )
 
   train_eval = flags.head((data.x_train, data.y_train), args.eval_size)
   test_eval = flags.head((data.x_test, data.y_test), args.eval_size)
   columns = reporting.classification_columns(
-      results, lambda r, x, y: per_example(r.params, r.model_state, x, y),
-      train_eval, test_eval)
+    results,
+    lambda r, x, y: per_example(r.params, r.model_state, x, y),
+    train_eval,
+    test_eval,
+  )
   reporting.report(
-      results, optimizers, columns, args.out, "cifar10_resnet",
-      header=(f"{data.name}, ResNet-{args.depth} with BatchNorm, {steps} steps "
-              f"of batch {args.batch_size}, seed {args.seed}. Train loss and "
-              f"accuracy over {len(train_eval[0]):,} un-augmented training "
-              f"images after the last step; test accuracy over "
-              f"{len(test_eval[0]):,} test images; times exclude "
-              "compilation."),
-      plot_title=f"ResNet-{args.depth}, {data.name}, batch {args.batch_size}",
-      ylabel="train cross-entropy (mini-batch)", log_y=True)
+    results,
+    optimizers,
+    columns,
+    args.out,
+    "cifar10_resnet",
+    header=(
+      f"{data.name}, ResNet-{args.depth} with BatchNorm, {steps} steps "
+      f"of batch {args.batch_size}, seed {args.seed}. Train loss and "
+      f"accuracy over {len(train_eval[0]):,} un-augmented training "
+      f"images after the last step; test accuracy over "
+      f"{len(test_eval[0]):,} test images; times exclude "
+      "compilation."
+    ),
+    plot_title=f"ResNet-{args.depth}, {data.name}, batch {args.batch_size}",
+    ylabel="train cross-entropy (mini-batch)",
+    log_y=True,
+  )
   return 0
 
 

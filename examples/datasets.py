@@ -38,10 +38,10 @@ CHECKSUMS_FILE = BUNDLED_DATA_DIR / "SHA256SUMS"
 ENV_VAR = "KFAC_JAX_DATA"
 
 MNIST_FILES = {
-    "train_images": "train-images-idx3-ubyte.gz",
-    "train_labels": "train-labels-idx1-ubyte.gz",
-    "test_images": "t10k-images-idx3-ubyte.gz",
-    "test_labels": "t10k-labels-idx1-ubyte.gz",
+  "train_images": "train-images-idx3-ubyte.gz",
+  "train_labels": "train-labels-idx1-ubyte.gz",
+  "test_images": "t10k-images-idx3-ubyte.gz",
+  "test_labels": "t10k-labels-idx1-ubyte.gz",
 }
 
 
@@ -89,8 +89,9 @@ def candidate_dirs(name: str = "mnist") -> list[pathlib.Path]:
   return [SHARED_DATA_DIR / name, BUNDLED_DATA_DIR / name]
 
 
-def find_dataset_dir(name: str, files: Sequence[str],
-                     required: bool = True) -> pathlib.Path | None:
+def find_dataset_dir(
+  name: str, files: Sequence[str], required: bool = True
+) -> pathlib.Path | None:
   """The first candidate folder holding all ``files`` of dataset ``name``."""
   candidates = candidate_dirs(name)
   for folder in candidates:
@@ -99,14 +100,19 @@ def find_dataset_dir(name: str, files: Sequence[str],
   if not required:
     return None
   tried = "\n  ".join(str(c) for c in candidates)
-  hint = (f" (${ENV_VAR} is set; unset it to use the bundled copy)"
-          if os.environ.get(ENV_VAR) else "")
+  hint = (
+    f" (${ENV_VAR} is set; unset it to use the bundled copy)"
+    if os.environ.get(ENV_VAR)
+    else ""
+  )
   raise FileNotFoundError(
-      f"{name} not found{hint}. Looked for {sorted(files)} in:\n  {tried}")
+    f"{name} not found{hint}. Looked for {sorted(files)} in:\n  {tried}"
+  )
 
 
-def _verified(folder: pathlib.Path, name: str, file: str,
-              verify: bool) -> pathlib.Path:
+def _verified(
+  folder: pathlib.Path, name: str, file: str, verify: bool
+) -> pathlib.Path:
   """``folder / file`` after checking its SHA256 (key ``name/file``)."""
   path = folder / file
   if verify:
@@ -114,8 +120,9 @@ def _verified(folder: pathlib.Path, name: str, file: str,
     got = _sha256(path)
     if want is None or got != want:
       raise ValueError(
-          f"{path}: SHA256 {got} does not match the expected {want} "
-          f"(from {CHECKSUMS_FILE}).")
+        f"{path}: SHA256 {got} does not match the expected {want} "
+        f"(from {CHECKSUMS_FILE})."
+      )
   return path
 
 
@@ -125,7 +132,7 @@ def load_idx_gz(path: pathlib.Path) -> np.ndarray:
   if raw[:2] != b"\x00\x00" or raw[2] != 0x08:
     raise ValueError(f"{path}: not an unsigned-byte IDX file.")
   ndim = raw[3]
-  shape = struct.unpack(">" + "I" * ndim, raw[4:4 + 4 * ndim])
+  shape = struct.unpack(">" + "I" * ndim, raw[4 : 4 + 4 * ndim])
   data = np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim)
   if data.size != int(np.prod(shape)):
     raise ValueError(f"{path}: header shape {shape} does not match the data.")
@@ -143,17 +150,20 @@ def load_mnist(verify: bool = True) -> MNIST:
     y_test [10000])``.
   """
   folder = find_dataset_dir("mnist", list(MNIST_FILES.values()))
-  arrays = {key: load_idx_gz(_verified(folder, "mnist", name, verify))
-            for key, name in MNIST_FILES.items()}
+  arrays = {
+    key: load_idx_gz(_verified(folder, "mnist", name, verify))
+    for key, name in MNIST_FILES.items()
+  }
 
   def images(a: np.ndarray) -> np.ndarray:
-    return (a.reshape(a.shape[0], -1).astype(np.float32) / 255.0)
+    return a.reshape(a.shape[0], -1).astype(np.float32) / 255.0
 
   data = MNIST(
-      x_train=images(arrays["train_images"]),
-      y_train=arrays["train_labels"].astype(np.int32),
-      x_test=images(arrays["test_images"]),
-      y_test=arrays["test_labels"].astype(np.int32))
+    x_train=images(arrays["train_images"]),
+    y_train=arrays["train_labels"].astype(np.int32),
+    x_test=images(arrays["test_images"]),
+    y_test=arrays["test_labels"].astype(np.int32),
+  )
   assert data.x_train.shape == (60000, 784) and data.y_train.shape == (60000,)
   assert data.x_test.shape == (10000, 784) and data.y_test.shape == (10000,)
   return data
@@ -185,20 +195,33 @@ def load_image_classification(verify: bool = True) -> ImageData:
   if folder is not None:
     train = np.load(_verified(folder, "cifar10", CIFAR10_FILES[0], verify))
     test = np.load(_verified(folder, "cifar10", CIFAR10_FILES[1], verify))
-    x_train, x_test = _standardize(train["x"].astype(np.float32) / 255,
-                                   test["x"].astype(np.float32) / 255)
-    return ImageData("CIFAR-10 (10k/1k subset)", x_train,
-                     train["y"].astype(np.int32), x_test,
-                     test["y"].astype(np.int32), 10)
+    x_train, x_test = _standardize(
+      train["x"].astype(np.float32) / 255, test["x"].astype(np.float32) / 255
+    )
+    return ImageData(
+      "CIFAR-10 (10k/1k subset)",
+      x_train,
+      train["y"].astype(np.int32),
+      x_test,
+      test["y"].astype(np.int32),
+      10,
+    )
   from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
+
   digits = load_digits()
   images = digits.images.astype(np.float32)[..., None] / 16
   labels = digits.target.astype(np.int32)
   order = np.random.default_rng(0).permutation(len(images))
   train, test = order[:1500], order[1500:]
   x_train, x_test = _standardize(images[train], images[test])
-  return ImageData("scikit-learn digits (8x8; CIFAR-10 not found)", x_train,
-                   labels[train], x_test, labels[test], 10)
+  return ImageData(
+    "scikit-learn digits (8x8; CIFAR-10 not found)",
+    x_train,
+    labels[train],
+    x_test,
+    labels[test],
+    10,
+  )
 
 
 def load_shakespeare(verify: bool = True) -> str:
@@ -212,9 +235,11 @@ if __name__ == "__main__":
   mnist = load_mnist()
   print(f"MNIST from {find_dataset_dir('mnist', list(MNIST_FILES.values()))}")
   for field, value in mnist._asdict().items():
-    print(f"  {field}: {value.shape} {value.dtype} "
-          f"[{value.min()}, {value.max()}]")
+    print(
+      f"  {field}: {value.shape} {value.dtype} [{value.min()}, {value.max()}]"
+    )
   images = load_image_classification()
-  print(f"{images.name}: train {images.x_train.shape}, test "
-        f"{images.x_test.shape}")
+  print(
+    f"{images.name}: train {images.x_train.shape}, test {images.x_test.shape}"
+  )
   print(f"Tiny Shakespeare: {len(load_shakespeare()):,} characters")

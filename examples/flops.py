@@ -14,9 +14,14 @@ from typing import Any
 import jax
 
 
-def flop_floor(shapes: Sequence[dict[str, int]], method: str, period: int,
-               eigh_c: float, inverse_c: float,
-               gradient_from_stats: bool = False) -> dict[str, float]:
+def flop_floor(
+  shapes: Sequence[dict[str, int]],
+  method: str,
+  period: int,
+  eigh_c: float,
+  inverse_c: float,
+  gradient_from_stats: bool = False,
+) -> dict[str, float]:
   """Analytic FLOPs of an SGD step and of K-FAC's additions.
 
   sgd:            6 · Σ rows·in·out − 2 · rows₀·in₀·out₀
@@ -46,13 +51,13 @@ def flop_floor(shapes: Sequence[dict[str, int]], method: str, period: int,
     decomposition += c * (da**3 + dg**3)
   plain = factors + precondition
   return dict(
-      sgd_flops=float(sgd),
-      factor_flops=float(factors),
-      precondition_flops=float(precondition),
-      decomposition_flops=float(decomposition),
-      floor_plain_x=(sgd + plain) / sgd,
-      floor_decomposition_x=(sgd + plain + decomposition) / sgd,
-      floor_amortized_x=(sgd + plain + decomposition / period) / sgd,
+    sgd_flops=float(sgd),
+    factor_flops=float(factors),
+    precondition_flops=float(precondition),
+    decomposition_flops=float(decomposition),
+    floor_plain_x=(sgd + plain) / sgd,
+    floor_decomposition_x=(sgd + plain + decomposition) / sgd,
+    floor_amortized_x=(sgd + plain + decomposition / period) / sgd,
   )
 
 

@@ -27,14 +27,36 @@ from collections.abc import Iterator
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*")
-_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64|c64|c128)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
-          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-          "c64": 8, "c128": 16}
-_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
-                "collective-permute")
+_SHAPE = re.compile(
+  r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64|c64|c128)\[([\d,]*)\]"
+)
+_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "bf16": 2,
+  "f16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+}
+_COLLECTIVES = (
+  "all-gather",
+  "all-reduce",
+  "reduce-scatter",
+  "all-to-all",
+  "collective-permute",
+)
 _CALLED = re.compile(
-    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
+  r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)"
+)
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
 
@@ -53,8 +75,10 @@ class DeviceCost:
   collective_bytes: int = 0
 
   def __add__(self, other: "DeviceCost") -> "DeviceCost":
-    return DeviceCost(self.decomposition_flops + other.decomposition_flops,
-                      self.collective_bytes + other.collective_bytes)
+    return DeviceCost(
+      self.decomposition_flops + other.decomposition_flops,
+      self.collective_bytes + other.collective_bytes,
+    )
 
 
 def _split_balanced(text: str, start: int) -> int:
@@ -71,7 +95,7 @@ def _parse_instruction(line: str) -> Instruction | None:
   match = _NAME.match(line)
   if not match:
     return None
-  rest = line[match.end():]
+  rest = line[match.end() :]
   if rest.startswith("("):
     end = _split_balanced(rest, 0)
     result_type, rest = rest[:end], rest[end:].lstrip()
@@ -81,12 +105,15 @@ def _parse_instruction(line: str) -> Instruction | None:
   if not paren:
     return None
   end = _split_balanced("(" + rest, 0) - 1
-  operands = tuple(re.findall(r"%([\w.\-]+)", rest[:end - 1]))
-  return Instruction(match.group(1), result_type, opcode.strip(), operands,
-                     rest[end:])
+  operands = tuple(re.findall(r"%([\w.\-]+)", rest[: end - 1]))
+  return Instruction(
+    match.group(1), result_type, opcode.strip(), operands, rest[end:]
+  )
 
 
-def parse_computations(hlo_text: str) -> tuple[dict[str, dict[str, Instruction]], str]:
+def parse_computations(
+  hlo_text: str,
+) -> tuple[dict[str, dict[str, Instruction]], str]:
   """``({computation: {instruction: Instruction}}, entry name)``."""
   computations: dict[str, dict[str, Instruction]] = {}
   entry, current = "", None
@@ -134,28 +161,35 @@ def _collective_bytes(instruction: Instruction) -> int:
     return 0
   if instruction.opcode.endswith("-done"):  # Async pairs: count the start.
     return 0
-  return sum(_BYTES[dtype] * math.prod(dims)
-             for dtype, dims in _shapes(instruction.result_type))
+  return sum(
+    _BYTES[dtype] * math.prod(dims)
+    for dtype, dims in _shapes(instruction.result_type)
+  )
 
 
-def _depends_on_partition_id(computation: dict[str, Instruction],
-                             computations, name: str, depth: int = 0) -> bool:
+def _depends_on_partition_id(
+  computation: dict[str, Instruction], computations, name: str, depth: int = 0
+) -> bool:
   instruction = computation.get(name)
   if instruction is None or depth > 6:
     return False
   if instruction.opcode in ("partition-id", "replica-id"):
     return True
   for called in _CALLED.findall(instruction.attributes):
-    if any(i.opcode in ("partition-id", "replica-id")
-           for i in computations.get(called, {}).values()):
+    if any(
+      i.opcode in ("partition-id", "replica-id")
+      for i in computations.get(called, {}).values()
+    ):
       return True
-  return any(_depends_on_partition_id(computation, computations, operand,
-                                      depth + 1)
-             for operand in instruction.operands)
+  return any(
+    _depends_on_partition_id(computation, computations, operand, depth + 1)
+    for operand in instruction.operands
+  )
 
 
-def per_device_costs(hlo_text: str, num_devices: int,
-                     path: str = "max") -> list[DeviceCost]:
+def per_device_costs(
+  hlo_text: str, num_devices: int, path: str = "max"
+) -> list[DeviceCost]:
   """The cost of one step on each device; see the module docstring."""
   if path not in ("max", "min"):
     raise ValueError(f"path must be 'max' or 'min'; got {path!r}")
@@ -166,20 +200,29 @@ def per_device_costs(hlo_text: str, num_devices: int,
     total = DeviceCost()
     computation = computations.get(name, {})
     for instruction in computation.values():
-      total += DeviceCost(_decomposition_flops(instruction),
-                          _collective_bytes(instruction))
+      total += DeviceCost(
+        _decomposition_flops(instruction), _collective_bytes(instruction)
+      )
       branches = _BRANCHES.search(instruction.attributes)
       if instruction.opcode == "conditional":
-        names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")]
-                 if branches else _CALLED.findall(instruction.attributes))
-        if (len(names) == num_devices and instruction.operands and
-            _depends_on_partition_id(computation, computations,
-                                     instruction.operands[0])):
+        names = (
+          [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+          if branches
+          else _CALLED.findall(instruction.attributes)
+        )
+        if (
+          len(names) == num_devices
+          and instruction.operands
+          and _depends_on_partition_id(
+            computation, computations, instruction.operands[0]
+          )
+        ):
           total += cost(names[device], device)
         else:
-          total += pick((cost(b, device) for b in names),
-                        key=lambda c: (c.decomposition_flops,
-                                       c.collective_bytes))
+          total += pick(
+            (cost(b, device) for b in names),
+            key=lambda c: (c.decomposition_flops, c.collective_bytes),
+          )
         continue
       for called in _CALLED.findall(instruction.attributes):
         total += cost(called, device)

@@ -43,18 +43,19 @@ from examples import training
 # steps); K-FAC the configuration guide's recipe for this autoencoder (lr 0.3,
 # relative damping 0.01, kl_clip 1, inverses every 10 steps).
 DEFAULTS = dict(
-    epochs=2,
-    batch_size=1000,
-    kfac_lr=0.3,
-    sgd_lr=3e-3,
-    adam_lr=1e-3,
-    compute_method="inverse",
-    damping=0.01,
-    kl_clip=1.0,
-    inv_update_steps=10,
-    factor_decay=0.95,
-    optimizers="kfac,kfac-adaptive,sgd,adam",
+  epochs=2,
+  batch_size=1000,
+  kfac_lr=0.3,
+  sgd_lr=3e-3,
+  adam_lr=1e-3,
+  compute_method="inverse",
+  damping=0.01,
+  kl_clip=1.0,
+  inv_update_steps=10,
+  factor_decay=0.95,
+  optimizers="kfac,kfac-adaptive,sgd,adam",
 )
+
 
 def main(argv: list[str] | None = None) -> int:
   parser = flags.base_parser(__doc__.split("\n\n")[0], **DEFAULTS)
@@ -66,64 +67,93 @@ def main(argv: list[str] | None = None) -> int:
   params = model.init(jax.random.key(args.seed), mnist.x_train[:1])["params"]
 
   def loss_fn(params, x):
-    return models.autoencoder_losses(model.apply({"params": params}, x), x).mean()
+    return models.autoencoder_losses(
+      model.apply({"params": params}, x), x
+    ).mean()
 
   @jax.jit
   def per_example(params, x):
     logits = model.apply({"params": params}, x)
-    squared_error = jnp.sum((jax.nn.sigmoid(logits) - x)**2, axis=-1)
+    squared_error = jnp.sum((jax.nn.sigmoid(logits) - x) ** 2, axis=-1)
     return models.autoencoder_losses(logits, x), squared_error
 
   optimizers = flags.build_optimizers(args, adaptive=True)
-  steps = training.num_steps(len(mnist.x_train), args.batch_size, args.epochs,
-                           args.steps)
-  print(f"MNIST autoencoder 784-1000-500-250-30-250-500-1000-784: "
-        f"{args.epochs} epoch(s) capped at {steps} steps of batch "
-        f"{args.batch_size}; {flags.describe_setup()}", flush=True)
+  steps = training.num_steps(
+    len(mnist.x_train), args.batch_size, args.epochs, args.steps
+  )
+  print(
+    f"MNIST autoencoder 784-1000-500-250-30-250-500-1000-784: "
+    f"{args.epochs} epoch(s) capped at {steps} steps of batch "
+    f"{args.batch_size}; {flags.describe_setup()}",
+    flush=True,
+  )
 
   def split_loss(x):
     return kfac_jax.SplitLoss(
-        outputs_fn=lambda params: model.apply({"params": params}, x),
-        loss_fn=lambda logits: models.autoencoder_losses(logits, x).mean())
+      outputs_fn=lambda params: model.apply({"params": params}, x),
+      loss_fn=lambda logits: models.autoencoder_losses(logits, x).mean(),
+    )
 
   def curvature_fn(params, key, x):
     return kfac_jax.sampled_curvature.sigmoid_cross_entropy(
-        model.apply({"params": params}, x), key)
+      model.apply({"params": params}, x), key
+    )
 
   results = training.compare(
-      optimizers,
-      lambda opt: training.make_train_step(
-          loss_fn, opt, split_loss=split_loss, curvature_fn=curvature_fn),
-      params, (mnist.x_train,),
-      batch_size=args.batch_size, epochs=args.epochs, max_steps=args.steps,
-      seed=args.seed, desc="MNIST autoencoder")
+    optimizers,
+    lambda opt: training.make_train_step(
+      loss_fn, opt, split_loss=split_loss, curvature_fn=curvature_fn
+    ),
+    params,
+    (mnist.x_train,),
+    batch_size=args.batch_size,
+    epochs=args.epochs,
+    max_steps=args.steps,
+    seed=args.seed,
+    desc="MNIST autoencoder",
+  )
 
   train_eval = flags.head((mnist.x_train,), args.eval_size)
   test_eval = flags.head((mnist.x_test,), args.eval_size)
   for result in results.values():
     evaluate = lambda x, p=result.params: per_example(p, x)
-    (result.metrics["train_loss"],
-     result.metrics["train_sq"]) = reporting.batched_means(evaluate, train_eval)
-    result.metrics["test_loss"] = reporting.batched_means(evaluate, test_eval)[0]
+    (result.metrics["train_loss"], result.metrics["train_sq"]) = (
+      reporting.batched_means(evaluate, train_eval)
+    )
+    result.metrics["test_loss"] = reporting.batched_means(evaluate, test_eval)[
+      0
+    ]
 
-  columns = reporting.standard_columns([
-      reporting.Column("final train loss", lambda r: r.metrics["train_loss"],
-                    "{:.2f}"),
-      reporting.Column("train sq. error", lambda r: r.metrics["train_sq"],
-                    "{:.2f}"),
+  columns = reporting.standard_columns(
+    [
+      reporting.Column(
+        "final train loss", lambda r: r.metrics["train_loss"], "{:.2f}"
+      ),
+      reporting.Column(
+        "train sq. error", lambda r: r.metrics["train_sq"], "{:.2f}"
+      ),
       reporting.Column("test loss", lambda r: r.metrics["test_loss"], "{:.2f}"),
-  ])
+    ]
+  )
   reporting.report(
-      results, optimizers, columns, args.out, "mnist_autoencoder",
-      header=(f"MNIST autoencoder (784-1000-500-250-30-250-500-1000-784), "
-              f"{steps} steps of batch {args.batch_size}, seed {args.seed}. "
-              "Losses: sigmoid cross-entropy summed over the 784 pixels, "
-              f"averaged over {len(train_eval[0]):,} training (or "
-              f"{len(test_eval[0]):,} test) images after the last step; "
-              "squared error likewise, of the sigmoid outputs; times exclude "
-              "compilation."),
-      plot_title=(f"MNIST deep autoencoder, batch {args.batch_size}"),
-      ylabel="train reconstruction loss", log_y=True)
+    results,
+    optimizers,
+    columns,
+    args.out,
+    "mnist_autoencoder",
+    header=(
+      f"MNIST autoencoder (784-1000-500-250-30-250-500-1000-784), "
+      f"{steps} steps of batch {args.batch_size}, seed {args.seed}. "
+      "Losses: sigmoid cross-entropy summed over the 784 pixels, "
+      f"averaged over {len(train_eval[0]):,} training (or "
+      f"{len(test_eval[0]):,} test) images after the last step; "
+      "squared error likewise, of the sigmoid outputs; times exclude "
+      "compilation."
+    ),
+    plot_title=(f"MNIST deep autoencoder, batch {args.batch_size}"),
+    ylabel="train reconstruction loss",
+    log_y=True,
+  )
   return 0
 
 

@@ -41,16 +41,16 @@ from examples import training
 # guide's *Recommended settings* (lr 0.3, relative damping 0.01, kl_clip 0.3,
 # inverses every 10 steps).
 DEFAULTS = dict(
-    epochs=5,
-    batch_size=256,
-    kfac_lr=0.3,
-    sgd_lr=0.1,
-    adam_lr=1e-3,
-    compute_method="inverse",
-    damping=0.01,
-    kl_clip=0.3,
-    inv_update_steps=10,
-    factor_decay=0.95,
+  epochs=5,
+  batch_size=256,
+  kfac_lr=0.3,
+  sgd_lr=0.1,
+  adam_lr=1e-3,
+  compute_method="inverse",
+  damping=0.01,
+  kl_clip=0.3,
+  inv_update_steps=10,
+  factor_decay=0.95,
 )
 
 
@@ -74,9 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     def step(params, opt_state, x, y):
       if optimizer.uses_kfac:
         loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(
-            params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params,
-                                       kfac_stats=stats)
+          params, x, y
+        )
+        updates, opt_state = tx.update(
+          grads, opt_state, params, kfac_stats=stats
+        )
       else:
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -91,31 +93,50 @@ def main(argv: list[str] | None = None) -> int:
     return losses, (jnp.argmax(logits, -1) == y).astype(jnp.float32)
 
   optimizers = flags.build_optimizers(args)
-  steps = training.num_steps(len(mnist.x_train), args.batch_size, args.epochs,
-                             args.steps)
-  print(f"MNIST classifier, MLP 784-512-256-10: {args.epochs} epoch(s) "
-        f"capped at {steps} steps of batch {args.batch_size}; "
-        f"{flags.describe_setup()}", flush=True)
+  steps = training.num_steps(
+    len(mnist.x_train), args.batch_size, args.epochs, args.steps
+  )
+  print(
+    f"MNIST classifier, MLP 784-512-256-10: {args.epochs} epoch(s) "
+    f"capped at {steps} steps of batch {args.batch_size}; "
+    f"{flags.describe_setup()}",
+    flush=True,
+  )
 
   results = training.compare(
-      optimizers, train_step, params, (mnist.x_train, mnist.y_train),
-      batch_size=args.batch_size, epochs=args.epochs, max_steps=args.steps,
-      seed=args.seed, desc="MNIST classifier")
+    optimizers,
+    train_step,
+    params,
+    (mnist.x_train, mnist.y_train),
+    batch_size=args.batch_size,
+    epochs=args.epochs,
+    max_steps=args.steps,
+    seed=args.seed,
+    desc="MNIST classifier",
+  )
 
   train_eval = flags.head((mnist.x_train, mnist.y_train), args.eval_size)
   test_eval = flags.head((mnist.x_test, mnist.y_test), args.eval_size)
   columns = reporting.classification_columns(
-      results, lambda r, x, y: per_example(r.params, x, y), train_eval,
-      test_eval)
+    results, lambda r, x, y: per_example(r.params, x, y), train_eval, test_eval
+  )
   reporting.report(
-      results, optimizers, columns, args.out, "mnist_classifier",
-      header=(f"MNIST classifier (MLP 784-512-256-10), {steps} steps of batch "
-              f"{args.batch_size}, seed {args.seed}. Train loss and accuracy "
-              f"over {len(train_eval[0]):,} training images after the last "
-              f"step; test accuracy over {len(test_eval[0]):,} test images; "
-              "times exclude compilation."),
-      plot_title=(f"MNIST MLP 784-512-256-10, batch {args.batch_size}"),
-      ylabel="train cross-entropy", log_y=True)
+    results,
+    optimizers,
+    columns,
+    args.out,
+    "mnist_classifier",
+    header=(
+      f"MNIST classifier (MLP 784-512-256-10), {steps} steps of batch "
+      f"{args.batch_size}, seed {args.seed}. Train loss and accuracy "
+      f"over {len(train_eval[0]):,} training images after the last "
+      f"step; test accuracy over {len(test_eval[0]):,} test images; "
+      "times exclude compilation."
+    ),
+    plot_title=(f"MNIST MLP 784-512-256-10, batch {args.batch_size}"),
+    ylabel="train cross-entropy",
+    log_y=True,
+  )
   return 0
 
 

@@ -52,8 +52,9 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    dense = lambda width: nn.Dense(width, dtype=self.dtype,
-                                   param_dtype=self.param_dtype)
+    dense = lambda width: nn.Dense(
+      width, dtype=self.dtype, param_dtype=self.param_dtype
+    )
     for width in self.widths:
       x = self.activation(dense(width)(x))
     return dense(self.outputs)(x)
@@ -84,7 +85,6 @@ def autoencoder_losses(logits: jax.Array, x: jax.Array) -> jax.Array:
   return optax.sigmoid_binary_cross_entropy(logits, x).sum(axis=-1)
 
 
-
 class BasicBlock(nn.Module):
   features: int
   strides: int
@@ -92,10 +92,14 @@ class BasicBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-    norm = (lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9)
-            ) if self.batch_norm else (lambda: (lambda y: y))
-    conv = lambda f, k, s: nn.Conv(f, (k, k), (s, s), padding="SAME",
-                                   use_bias=not self.batch_norm)
+    norm = (
+      (lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9))
+      if self.batch_norm
+      else (lambda: lambda y: y)
+    )
+    conv = lambda f, k, s: nn.Conv(
+      f, (k, k), (s, s), padding="SAME", use_bias=not self.batch_norm
+    )
     y = nn.relu(norm()(conv(self.features, 3, self.strides)(x)))
     y = norm()(conv(self.features, 3, 1)(y))
     if x.shape[-1] != self.features or self.strides != 1:
@@ -114,15 +118,18 @@ class CifarResNet(nn.Module):
     if (self.depth - 2) % 6:
       raise ValueError(f"depth must be 6n + 2, got {self.depth}.")
     blocks = (self.depth - 2) // 6
-    x = nn.Conv(16 * self.width, (3, 3), padding="SAME",
-                use_bias=not self.batch_norm)(x)
+    x = nn.Conv(
+      16 * self.width, (3, 3), padding="SAME", use_bias=not self.batch_norm
+    )(x)
     if self.batch_norm:
       x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
     x = nn.relu(x)
     for stage, channels in enumerate((16, 32, 64)):
       for b in range(blocks):
         strides = 2 if stage > 0 and b == 0 else 1
-        x = BasicBlock(channels * self.width, strides, self.batch_norm)(x, train)
+        x = BasicBlock(channels * self.width, strides, self.batch_norm)(
+          x, train
+        )
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(self.num_classes)(x)
 
@@ -130,19 +137,22 @@ class CifarResNet(nn.Module):
 def resnet_loss_fn(model: CifarResNet):
   """``loss(variables_params, batch_stats, images, labels) -> (loss, new_batch_stats)``."""
 
-  def loss_fn(params: Any, batch_stats: Any, images: jax.Array,
-              labels: jax.Array):
+  def loss_fn(
+    params: Any, batch_stats: Any, images: jax.Array, labels: jax.Array
+  ):
     variables = {"params": params}
     if model.batch_norm:
       variables["batch_stats"] = batch_stats
-      logits, updates = model.apply(variables, images, train=True,
-                                    mutable=["batch_stats"])
+      logits, updates = model.apply(
+        variables, images, train=True, mutable=["batch_stats"]
+      )
       new_stats = updates["batch_stats"]
     else:
       logits = model.apply(variables, images, train=True)
       new_stats = batch_stats
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits,
-                                                           labels).mean()
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits, labels
+    ).mean()
     return loss, new_stats
 
   return loss_fn
@@ -204,7 +214,8 @@ class TransformerBlock(nn.Module):
     mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
     h = nn.LayerNorm()(x)
     x = x + nn.MultiHeadDotProductAttention(
-        num_heads=self.num_heads, name="attention")(h, mask=mask)
+      num_heads=self.num_heads, name="attention"
+    )(h, mask=mask)
     h = nn.LayerNorm()(x)
     h = nn.gelu(nn.Dense(4 * width, name="mlp_in")(h))
     return x + nn.Dense(width, name="mlp_out")(h), None
@@ -222,10 +233,15 @@ class CharTransformer(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
     x = nn.Embed(self.vocab_size, self.width)(tokens)
-    position = self.param("position", nn.initializers.normal(0.02),
-                          (self.context, self.width))
-    x = x + position[:tokens.shape[1]]
-    blocks = nn.scan(TransformerBlock, variable_axes={"params": 0},
-                     split_rngs={"params": True}, length=self.depth)
+    position = self.param(
+      "position", nn.initializers.normal(0.02), (self.context, self.width)
+    )
+    x = x + position[: tokens.shape[1]]
+    blocks = nn.scan(
+      TransformerBlock,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=self.depth,
+    )
     x, _ = blocks(self.num_heads, name="blocks")(x, None)
     return nn.Dense(self.vocab_size, name="logits")(nn.LayerNorm()(x))

@@ -35,30 +35,60 @@ import traceback
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--num-processes", type=int, default=None,
-                 help="launch this many local processes (a one-machine "
-                 "test); omit on a cluster")
-  p.add_argument("--local-devices", type=int, default=4,
-                 help="simulated CPU devices per launched process")
-  p.add_argument("--steps", type=int, default=30,
-                 help="training steps of this run (after any resumed ones)")
-  p.add_argument("--batch-size", type=int, default=256,
-                 help="global batch: a multiple of the devices")
-  p.add_argument("--strategy", default="hybrid_opt",
-                 choices=["comm_opt", "hybrid_opt", "mem_opt"],
-                 help="KAISA's distribution strategy over the whole mesh")
-  p.add_argument("--checkpoint-dir", default="results/multihost_checkpoints",
-                 help="where step_<n> checkpoints go (any path Orbax takes)")
-  p.add_argument("--eval-size", type=int, default=2000,
-                 help="test images for the final accuracy")
-  p.add_argument("--timeout", type=float, default=300,
-                 help="seconds the launched processes may take")
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  p.add_argument(
+    "--num-processes",
+    type=int,
+    default=None,
+    help="launch this many local processes (a one-machine "
+    "test); omit on a cluster",
+  )
+  p.add_argument(
+    "--local-devices",
+    type=int,
+    default=4,
+    help="simulated CPU devices per launched process",
+  )
+  p.add_argument(
+    "--steps",
+    type=int,
+    default=30,
+    help="training steps of this run (after any resumed ones)",
+  )
+  p.add_argument(
+    "--batch-size",
+    type=int,
+    default=256,
+    help="global batch: a multiple of the devices",
+  )
+  p.add_argument(
+    "--strategy",
+    default="hybrid_opt",
+    choices=["comm_opt", "hybrid_opt", "mem_opt"],
+    help="KAISA's distribution strategy over the whole mesh",
+  )
+  p.add_argument(
+    "--checkpoint-dir",
+    default="results/multihost_checkpoints",
+    help="where step_<n> checkpoints go (any path Orbax takes)",
+  )
+  p.add_argument(
+    "--eval-size",
+    type=int,
+    default=2000,
+    help="test images for the final accuracy",
+  )
+  p.add_argument(
+    "--timeout",
+    type=float,
+    default=300,
+    help="seconds the launched processes may take",
+  )
   p.add_argument("--seed", type=int, default=0)
   # Set by the launcher for the processes it starts.
-  p.add_argument("--process-id", type=int, default=None,
-                 help=argparse.SUPPRESS)
+  p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
   p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   for flag in ("steps", "batch_size", "eval_size", "local_devices"):
@@ -76,22 +106,39 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   flags = os.environ.get("XLA_FLAGS", "")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-      f"{flags} --xla_force_host_platform_device_count={args.local_devices}"))
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=(
+      f"{flags} --xla_force_host_platform_device_count={args.local_devices}"
+    ),
+  )
   logs = pathlib.Path(tempfile.mkdtemp(prefix="kfac_jax_multihost_"))
   processes = []
   for i in range(args.num_processes):
     with open(logs / f"process_{i}.log", "w", encoding="utf-8") as log:
       # Process 0 reports to this terminal; the rest goes to the logs.
-      processes.append(subprocess.Popen(
-          [sys.executable, "-m", "examples.multihost", *argv, "--process-id",
-           str(i), "--coordinator", f"localhost:{port}"], env=env,
-          stdout=None if i == 0 else log, stderr=log))
+      processes.append(
+        subprocess.Popen(
+          [
+            sys.executable,
+            "-m",
+            "examples.multihost",
+            *argv,
+            "--process-id",
+            str(i),
+            "--coordinator",
+            f"localhost:{port}",
+          ],
+          env=env,
+          stdout=None if i == 0 else log,
+          stderr=log,
+        )
+      )
   deadline = time.monotonic() + args.timeout
   while True:
     codes = [p.poll() for p in processes]
-    failed = next((i for i, c in enumerate(codes) if c not in (None, 0)),
-                  None)
+    failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
     if failed is not None or None not in codes or time.monotonic() > deadline:
       break
     time.sleep(0.2)
@@ -103,11 +150,17 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     shutil.rmtree(logs)
     return 0
   culprit = 0 if failed is None else failed
-  reason = (f"did not finish in {args.timeout:g} s" if failed is None else
-            f"exited with status {codes[failed]}")
+  reason = (
+    f"did not finish in {args.timeout:g} s"
+    if failed is None
+    else f"exited with status {codes[failed]}"
+  )
   log = logs / f"process_{culprit}.log"
-  print(f"process {culprit} {reason}; the end of its log ({log}):\n"
-        f"{log.read_text()[-3000:]}", file=sys.stderr)
+  print(
+    f"process {culprit} {reason}; the end of its log ({log}):\n"
+    f"{log.read_text()[-3000:]}",
+    file=sys.stderr,
+  )
   return 1
 
 
@@ -126,36 +179,50 @@ def train(args: argparse.Namespace) -> int:
 
   process, processes = jax.process_index(), jax.process_count()
   report = print if process == 0 else lambda *_, **__: None
-  mesh = jax.make_mesh((processes, jax.local_device_count()), ("data", "fsdp"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mesh = jax.make_mesh(
+    (processes, jax.local_device_count()),
+    ("data", "fsdp"),
+    axis_types=(jax.sharding.AxisType.Auto,) * 2,
+  )
   if args.batch_size % mesh.size:
-    raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of "
-                     f"the {mesh.size} devices.")
+    raise SystemExit(
+      f"--batch-size {args.batch_size} must be a multiple of "
+      f"the {mesh.size} devices."
+    )
   # Each process reads its own shard of the data, as a real loader would.
   mnist = datasets.load_mnist()
   x_train, y_train = (a[process::processes] for a in mnist[:2])
-  x_test, y_test = (a[:args.eval_size][process::processes]
-                    for a in mnist[2:])
+  x_test, y_test = (a[: args.eval_size][process::processes] for a in mnist[2:])
   batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
   global_batch = lambda *local: [
-      jax.make_array_from_process_local_data(batch_sharding, a) for a in local]
+    jax.make_array_from_process_local_data(batch_sharding, a) for a in local
+  ]
 
   model = models.MLP(widths=(256, 128), outputs=10)
   shapes = jax.eval_shape(model.init, jax.random.key(0), x_train[:1])["params"]
   # FSDP: kernels [in, out] sharded on their output axis where it divides.
   fsdp = mesh.shape["fsdp"]
   params_specs = jax.tree.map(
-      lambda p: P(None, "fsdp") if p.ndim == 2 and p.shape[1] % fsdp == 0
-      else P(), shapes)
-  kfac_kwargs = dict(learning_rate=0.1, momentum=0.9, damping=0.01,
-                     kl_clip=0.1, inv_update_steps=10, mesh_axes=("data", "fsdp"),
-                     grad_worker_fraction=args.strategy,
-                     params_partition_specs=params_specs)
+    lambda p: (
+      P(None, "fsdp") if p.ndim == 2 and p.shape[1] % fsdp == 0 else P()
+    ),
+    shapes,
+  )
+  kfac_kwargs = dict(
+    learning_rate=0.1,
+    momentum=0.9,
+    damping=0.01,
+    kl_clip=0.1,
+    inv_update_steps=10,
+    mesh_axes=("data", "fsdp"),
+    grad_worker_fraction=args.strategy,
+    params_partition_specs=params_specs,
+  )
   sgd = optax.sgd(0.1, momentum=0.9)
   tx = optax.chain(kfac_jax.scale_by_kfac(**kfac_kwargs), sgd)
   named = lambda specs: jax.tree.map(
-      lambda s: NamedSharding(mesh, s), specs,
-      is_leaf=lambda s: isinstance(s, P))
+    lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P)
+  )
 
   def loss_fn(params, x, y):
     logits = model.apply({"params": params}, x)
@@ -173,36 +240,51 @@ def train(args: argparse.Namespace) -> int:
 
   with jax.set_mesh(mesh):
     # Every array is made in its sharding: no process holds all of them.
-    params = jax.jit(lambda key: model.init(key, x_train[:1])["params"],
-                     out_shardings=named(params_specs))(
-                         jax.random.key(args.seed))
+    params = jax.jit(
+      lambda key: model.init(key, x_train[:1])["params"],
+      out_shardings=named(params_specs),
+    )(jax.random.key(args.seed))
     state_specs = kfac_jax.get_opt_state_partition_specs(
-        params, chain_with=sgd, **kfac_kwargs)
+      params, chain_with=sgd, **kfac_kwargs
+    )
     opt_state = jax.jit(tx.init, out_shardings=named(state_specs))(params)
     directory = epath.Path(args.checkpoint_dir)
-    start, params, opt_state = resume(directory, params, opt_state,
-                                      kfac_kwargs, report)
-    report(f"{processes} processes x {jax.local_device_count()} devices, "
-           f"mesh {dict(mesh.shape)}, {args.strategy}", flush=True)
+    start, params, opt_state = resume(
+      directory, params, opt_state, kfac_kwargs, report
+    )
+    report(
+      f"{processes} processes x {jax.local_device_count()} devices, "
+      f"mesh {dict(mesh.shape)}, {args.strategy}",
+      flush=True,
+    )
     rng = np.random.default_rng([args.seed, process, start])
     local = args.batch_size // processes
     for step in range(start, start + args.steps):
       index = rng.choice(len(x_train), local, replace=False)
       params, opt_state, loss = train_step(
-          params, opt_state, *global_batch(x_train[index], y_train[index]))
+        params, opt_state, *global_batch(x_train[index], y_train[index])
+      )
       # One step in flight: simulated CPU devices can deadlock in a
       # collective otherwise (examples/sharded_mnist.py).
       loss = float(loss)
-      if step == start or (step + 1) % 10 == 0 or step + 1 == start + args.steps:
+      if (
+        step == start or (step + 1) % 10 == 0 or step + 1 == start + args.steps
+      ):
         report(f"step {step + 1}: loss {loss:.4f}", flush=True)
     test_accuracy = float(accuracy(params, *global_batch(x_test, y_test)))
-    report(f"test accuracy {100 * test_accuracy:.2f}% "
-           f"({processes * len(x_test)} images)", flush=True)
+    report(
+      f"test accuracy {100 * test_accuracy:.2f}% "
+      f"({processes * len(x_test)} images)",
+      flush=True,
+    )
     path = directory / f"step_{start + args.steps}"
     # Without the eigenbases (KAISA's default): `resume` recomputes them,
     # so a run may resume under another strategy or device count.
-    checkpoint.save(path, {"params": params, "opt_state": opt_state},
-                    include_preconditioners=False)
+    checkpoint.save(
+      path,
+      {"params": params, "opt_state": opt_state},
+      include_preconditioners=False,
+    )
     report(f"saved {path}", flush=True)
   return 0
 
@@ -214,14 +296,18 @@ def resume(directory, params, opt_state, kfac_kwargs, report):
   import jax  # pylint: disable=g-import-not-at-top
   from kfac_jax import checkpoint  # pylint: disable=g-import-not-at-top
 
-  steps = [int(p.name.split("_")[1]) for p in directory.glob("step_*")
-           ] if directory.exists() else []
+  steps = (
+    [int(p.name.split("_")[1]) for p in directory.glob("step_*")]
+    if directory.exists()
+    else []
+  )
   if not steps:
     return 0, params, opt_state
   step = max(steps)
   target = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-      {"params": params, "opt_state": opt_state})
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+    {"params": params, "opt_state": opt_state},
+  )
   kfac_state = target["opt_state"][0]._replace(preconditioners=None)
   target["opt_state"] = (kfac_state, *target["opt_state"][1:])
   restored = checkpoint.restore(directory / f"step_{step}", target)
@@ -236,11 +322,14 @@ def main(argv: list[str] | None = None) -> int:
   if args.num_processes is not None and args.process_id is None:
     return launch(args, argv)
   import jax  # pylint: disable=g-import-not-at-top
+
   if args.process_id is not None:  # Launched here by --num-processes.
-    jax.distributed.initialize(coordinator_address=args.coordinator,
-                               num_processes=args.num_processes,
-                               process_id=args.process_id,
-                               initialization_timeout=60)
+    jax.distributed.initialize(
+      coordinator_address=args.coordinator,
+      num_processes=args.num_processes,
+      process_id=args.process_id,
+      initialization_timeout=60,
+    )
   else:  # On a cluster: the processes come from its environment.
     jax.distributed.initialize()
   try:

@@ -12,9 +12,12 @@ import numpy as np
 
 from examples import training
 
-def batched_means(fn: Callable[..., Sequence[jax.Array]],
-                  arrays: Sequence[np.ndarray],
-                  chunk: int = 5000) -> tuple[float, ...]:
+
+def batched_means(
+  fn: Callable[..., Sequence[jax.Array]],
+  arrays: Sequence[np.ndarray],
+  chunk: int = 5000,
+) -> tuple[float, ...]:
   """Means over a data set of per-example quantities, computed in chunks.
 
   ``fn(*chunk_arrays)`` returns a tuple of per-example arrays ``[n]``; the
@@ -23,11 +26,10 @@ def batched_means(fn: Callable[..., Sequence[jax.Array]],
   n = len(arrays[0])
   totals = None
   for start in range(0, n, chunk):
-    parts = fn(*(a[start:start + chunk] for a in arrays))
+    parts = fn(*(a[start : start + chunk] for a in arrays))
     sums = [float(np.sum(np.asarray(p, np.float64))) for p in parts]
     totals = sums if totals is None else [t + s for t, s in zip(totals, sums)]
   return tuple(t / n for t in totals)
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,20 +42,23 @@ class Column:
 def standard_columns(metric_columns: Sequence[Column]) -> list[Column]:
   """Optimizer name, the caller's metrics, then steps and timings."""
   return [
-      Column("optimizer", lambda r: r.name),
-      *metric_columns,
-      Column("steps", lambda r: r.steps, "{:d}"),
-      Column("train time (s)", lambda r: r.train_seconds, "{:.1f}"),
-      Column("time/step (ms)", lambda r: r.ms_per_step, "{:.1f}"),
-      Column("compile (s)", lambda r: r.compile_seconds, "{:.1f}"),
+    Column("optimizer", lambda r: r.name),
+    *metric_columns,
+    Column("steps", lambda r: r.steps, "{:d}"),
+    Column("train time (s)", lambda r: r.train_seconds, "{:.1f}"),
+    Column("time/step (ms)", lambda r: r.ms_per_step, "{:.1f}"),
+    Column("compile (s)", lambda r: r.compile_seconds, "{:.1f}"),
   ]
 
 
 def classification_columns(
-    results: Mapping[str, training.RunResult],
-    evaluate: Callable[[training.RunResult, np.ndarray, np.ndarray], Sequence[jax.Array]],
-    train_eval: Sequence[np.ndarray],
-    test_eval: Sequence[np.ndarray]) -> list[Column]:
+  results: Mapping[str, training.RunResult],
+  evaluate: Callable[
+    [training.RunResult, np.ndarray, np.ndarray], Sequence[jax.Array]
+  ],
+  train_eval: Sequence[np.ndarray],
+  test_eval: Sequence[np.ndarray],
+) -> list[Column]:
   """Evaluates each classifier; returns the table's columns.
 
   ``evaluate(result, x, y) -> (per-example loss, per-example correct)``. Fills
@@ -62,19 +67,22 @@ def classification_columns(
   """
   for result in results.values():
     fn = lambda x, y, r=result: evaluate(r, x, y)
-    (result.metrics["train_loss"],
-     result.metrics["train_acc"]) = batched_means(fn, train_eval)
+    (result.metrics["train_loss"], result.metrics["train_acc"]) = batched_means(
+      fn, train_eval
+    )
     result.metrics["test_acc"] = batched_means(fn, test_eval)[1]
-  return standard_columns([
+  return standard_columns(
+    [
       Column("final train loss", lambda r: r.metrics["train_loss"], "{:.4f}"),
-      Column("train acc (%)", lambda r: 100 * r.metrics["train_acc"],
-             "{:.2f}"),
+      Column("train acc (%)", lambda r: 100 * r.metrics["train_acc"], "{:.2f}"),
       Column("test acc (%)", lambda r: 100 * r.metrics["test_acc"], "{:.2f}"),
-  ])
+    ]
+  )
 
 
-def format_table(results: Mapping[str, training.RunResult],
-                 columns: Sequence[Column]) -> str:
+def format_table(
+  results: Mapping[str, training.RunResult], columns: Sequence[Column]
+) -> str:
   """A Markdown table, one row per optimizer."""
   rows = [[c.header for c in columns]]
   for result in results.values():
@@ -87,12 +95,18 @@ def format_table(results: Mapping[str, training.RunResult],
 
   def line(cells):
     padded = [cells[0].ljust(widths[0])] + [
-        cell.rjust(w) for cell, w in zip(cells[1:], widths[1:])]
+      cell.rjust(w) for cell, w in zip(cells[1:], widths[1:])
+    ]
     return "| " + " | ".join(padded) + " |"
 
-  rule = "|" + "|".join(
+  rule = (
+    "|"
+    + "|".join(
       "-" * (w + 1) + ":" if i else ":" + "-" * (w + 1)
-      for i, w in enumerate(widths)) + "|"
+      for i, w in enumerate(widths)
+    )
+    + "|"
+  )
   return "\n".join([line(rows[0]), rule] + [line(r) for r in rows[1:]])
 
 
@@ -106,10 +120,16 @@ def smooth(values: np.ndarray, window: int) -> np.ndarray:
   return (cumulative[idx] - cumulative[lo]) / (idx - lo)
 
 
-def plot_curves(results: Mapping[str, training.RunResult], path: pathlib.Path,
-                title: str, ylabel: str, log_y: bool = False) -> pathlib.Path:
+def plot_curves(
+  results: Mapping[str, training.RunResult],
+  path: pathlib.Path,
+  title: str,
+  ylabel: str,
+  log_y: bool = False,
+) -> pathlib.Path:
   """Loss vs step and loss vs training seconds, one line per optimizer."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
@@ -120,8 +140,9 @@ def plot_curves(results: Mapping[str, training.RunResult], path: pathlib.Path,
     curve = smooth(result.losses, window)
     x = np.arange(1, result.steps + 1)
     (line,) = ax_step.plot(x, curve, label=result.name, lw=1.6)
-    ax_time.plot(result.seconds, curve, label=result.name, lw=1.6,
-                 color=line.get_color())
+    ax_time.plot(
+      result.seconds, curve, label=result.name, lw=1.6, color=line.get_color()
+    )
   suffix = f" (moving average of {window} steps)" if window > 1 else ""
   ax_step.set_xlabel("step")
   ax_time.set_xlabel("training time (s, compilation excluded)")
@@ -139,19 +160,28 @@ def plot_curves(results: Mapping[str, training.RunResult], path: pathlib.Path,
   return path
 
 
-def report(results: Mapping[str, training.RunResult], optimizers: Sequence[training.Optimizer],
-           columns: Sequence[Column], out_dir: pathlib.Path, stem: str,
-           header: str, plot_title: str, ylabel: str,
-           log_y: bool = False) -> str:
+def report(
+  results: Mapping[str, training.RunResult],
+  optimizers: Sequence[training.Optimizer],
+  columns: Sequence[Column],
+  out_dir: pathlib.Path,
+  stem: str,
+  header: str,
+  plot_title: str,
+  ylabel: str,
+  log_y: bool = False,
+) -> str:
   """Prints the table and hyper-parameters; writes ``<stem>.md`` and ``.png``."""
   table = format_table(results, columns)
-  details = "\n".join(f"- {o.name}: {o.description}" for o in optimizers
-                      if o.description)
+  details = "\n".join(
+    f"- {o.name}: {o.description}" for o in optimizers if o.description
+  )
   text = f"{header}\n\n{table}\n\n{details}\n"
   print("\n" + text, flush=True)
   out_dir.mkdir(parents=True, exist_ok=True)
   (out_dir / f"{stem}.md").write_text(text)
-  png = plot_curves(results, out_dir / f"{stem}.png", plot_title, ylabel,
-                    log_y=log_y)
+  png = plot_curves(
+    results, out_dir / f"{stem}.png", plot_title, ylabel, log_y=log_y
+  )
   print(f"Wrote {png} and {out_dir / f'{stem}.md'}", flush=True)
   return text

@@ -41,21 +41,28 @@ from examples import training
 # SGD+momentum lr 0.01/0.03/0.1/0.3/1.0 -> 2.98/2.75/3.06/3.36/NaN; AdamW
 # 1e-3/3e-3/1e-2 -> 2.56/2.60/2.81.
 # K-FAC: the transformer recipe of the configuration guide (kl_clip 0.1).
-DEFAULTS = dict(mnist_classifier.DEFAULTS, epochs=1, batch_size=64,
-                sgd_lr=0.03, kl_clip=0.1, optimizers="kfac,sgd,adamw",
-                weight_decay=1e-4)
+DEFAULTS = dict(
+  mnist_classifier.DEFAULTS,
+  epochs=1,
+  batch_size=64,
+  sgd_lr=0.03,
+  kl_clip=0.1,
+  optimizers="kfac,sgd,adamw",
+  weight_decay=1e-4,
+)
 
 
 def sequences(ids: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray]:
   """Non-overlapping windows: inputs ``[n, context]``, next characters ``[n, context]``."""
   n = (len(ids) - 1) // context
-  inputs = ids[:n * context].reshape(n, context)
-  targets = ids[1:n * context + 1].reshape(n, context)
+  inputs = ids[: n * context].reshape(n, context)
+  targets = ids[1 : n * context + 1].reshape(n, context)
   return inputs, targets
 
 
-def load_sequences(context: int) -> tuple[int, tuple[np.ndarray, np.ndarray],
-                                          tuple[np.ndarray, np.ndarray]]:
+def load_sequences(
+  context: int,
+) -> tuple[int, tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
   """Tiny Shakespeare as character ids.
 
   Returns the vocabulary size, then ``(inputs, targets)`` windows of the
@@ -64,14 +71,19 @@ def load_sequences(context: int) -> tuple[int, tuple[np.ndarray, np.ndarray],
   text = datasets.load_shakespeare()
   vocab = sorted(set(text))
   ids = np.searchsorted(np.asarray(vocab), np.asarray(list(text))).astype(
-      np.int32)
+    np.int32
+  )
   split = int(0.9 * len(ids))
-  return (len(vocab), sequences(ids[:split], context),
-          sequences(ids[split:], context))
+  return (
+    len(vocab),
+    sequences(ids[:split], context),
+    sequences(ids[split:], context),
+  )
 
 
-def token_losses(model: models.CharTransformer, params, x: jax.Array,
-                 y: jax.Array) -> jax.Array:
+def token_losses(
+  model: models.CharTransformer, params, x: jax.Array, y: jax.Array
+) -> jax.Array:
   """Next-character cross-entropy of every position: ``[batch, context]``."""
   logits = model.apply({"params": params}, x)
   return optax.softmax_cross_entropy_with_integer_labels(logits, y)
@@ -79,19 +91,21 @@ def token_losses(model: models.CharTransformer, params, x: jax.Array,
 
 def main(argv: list[str] | None = None) -> int:
   parser = flags.base_parser(__doc__.split("\n\n")[0], **DEFAULTS)
-  parser.add_argument("--context", type=int, default=64,
-                      help="characters per training sequence")
+  parser.add_argument(
+    "--context", type=int, default=64, help="characters per training sequence"
+  )
   parser.add_argument("--width", type=int, default=128, help="model width")
-  parser.add_argument("--depth", type=int, default=4,
-                      help="transformer blocks (one nn.scan)")
+  parser.add_argument(
+    "--depth", type=int, default=4, help="transformer blocks (one nn.scan)"
+  )
   parser.add_argument("--heads", type=int, default=4, help="attention heads")
   args = parser.parse_args(argv)
   flags.check_args(args)
 
-  vocab_size, (x_train, y_train), (x_val, y_val) = load_sequences(
-      args.context)
-  model = models.CharTransformer(vocab_size, args.context, args.width, args.depth,
-                          args.heads)
+  vocab_size, (x_train, y_train), (x_val, y_val) = load_sequences(args.context)
+  model = models.CharTransformer(
+    vocab_size, args.context, args.width, args.depth, args.heads
+  )
   params = model.init(jax.random.key(args.seed), x_train[:1])["params"]
 
   def loss_fn(params, x, y):
@@ -103,53 +117,81 @@ def main(argv: list[str] | None = None) -> int:
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
     return losses.mean(-1), (jnp.argmax(logits, -1) == y).mean(-1)
 
-  example = (x_train[:args.batch_size], y_train[:args.batch_size])
+  example = (x_train[: args.batch_size], y_train[: args.batch_size])
   table = kfac_jax.trace_layers(loss_fn, params, *example)
   optimizers = flags.build_optimizers(args, layers=table)
   # The table lists the embedding too, which K-FAC leaves to SGD here
   # (precondition_embeddings=False).
-  preconditioned = [layer for layer in table.values()
-                    if layer.kernel_key != "embedding"]
-  steps = training.num_steps(len(x_train), args.batch_size, args.epochs,
-                           args.steps)
-  print(f"Tiny Shakespeare, {vocab_size} characters, transformer width "
-        f"{args.width} x {args.depth} scanned blocks: {args.epochs} epoch(s) "
-        f"capped at {steps} steps of {args.batch_size} x {args.context} "
-        f"characters; K-FAC preconditions {len(preconditioned)} layers "
-        f"({sum(l.num_blocks for l in preconditioned)} Kronecker blocks; "
-        "not the embedding); "
-        f"{flags.describe_setup()}", flush=True)
+  preconditioned = [
+    layer for layer in table.values() if layer.kernel_key != "embedding"
+  ]
+  steps = training.num_steps(
+    len(x_train), args.batch_size, args.epochs, args.steps
+  )
+  print(
+    f"Tiny Shakespeare, {vocab_size} characters, transformer width "
+    f"{args.width} x {args.depth} scanned blocks: {args.epochs} epoch(s) "
+    f"capped at {steps} steps of {args.batch_size} x {args.context} "
+    f"characters; K-FAC preconditions {len(preconditioned)} layers "
+    f"({sum(l.num_blocks for l in preconditioned)} Kronecker blocks; "
+    "not the embedding); "
+    f"{flags.describe_setup()}",
+    flush=True,
+  )
 
   results = training.compare(
-      optimizers, lambda opt: training.make_train_step(loss_fn, opt), params,
-      (x_train, y_train), batch_size=args.batch_size, epochs=args.epochs,
-      max_steps=args.steps, seed=args.seed, desc="transformer")
+    optimizers,
+    lambda opt: training.make_train_step(loss_fn, opt),
+    params,
+    (x_train, y_train),
+    batch_size=args.batch_size,
+    epochs=args.epochs,
+    max_steps=args.steps,
+    seed=args.seed,
+    desc="transformer",
+  )
 
   val_eval = flags.head((x_val, y_val), args.eval_size)
   for result in results.values():
     evaluate = lambda x, y, p=result.params: per_sequence(p, x, y)
-    (result.metrics["val_loss"],
-     result.metrics["val_acc"]) = reporting.batched_means(evaluate, val_eval)
+    (result.metrics["val_loss"], result.metrics["val_acc"]) = (
+      reporting.batched_means(evaluate, val_eval)
+    )
     result.metrics["train_loss"] = float(np.mean(result.losses[-20:]))
 
-  columns = reporting.standard_columns([
-      reporting.Column("train loss (last 20 steps)",
-                    lambda r: r.metrics["train_loss"], "{:.4f}"),
-      reporting.Column("val loss (nats/char)", lambda r: r.metrics["val_loss"],
-                    "{:.4f}"),
-      reporting.Column("val acc (%)", lambda r: 100 * r.metrics["val_acc"],
-                    "{:.2f}"),
-  ])
+  columns = reporting.standard_columns(
+    [
+      reporting.Column(
+        "train loss (last 20 steps)",
+        lambda r: r.metrics["train_loss"],
+        "{:.4f}",
+      ),
+      reporting.Column(
+        "val loss (nats/char)", lambda r: r.metrics["val_loss"], "{:.4f}"
+      ),
+      reporting.Column(
+        "val acc (%)", lambda r: 100 * r.metrics["val_acc"], "{:.2f}"
+      ),
+    ]
+  )
   reporting.report(
-      results, optimizers, columns, args.out, "shakespeare_transformer",
-      header=(f"Tiny Shakespeare, character transformer (width {args.width}, "
-              f"{args.depth} scanned blocks, {args.heads} heads, context "
-              f"{args.context}), {steps} steps of batch {args.batch_size}, "
-              f"seed {args.seed}. Validation over {len(val_eval[0]):,} "
-              "held-out sequences (the last 10% of the text); times exclude "
-              "compilation."),
-      plot_title=f"Tiny Shakespeare transformer, batch {args.batch_size}",
-      ylabel="train cross-entropy (nats/char)", log_y=False)
+    results,
+    optimizers,
+    columns,
+    args.out,
+    "shakespeare_transformer",
+    header=(
+      f"Tiny Shakespeare, character transformer (width {args.width}, "
+      f"{args.depth} scanned blocks, {args.heads} heads, context "
+      f"{args.context}), {steps} steps of batch {args.batch_size}, "
+      f"seed {args.seed}. Validation over {len(val_eval[0]):,} "
+      "held-out sequences (the last 10% of the text); times exclude "
+      "compilation."
+    ),
+    plot_title=f"Tiny Shakespeare transformer, batch {args.batch_size}",
+    ylabel="train cross-entropy (nats/char)",
+    log_y=False,
+  )
   return 0
 
 

@@ -16,8 +16,9 @@ import numpy as np
 from examples import tasks
 
 
-def first_reach(task: tasks.Task, run: dict[str, Any],
-                target: float) -> tuple[int, float] | None:
+def first_reach(
+  task: tasks.Task, run: dict[str, Any], target: float
+) -> tuple[int, float] | None:
   """(steps, seconds) at the run's first evaluation meeting ``target``."""
   for point in run["curve"]:
     if task.reaches(point["metric"], target):
@@ -25,8 +26,9 @@ def first_reach(task: tasks.Task, run: dict[str, Any],
   return None
 
 
-def crossing(task: tasks.Task, run: dict[str, Any],
-             target: float) -> tuple[float, float] | None:
+def crossing(
+  task: tasks.Task, run: dict[str, Any], target: float
+) -> tuple[float, float] | None:
   """(steps, seconds) where the curve first meets ``target``, read off the
   straight line between the evaluations on either side of it."""
   previous = None
@@ -34,10 +36,13 @@ def crossing(task: tasks.Task, run: dict[str, Any],
     if task.reaches(point["metric"], target):
       if previous is None or point["metric"] == previous["metric"]:
         return float(point["step"]), float(point["seconds"])
-      fraction = ((target - previous["metric"]) /
-                  (point["metric"] - previous["metric"]))
-      return tuple(float(previous[k] + fraction * (point[k] - previous[k]))
-                   for k in ("step", "seconds"))
+      fraction = (target - previous["metric"]) / (
+        point["metric"] - previous["metric"]
+      )
+      return tuple(
+        float(previous[k] + fraction * (point[k] - previous[k]))
+        for k in ("step", "seconds")
+      )
     previous = point
   return None
 
@@ -49,26 +54,40 @@ def metric_at(run: dict[str, Any], seconds: float) -> float | None:
   return values[-1] if values else None
 
 
-def readouts(task: tasks.Task, run: dict[str, Any], targets: Sequence[float],
-             at_seconds: Sequence[float]) -> dict[str, Any]:
+def readouts(
+  task: tasks.Task,
+  run: dict[str, Any],
+  targets: Sequence[float],
+  at_seconds: Sequence[float],
+) -> dict[str, Any]:
   """Per target: the first evaluation meeting it and the interpolated
   crossing; per time: the metric then."""
   reached = {}
   for target in targets:
     hit, line = first_reach(task, run, target), crossing(task, run, target)
-    reached[f"{target:g}"] = None if hit is None else dict(
-        step=hit[0], seconds=hit[1], crossing_step=line[0],
-        crossing_seconds=line[1])
-  return dict(reached=reached,
-              at={f"{s:g}": metric_at(run, s) for s in at_seconds})
+    reached[f"{target:g}"] = (
+      None
+      if hit is None
+      else dict(
+        step=hit[0],
+        seconds=hit[1],
+        crossing_step=line[0],
+        crossing_seconds=line[1],
+      )
+    )
+  return dict(
+    reached=reached, at={f"{s:g}": metric_at(run, s) for s in at_seconds}
+  )
 
 
-def median_reach(hits: Sequence[tuple[int, float] | None],
-                 index: int) -> float | None:
+def median_reach(
+  hits: Sequence[tuple[int, float] | None], index: int
+) -> float | None:
   """Median steps (``index`` 0) or seconds (1) to the target over all seeds,
   a seed that never reached it counting as infinitely late; ``None`` when
   that median is a miss. (Over the seeds that reached it alone, one lucky
   seed of three would stand for the optimizer.)"""
-  value = float(np.median([h[index] if h is not None else np.inf
-                           for h in hits]))
+  value = float(
+    np.median([h[index] if h is not None else np.inf for h in hits])
+  )
   return value if np.isfinite(value) else None

@@ -93,8 +93,9 @@ class Task:
 
   def initial(self, seed: int) -> tuple[Any, Any]:
     """``(params, model_state)`` for ``seed`` (model state None if none)."""
-    state = None if self.init_model_state is None else self.init_model_state(
-        seed)
+    state = (
+      None if self.init_model_state is None else self.init_model_state(seed)
+    )
     return self.init(seed), state
 
   def measure(self, params: Any, model_state: Any) -> float:
@@ -117,16 +118,18 @@ class Task:
     return value >= target if self.higher_is_better else value <= target
 
 
-def chunked_mean(fn: Callable[..., jax.Array], arrays: Sequence[np.ndarray],
-                 chunk: int) -> float:
+def chunked_mean(
+  fn: Callable[..., jax.Array], arrays: Sequence[np.ndarray], chunk: int
+) -> float:
   """Mean over examples of ``fn(*chunk_arrays) -> [n]``, in chunks."""
   return reporting.batched_means(lambda *a: (fn(*a),), arrays, chunk)[0]
 
 
 def truncated_fan_in_normal(key, shape, dtype=jnp.float32):
   """Normal truncated to ±2σ with σ = 1/√fan_in (``shape[0]`` for Dense)."""
-  return (jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype) /
-          math.sqrt(shape[0]))
+  return jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype) / math.sqrt(
+    shape[0]
+  )
 
 
 def softmax_gauss_newton(model: Any) -> Callable[..., jax.Array]:
@@ -136,7 +139,8 @@ def softmax_gauss_newton(model: Any) -> Callable[..., jax.Array]:
   def gauss_newton_fn(params, key, x, y):
     del y
     return kfac_jax.sampled_curvature.softmax_cross_entropy(
-        model.apply({"params": params}, x), key)
+      model.apply({"params": params}, x), key
+    )
 
   return gauss_newton_fn
 
@@ -148,51 +152,55 @@ def autoencoder_task(eval_examples: int | None, batch_size: int) -> Task:
 
   def loss_fn(params, x):
     logits = model.apply({"params": params}, x)
-    return (models.autoencoder_losses(logits, x).mean() +
-            weight_decay * l2_penalty(params))
+    return models.autoencoder_losses(
+      logits, x
+    ).mean() + weight_decay * l2_penalty(params)
 
   def split_loss(x):
     return kfac_jax.SplitLoss(
-        outputs_fn=lambda params: model.apply({"params": params}, x),
-        loss_fn=lambda logits: models.autoencoder_losses(
-            logits, x).mean(),
-        regularizer=lambda params: weight_decay * l2_penalty(params))
+      outputs_fn=lambda params: model.apply({"params": params}, x),
+      loss_fn=lambda logits: models.autoencoder_losses(logits, x).mean(),
+      regularizer=lambda params: weight_decay * l2_penalty(params),
+    )
 
   def gauss_newton_fn(params, key, x):
     return kfac_jax.sampled_curvature.sigmoid_cross_entropy(
-        model.apply({"params": params}, x), key)
+      model.apply({"params": params}, x), key
+    )
 
   @jax.jit
   def per_example(params, x):
-    return models.autoencoder_losses(
-        model.apply({"params": params}, x), x)
+    return models.autoencoder_losses(model.apply({"params": params}, x), x)
 
   eval_x = flags.head((mnist.x_train,), eval_examples)
-  init = lambda seed: model.init(jax.random.key(seed),
-                                 mnist.x_train[:1])["params"]
+  init = lambda seed: model.init(jax.random.key(seed), mnist.x_train[:1])[
+    "params"
+  ]
 
   def evaluate(params) -> float:
     data_term = chunked_mean(lambda x: per_example(params, x), eval_x, 5000)
     return data_term + weight_decay * float(l2_penalty(params))
 
   return Task(
-      name="autoencoder",
-      description=(
-          "MNIST autoencoder 784-1000-500-250-30-250-500-1000-784, batch "
-          f"{batch_size}; objective = summed sigmoid cross-entropy + "
-          f"1e-5·½‖θ‖² over {len(eval_x[0]):,} training images"),
-      metric="train objective",
-      higher_is_better=False,
-      data=(mnist.x_train,),
-      batch_size=batch_size,
-      init=init,
-      loss_fn=loss_fn,
-      evaluate=evaluate,
-      # No layer table: Dense layers only, which the params describe, and
-      # benchmarks/dm_kfac_race.py builds this task where kfac_jax is
-      # DeepMind's package (no trace_layers).
-      split_loss=split_loss,
-      gauss_newton_fn=gauss_newton_fn)
+    name="autoencoder",
+    description=(
+      "MNIST autoencoder 784-1000-500-250-30-250-500-1000-784, batch "
+      f"{batch_size}; objective = summed sigmoid cross-entropy + "
+      f"1e-5·½‖θ‖² over {len(eval_x[0]):,} training images"
+    ),
+    metric="train objective",
+    higher_is_better=False,
+    data=(mnist.x_train,),
+    batch_size=batch_size,
+    init=init,
+    loss_fn=loss_fn,
+    evaluate=evaluate,
+    # No layer table: Dense layers only, which the params describe, and
+    # benchmarks/dm_kfac_race.py builds this task where kfac_jax is
+    # DeepMind's package (no trace_layers).
+    split_loss=split_loss,
+    gauss_newton_fn=gauss_newton_fn,
+  )
 
 
 def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
@@ -202,61 +210,78 @@ def cifar_task(eval_examples: int | None, batch_size: int) -> Task:
 
   def loss_fn(params, x, y):
     logits = model.apply({"params": params}, x)
-    return (optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-            + weight_decay * l2_penalty(params))
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, y
+    ).mean() + weight_decay * l2_penalty(params)
 
   def split_loss(x, y):
     return kfac_jax.SplitLoss(
-        outputs_fn=lambda params: model.apply({"params": params}, x),
-        loss_fn=lambda logits: optax.softmax_cross_entropy_with_integer_labels(
-            logits, y).mean(),
-        regularizer=lambda params: weight_decay * l2_penalty(params))
+      outputs_fn=lambda params: model.apply({"params": params}, x),
+      loss_fn=lambda logits: optax.softmax_cross_entropy_with_integer_labels(
+        logits, y
+      ).mean(),
+      regularizer=lambda params: weight_decay * l2_penalty(params),
+    )
 
   @jax.jit
   def correct(params, x, y):
     return jnp.argmax(model.apply({"params": params}, x), -1) == y
 
   test = flags.head((images.x_test, images.y_test), eval_examples)
-  init = lambda seed: model.init(jax.random.key(seed),
-                                 images.x_train[:1])["params"]
+  init = lambda seed: model.init(jax.random.key(seed), images.x_train[:1])[
+    "params"
+  ]
   example = (images.x_train[:batch_size], images.y_train[:batch_size])
   return Task(
-      name="cifar",
-      description=(f"{images.name}, 3-stage CNN, batch {batch_size}; test "
-                   f"accuracy over {len(test[0]):,} test images"),
-      metric="test accuracy (%)",
-      higher_is_better=True,
-      data=(images.x_train, images.y_train),
-      batch_size=batch_size,
-      init=init,
-      loss_fn=loss_fn,
-      evaluate=lambda params: 100 * chunked_mean(
-          lambda x, y: correct(params, x, y), test, 1000),
-      layers=kfac_jax.trace_layers(loss_fn, init(0), *example),
-      split_loss=split_loss,
-      gauss_newton_fn=softmax_gauss_newton(model))
+    name="cifar",
+    description=(
+      f"{images.name}, 3-stage CNN, batch {batch_size}; test "
+      f"accuracy over {len(test[0]):,} test images"
+    ),
+    metric="test accuracy (%)",
+    higher_is_better=True,
+    data=(images.x_train, images.y_train),
+    batch_size=batch_size,
+    init=init,
+    loss_fn=loss_fn,
+    evaluate=lambda params: (
+      100 * chunked_mean(lambda x, y: correct(params, x, y), test, 1000)
+    ),
+    layers=kfac_jax.trace_layers(loss_fn, init(0), *example),
+    split_loss=split_loss,
+    gauss_newton_fn=softmax_gauss_newton(model),
+  )
 
 
-def shakespeare_task(eval_examples: int | None, batch_size: int,
-                     name: str = "shakespeare", width: int = 64,
-                     depth: int = 2, num_heads: int = 4,
-                     context: int = 64) -> Task:
+def shakespeare_task(
+  eval_examples: int | None,
+  batch_size: int,
+  name: str = "shakespeare",
+  width: int = 64,
+  depth: int = 2,
+  num_heads: int = 4,
+  context: int = 64,
+) -> Task:
   """A character transformer (``models.CharTransformer``) on Tiny
   Shakespeare: next-character cross-entropy, validation loss as metric."""
   vocab_size, (x_train, y_train), val = shakespeare_transformer.load_sequences(
-      context)
+    context
+  )
   val = flags.head(val, eval_examples)
   model = models.CharTransformer(
-      vocab_size, context, width=width, depth=depth, num_heads=num_heads)
+    vocab_size, context, width=width, depth=depth, num_heads=num_heads
+  )
 
   def loss_fn(params, x, y):
     return shakespeare_transformer.token_losses(model, params, x, y).mean()
 
   def split_loss(x, y):
     return kfac_jax.SplitLoss(
-        outputs_fn=lambda params: model.apply({"params": params}, x),
-        loss_fn=lambda logits: optax.softmax_cross_entropy_with_integer_labels(
-            logits, y).mean())
+      outputs_fn=lambda params: model.apply({"params": params}, x),
+      loss_fn=lambda logits: optax.softmax_cross_entropy_with_integer_labels(
+        logits, y
+      ).mean(),
+    )
 
   @jax.jit
   def per_sequence(params, x, y):
@@ -265,28 +290,37 @@ def shakespeare_task(eval_examples: int | None, batch_size: int,
   init = lambda seed: model.init(jax.random.key(seed), x_train[:1])["params"]
   example = (x_train[:batch_size], y_train[:batch_size])
   return Task(
-      name=name,
-      description=(f"Tiny Shakespeare, character transformer width {width} × "
-                   f"{depth} scanned blocks, {num_heads} heads, batch "
-                   f"{batch_size} × {context}; validation loss over "
-                   f"{len(val[0]):,} sequences"),
-      metric="validation loss (nats/char)",
-      higher_is_better=False,
-      data=(x_train, y_train),
-      batch_size=batch_size,
-      init=init,
-      loss_fn=loss_fn,
-      evaluate=lambda params: chunked_mean(
-          lambda x, y: per_sequence(params, x, y), val, 512),
-      layers=kfac_jax.trace_layers(loss_fn, init(0), *example),
-      split_loss=split_loss,
-      gauss_newton_fn=softmax_gauss_newton(model))
+    name=name,
+    description=(
+      f"Tiny Shakespeare, character transformer width {width} × "
+      f"{depth} scanned blocks, {num_heads} heads, batch "
+      f"{batch_size} × {context}; validation loss over "
+      f"{len(val[0]):,} sequences"
+    ),
+    metric="validation loss (nats/char)",
+    higher_is_better=False,
+    data=(x_train, y_train),
+    batch_size=batch_size,
+    init=init,
+    loss_fn=loss_fn,
+    evaluate=lambda params: chunked_mean(
+      lambda x, y: per_sequence(params, x, y), val, 512
+    ),
+    layers=kfac_jax.trace_layers(loss_fn, init(0), *example),
+    split_loss=split_loss,
+    gauss_newton_fn=softmax_gauss_newton(model),
+  )
 
 
-def batch_norm_classifier(name: str, description: str, model: Any,
-                          images: datasets.ImageData,
-                          eval_examples: int | None, batch_size: int,
-                          weight_decay: float) -> Task:
+def batch_norm_classifier(
+  name: str,
+  description: str,
+  model: Any,
+  images: datasets.ImageData,
+  eval_examples: int | None,
+  batch_size: int,
+  weight_decay: float,
+) -> Task:
   """A classifier with BatchNorm: softmax cross-entropy (plus
   ``weight_decay · ½‖θ‖²``) on the batch's statistics, whose running
   averages (``batch_stats``) are the model state; test accuracy (%) with
@@ -297,16 +331,21 @@ def batch_norm_classifier(name: str, description: str, model: Any,
 
   def loss_fn(params, batch_stats, x, y):
     logits, updates = model.apply(
-        {"params": params, "batch_stats": batch_stats}, x, train=True,
-        mutable=["batch_stats"])
-    loss = (optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-            + weight_decay * l2_penalty(params))
+      {"params": params, "batch_stats": batch_stats},
+      x,
+      train=True,
+      mutable=["batch_stats"],
+    )
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits, y
+    ).mean() + weight_decay * l2_penalty(params)
     return loss, updates["batch_stats"]
 
   @jax.jit
   def correct(params, batch_stats, x, y):
-    logits = model.apply({"params": params, "batch_stats": batch_stats}, x,
-                         train=False)
+    logits = model.apply(
+      {"params": params, "batch_stats": batch_stats}, x, train=False
+    )
     return jnp.argmax(logits, -1) == y
 
   test = flags.head((images.x_test, images.y_test), eval_examples)
@@ -314,20 +353,28 @@ def batch_norm_classifier(name: str, description: str, model: Any,
   init_model_state = lambda seed: variables(seed)["batch_stats"]
   example = (images.x_train[:batch_size], images.y_train[:batch_size])
   return Task(
-      name=name,
-      description=(f"{description}, batch {batch_size}; test accuracy over "
-                   f"{len(test[0]):,} test images"),
-      metric="test accuracy (%)",
-      higher_is_better=True,
-      data=(images.x_train, images.y_train),
-      batch_size=batch_size,
-      init=init,
-      loss_fn=loss_fn,
-      evaluate=lambda params, batch_stats: 100 * chunked_mean(
-          lambda x, y: correct(params, batch_stats, x, y), test, 1000),
-      layers=kfac_jax.trace_layers(loss_fn, init(0), init_model_state(0),
-                                   *example),
-      init_model_state=init_model_state)
+    name=name,
+    description=(
+      f"{description}, batch {batch_size}; test accuracy over "
+      f"{len(test[0]):,} test images"
+    ),
+    metric="test accuracy (%)",
+    higher_is_better=True,
+    data=(images.x_train, images.y_train),
+    batch_size=batch_size,
+    init=init,
+    loss_fn=loss_fn,
+    evaluate=lambda params, batch_stats: (
+      100
+      * chunked_mean(
+        lambda x, y: correct(params, batch_stats, x, y), test, 1000
+      )
+    ),
+    layers=kfac_jax.trace_layers(
+      loss_fn, init(0), init_model_state(0), *example
+    ),
+    init_model_state=init_model_state,
+  )
 
 
 def resnet20_task(eval_examples: int | None, batch_size: int) -> Task:
@@ -336,8 +383,14 @@ def resnet20_task(eval_examples: int | None, batch_size: int) -> Task:
   images = datasets.load_image_classification()
   model = models.CifarResNet(depth=20, num_classes=images.num_classes)
   return batch_norm_classifier(
-      "resnet20", f"{images.name}, ResNet-20 (BatchNorm)", model, images,
-      eval_examples, batch_size, weight_decay=1e-4)
+    "resnet20",
+    f"{images.name}, ResNet-20 (BatchNorm)",
+    model,
+    images,
+    eval_examples,
+    batch_size,
+    weight_decay=1e-4,
+  )
 
 
 def mnist_batch_norm_task(eval_examples: int | None, batch_size: int) -> Task:
@@ -345,23 +398,37 @@ def mnist_batch_norm_task(eval_examples: int | None, batch_size: int) -> Task:
   weight decay, as that example trains it."""
   mnist = datasets.load_mnist()
   images = datasets.ImageData(
-      "MNIST", mnist.x_train.reshape(-1, 28, 28, 1), mnist.y_train,
-      mnist.x_test.reshape(-1, 28, 28, 1), mnist.y_test, 10)
+    "MNIST",
+    mnist.x_train.reshape(-1, 28, 28, 1),
+    mnist.y_train,
+    mnist.x_test.reshape(-1, 28, 28, 1),
+    mnist.y_test,
+    10,
+  )
   return batch_norm_classifier(
-      "mnist_bn", "MNIST, Flax's NNX example CNN with BatchNorm (conv 32, "
-      "conv 64, dense 3136→256→10)", models.BatchNormCNN(), images,
-      eval_examples, batch_size, weight_decay=0.0)
+    "mnist_bn",
+    "MNIST, Flax's NNX example CNN with BatchNorm (conv 32, "
+    "conv 64, dense 3136→256→10)",
+    models.BatchNormCNN(),
+    images,
+    eval_examples,
+    batch_size,
+    weight_decay=0.0,
+  )
 
 
 # {name: (builder(eval_examples, batch_size) -> Task, the race's batch)}.
 TASK_BUILDERS = {
-    "autoencoder": (autoencoder_task, 1000),
-    "cifar": (cifar_task, 128),
-    "shakespeare": (shakespeare_task, 64),
-    # Twice as wide and twice the context, the same characters per step.
-    "shakespeare_wide": (functools.partial(
-        shakespeare_task, name="shakespeare_wide", width=128,
-        context=128), 32),
-    "resnet20": (resnet20_task, 128),
-    "mnist_bn": (mnist_batch_norm_task, 128),
+  "autoencoder": (autoencoder_task, 1000),
+  "cifar": (cifar_task, 128),
+  "shakespeare": (shakespeare_task, 64),
+  # Twice as wide and twice the context, the same characters per step.
+  "shakespeare_wide": (
+    functools.partial(
+      shakespeare_task, name="shakespeare_wide", width=128, context=128
+    ),
+    32,
+  ),
+  "resnet20": (resnet20_task, 128),
+  "mnist_bn": (mnist_batch_norm_task, 128),
 }

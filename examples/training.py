@@ -34,6 +34,7 @@ LossFn = Callable[..., jax.Array]
 #   -> (params, opt_state, model_state, loss), jitted.
 StepFn = Callable[..., tuple[Any, Any, Any, jax.Array]]
 
+
 @dataclasses.dataclass
 class Optimizer:
   """One contestant of a comparison.
@@ -59,10 +60,13 @@ class Optimizer:
   separate_curvature: bool = False
 
   def __post_init__(self):
-    if ((self.needs_split_loss or self.separate_curvature) and
-        not self.uses_kfac):
-      raise ValueError(f"Optimizer {self.name!r}: needs_split_loss and "
-                       "separate_curvature are K-FAC's; set uses_kfac=True.")
+    if (
+      self.needs_split_loss or self.separate_curvature
+    ) and not self.uses_kfac:
+      raise ValueError(
+        f"Optimizer {self.name!r}: needs_split_loss and "
+        "separate_curvature are K-FAC's; set uses_kfac=True."
+      )
 
 
 @dataclasses.dataclass
@@ -102,9 +106,11 @@ class RunResult:
 
 
 def make_train_step(
-    loss_fn: LossFn, optimizer: Optimizer, stateful: bool = False,
-    split_loss: Callable[..., kfac_jax.SplitLoss] | None = None,
-    curvature_fn: Callable[..., jax.Array] | None = None,
+  loss_fn: LossFn,
+  optimizer: Optimizer,
+  stateful: bool = False,
+  split_loss: Callable[..., kfac_jax.SplitLoss] | None = None,
+  curvature_fn: Callable[..., jax.Array] | None = None,
 ) -> Callable[..., Any]:
   """``step(params, opt_state, model_state, key, *batch) -> (params,
   opt_state, model_state, loss)``, jitted.
@@ -123,11 +129,13 @@ def make_train_step(
   """
   tx = optimizer.tx
   if optimizer.needs_split_loss and (split_loss is None or stateful):
-    raise ValueError(f"{optimizer.name} needs a split_loss (and a stateless "
-                     "loss_fn).")
+    raise ValueError(
+      f"{optimizer.name} needs a split_loss (and a stateless loss_fn)."
+    )
   if optimizer.separate_curvature and curvature_fn is None:
-    raise ValueError(f"{optimizer.name} takes its stats from a curvature_fn: "
-                     "pass one.")
+    raise ValueError(
+      f"{optimizer.name} takes its stats from a curvature_fn: pass one."
+    )
 
   def loss_and_state(params, model_state, *batch):
     if stateful:
@@ -137,18 +145,25 @@ def make_train_step(
   def step(params, opt_state, model_state, key, *batch):
     if optimizer.uses_kfac and not optimizer.separate_curvature:
       (loss, model_state), grads, stats = kfac_jax.value_grad_and_stats(
-          loss_and_state, has_aux=True)(params, model_state, *batch)
+        loss_and_state, has_aux=True
+      )(params, model_state, *batch)
     else:
       (loss, model_state), grads = jax.value_and_grad(
-          loss_and_state, has_aux=True)(params, model_state, *batch)
+        loss_and_state, has_aux=True
+      )(params, model_state, *batch)
     if optimizer.separate_curvature:
-      _, _, stats = kfac_jax.value_grad_and_stats(curvature_fn)(params, key,
-                                                                *batch)
+      _, _, stats = kfac_jax.value_grad_and_stats(curvature_fn)(
+        params, key, *batch
+      )
     if optimizer.uses_kfac:
-      extra = (dict(split_loss=split_loss(*batch))
-               if optimizer.needs_split_loss else {})
-      updates, opt_state = tx.update(grads, opt_state, params,
-                                     kfac_stats=stats, **extra)
+      extra = (
+        dict(split_loss=split_loss(*batch))
+        if optimizer.needs_split_loss
+        else {}
+      )
+      updates, opt_state = tx.update(
+        grads, opt_state, params, kfac_stats=stats, **extra
+      )
     else:
       updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, model_state, loss
@@ -156,8 +171,9 @@ def make_train_step(
   return jax.jit(step, donate_argnums=(0, 1, 2))
 
 
-def epoch_batches(num_examples: int, batch_size: int, epochs: int,
-                  seed: int) -> Iterator[np.ndarray]:
+def epoch_batches(
+  num_examples: int, batch_size: int, epochs: int, seed: int
+) -> Iterator[np.ndarray]:
   """Index arrays of shuffled mini-batches, epoch after epoch.
 
   The last incomplete batch of each epoch is dropped, so every step has the
@@ -165,16 +181,18 @@ def epoch_batches(num_examples: int, batch_size: int, epochs: int,
   """
   if batch_size > num_examples:
     raise ValueError(
-        f"batch size {batch_size} exceeds the {num_examples} examples.")
+      f"batch size {batch_size} exceeds the {num_examples} examples."
+    )
   rng = np.random.default_rng(seed)
   for _ in range(epochs):
     order = rng.permutation(num_examples)
     for start in range(0, num_examples - batch_size + 1, batch_size):
-      yield order[start:start + batch_size]
+      yield order[start : start + batch_size]
 
 
-def num_steps(num_examples: int, batch_size: int, epochs: int,
-              max_steps: int | None) -> int:
+def num_steps(
+  num_examples: int, batch_size: int, epochs: int, max_steps: int | None
+) -> int:
   steps = epochs * (num_examples // batch_size)
   return steps if max_steps is None else min(steps, max_steps)
 
@@ -225,23 +243,25 @@ def curvature_shared_loss(loss_fn: LossFn, examples: int) -> LossFn:
     if examples >= size:
       return loss_fn(params, *batch)
     head_weight = examples / size
-    return (head_weight * loss_fn(params, *curvature_batch(batch, examples)) +
-            (1 - head_weight) * loss_fn(params,
-                                        *(a[examples:] for a in batch)))
+    return head_weight * loss_fn(params, *curvature_batch(batch, examples)) + (
+      1 - head_weight
+    ) * loss_fn(params, *(a[examples:] for a in batch))
 
   return loss
 
 
-def compare(optimizers: Sequence[Optimizer],
-            make_step: Callable[[Optimizer], StepFn],
-            init_params: Any,
-            data: Sequence[np.ndarray],
-            batch_size: int,
-            epochs: int,
-            max_steps: int | None = None,
-            seed: int = 0,
-            desc: str = "training",
-            model_state: Any = None) -> dict[str, RunResult]:
+def compare(
+  optimizers: Sequence[Optimizer],
+  make_step: Callable[[Optimizer], StepFn],
+  init_params: Any,
+  data: Sequence[np.ndarray],
+  batch_size: int,
+  epochs: int,
+  max_steps: int | None = None,
+  seed: int = 0,
+  desc: str = "training",
+  model_state: Any = None,
+) -> dict[str, RunResult]:
   """Trains every optimizer on the same batches, one step each in turn.
 
   Args:
@@ -278,12 +298,16 @@ def compare(optimizers: Sequence[Optimizer],
   states, steps, compile_seconds = {}, {}, {}
   for opt in optimizers:
     # Each optimizer gets its own copies: its step donates them.
-    params, state = (jax.tree.map(jnp.copy, t)
-                     for t in (init_params, model_state))
+    params, state = (
+      jax.tree.map(jnp.copy, t) for t in (init_params, model_state)
+    )
     opt_state = opt.tx.init(params)
     start = time.perf_counter()
-    steps[opt.name] = make_step(opt).lower(
-        params, opt_state, state, jax.random.key(seed), *example).compile()
+    steps[opt.name] = (
+      make_step(opt)
+      .lower(params, opt_state, state, jax.random.key(seed), *example)
+      .compile()
+    )
     compile_seconds[opt.name] = time.perf_counter() - start
     states[opt.name] = (params, opt_state, state)
 
@@ -299,15 +323,17 @@ def compare(optimizers: Sequence[Optimizer],
       key = jax.random.fold_in(jax.random.key(seed), i)
       for name in names:
         start = time.perf_counter()
-        *state, loss = jax.block_until_ready(steps[name](*states[name], key,
-                                                         *batch))
+        *state, loss = jax.block_until_ready(
+          steps[name](*states[name], key, *batch)
+        )
         elapsed[name] += time.perf_counter() - start
         seconds[name][i] = elapsed[name]
         states[name] = tuple(state)
         losses[name].append(loss)
       if (i + 1) % refresh == 0 or i + 1 == total:
-        bar.set_postfix({n: f"{float(losses[n][-1]):.4g}" for n in names},
-                        refresh=False)
+        bar.set_postfix(
+          {n: f"{float(losses[n][-1]):.4g}" for n in names}, refresh=False
+        )
       bar.update(1)
 
   results = {}
@@ -317,12 +343,11 @@ def compare(optimizers: Sequence[Optimizer],
       first = int(np.argmin(np.isfinite(loss_values)))
       tqdm.write(f"warning: {name} loss became non-finite at step {first}.")
     results[name] = RunResult(
-        name=name,
-        losses=loss_values,
-        seconds=seconds[name],
-        compile_seconds=compile_seconds[name],
-        params=states[name][0],
-        model_state=states[name][2])
+      name=name,
+      losses=loss_values,
+      seconds=seconds[name],
+      compile_seconds=compile_seconds[name],
+      params=states[name][0],
+      model_state=states[name][2],
+    )
   return results
-
-

@@ -48,8 +48,11 @@ from kfac_jax.transform import quadratic_model
 from kfac_jax.transform import boxing
 from kfac_jax.transform.config import KFACConfig
 from kfac_jax.hyperparameters import ComputeMethod, ScalarOrSchedule
-from kfac_jax.transform.state import (ScaleByKFACState, decomposition_counts,
-                                     with_counts)
+from kfac_jax.transform.state import (
+  ScaleByKFACState,
+  decomposition_counts,
+  with_counts,
+)
 from kfac_jax.transform.step import guarded_decomposition
 
 _KeyPath = tuple[str, ...]
@@ -59,8 +62,11 @@ def _is_kfac_state(node: Any) -> bool:
   return isinstance(node, ScaleByKFACState)
 
 
-def _map_kfac_states(fn: Callable[[_KeyPath, ScaleByKFACState], Any],
-                     tree: Any, caller: str | None = None) -> Any:
+def _map_kfac_states(
+  fn: Callable[[_KeyPath, ScaleByKFACState], Any],
+  tree: Any,
+  caller: str | None = None,
+) -> Any:
   """Replaces every ``ScaleByKFACState`` in ``tree`` by ``fn(path, state)``.
 
   With ``caller`` named, a tree without one raises: ``fn`` would silently do
@@ -75,21 +81,20 @@ def _map_kfac_states(fn: Callable[[_KeyPath, ScaleByKFACState], Any],
     found.append(path)
     return fn(_key_path(path), node)
 
-  result = jax.tree_util.tree_map_with_path(visit, tree,
-                                            is_leaf=_is_kfac_state)
+  result = jax.tree_util.tree_map_with_path(visit, tree, is_leaf=_is_kfac_state)
   if caller is not None and not found:
     raise ValueError(
-        f"checkpoint.{caller}: the tree holds no kfac_jax.ScaleByKFACState. "
-        "Pass the optimizer state as optax returns it; with Flax NNX, "
-        "nnx.pure(optimizer.opt_state) (nnx.as_pure from flax 0.12.12 on; "
-        "nnx.state(optimizer) flattens it).")
+      f"checkpoint.{caller}: the tree holds no kfac_jax.ScaleByKFACState. "
+      "Pass the optimizer state as optax returns it; with Flax NNX, "
+      "nnx.pure(optimizer.opt_state) (nnx.as_pure from flax 0.12.12 on; "
+      "nnx.state(optimizer) flattens it)."
+    )
   return result
 
 
-def save(directory: epath.PathLike,
-         tree: Any,
-         *,
-         include_preconditioners: bool = True) -> None:
+def save(
+  directory: epath.PathLike, tree: Any, *, include_preconditioners: bool = True
+) -> None:
   """Writes ``tree`` to ``directory`` (which must not exist yet) and waits.
 
   Every process of a multi-process program calls it with the same
@@ -105,8 +110,11 @@ def save(directory: epath.PathLike,
       ``preconditioners=None``; restore it with ``recompute_preconditioners``.
   """
   if not include_preconditioners:
-    tree = _map_kfac_states(lambda _, s: s._replace(preconditioners=None),
-                            tree, "save(include_preconditioners=False)")
+    tree = _map_kfac_states(
+      lambda _, s: s._replace(preconditioners=None),
+      tree,
+      "save(include_preconditioners=False)",
+    )
   # Leaving the context waits for the (asynchronous) save to be committed.
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(_path(directory), tree)
@@ -148,8 +156,9 @@ def restore(directory: epath.PathLike, target: Any) -> Any:
   directory = _path(directory)
   if not directory.is_dir():
     raise FileNotFoundError(
-        f"checkpoint.restore: no checkpoint directory at {str(directory)!r} (the "
-        "path given to checkpoint.save).")
+      f"checkpoint.restore: no checkpoint directory at {str(directory)!r} (the "
+      "path given to checkpoint.save)."
+    )
   with ocp.StandardCheckpointer() as checkpointer:
     saved = checkpointer.metadata(directory).item_metadata.tree
   # Saved arrays the target leaves out: only preconditioners (read partially).
@@ -158,12 +167,12 @@ def restore(directory: epath.PathLike, target: Any) -> Any:
   # before ShardedPreconditioners had a layout_fingerprint.
   unfingerprinted = {}
 
-  def match_saved(path: _KeyPath,
-                  state: ScaleByKFACState) -> ScaleByKFACState:
+  def match_saved(path: _KeyPath, state: ScaleByKFACState) -> ScaleByKFACState:
     nonlocal partial
     saved_state = _saved_node(saved, path, directory)
-    _check_layers(path, set(state.factors),
-                  set(saved_state["factors"] or {}), directory)
+    _check_layers(
+      path, set(state.factors), set(saved_state["factors"] or {}), directory
+    )
     saved_preconditioners = saved_state["preconditioners"]
     # A state saved without preconditioners has None there; Orbax restores
     # only onto a target of the saved structure.
@@ -172,13 +181,16 @@ def restore(directory: epath.PathLike, target: Any) -> Any:
     elif state.preconditioners is None:
       partial = True  # Dropped: recompute_preconditioners makes them again.
     elif isinstance(state.preconditioners, ShardedPreconditioners) and (
-        isinstance(saved_preconditioners, dict) and
-        "layout_fingerprint" not in saved_preconditioners):
+      isinstance(saved_preconditioners, dict)
+      and "layout_fingerprint" not in saved_preconditioners
+    ):
       partial = True
       unfingerprinted[path] = _abstract(
-          path, state.preconditioners.layout_fingerprint)
-      state = state._replace(preconditioners=state.preconditioners._replace(
-          layout_fingerprint=None))
+        path, state.preconditioners.layout_fingerprint
+      )
+      state = state._replace(
+        preconditioners=state.preconditioners._replace(layout_fingerprint=None)
+      )
     _check_fields(path, saved_state, state, directory)
     return state
 
@@ -191,29 +203,37 @@ def restore(directory: epath.PathLike, target: Any) -> Any:
     with ocp.StandardCheckpointer() as checkpointer:
       return checkpointer.restore(directory, target)
   with ocp.PyTreeCheckpointer() as checkpointer:
-    restored = checkpointer.restore(directory, args=ocp.args.PyTreeRestore(
+    restored = checkpointer.restore(
+      directory,
+      args=ocp.args.PyTreeRestore(
         item=target,
         restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True))
+        partial_restore=True,
+      ),
+    )
 
-  def stale_fingerprint(path: _KeyPath,
-                        state: ScaleByKFACState) -> ScaleByKFACState:
+  def stale_fingerprint(
+    path: _KeyPath, state: ScaleByKFACState
+  ) -> ScaleByKFACState:
     if path not in unfingerprinted:
       return state
     # No layout fingerprint is negative: the next update decomposes them.
     spec = unfingerprinted[path]
-    return state._replace(preconditioners=state.preconditioners._replace(
-        layout_fingerprint=jax.device_put(np.int32(-1), spec.sharding)))
+    return state._replace(
+      preconditioners=state.preconditioners._replace(
+        layout_fingerprint=jax.device_put(np.int32(-1), spec.sharding)
+      )
+    )
 
   return _map_kfac_states(stale_fingerprint, restored)
 
 
 def recompute_preconditioners(
-    tree: Any,
-    damping: ScalarOrSchedule,
-    *,
-    mesh: jax.sharding.Mesh | None = None,
-    **kwargs: Any,
+  tree: Any,
+  damping: ScalarOrSchedule,
+  *,
+  mesh: jax.sharding.Mesh | None = None,
+  **kwargs: Any,
 ) -> Any:
   """Decomposes the factors of every K-FAC state in ``tree`` again.
 
@@ -269,10 +289,12 @@ def recompute_preconditioners(
   # An adaptive state's λ is absolute, whatever the default damping_mode.
   adaptive_config = config
   if config.relative_damping and kwargs.get("damping_mode") is None:
-    adaptive_config = KFACConfig(damping=damping,
-                                 **{**kwargs, "damping_mode": "absolute"})
-  decompose_all = jax.jit(functools.partial(_decompose_all, config,
-                                            adaptive_config))
+    adaptive_config = KFACConfig(
+      damping=damping, **{**kwargs, "damping_mode": "absolute"}
+    )
+  decompose_all = jax.jit(
+    functools.partial(_decompose_all, config, adaptive_config)
+  )
   # A tree of Flax-boxed params keeps its packed rows boxed, as init boxed
   # them (kfac_jax.transform.boxing); its other boxed parts pass through.
   boxed = boxing.has_boxes(tree)
@@ -281,15 +303,17 @@ def recompute_preconditioners(
     state = decompose_all(state)
     if not boxed:
       return state
-    return state._replace(preconditioners=boxing.box_rows(
-        state.preconditioners, config.mesh_axes))
+    return state._replace(
+      preconditioners=boxing.box_rows(state.preconditioners, config.mesh_axes)
+    )
 
   with using_mesh(mesh, "recompute_preconditioners", abstract_ok=False):
     return _map_kfac_states(recompute, tree, "recompute_preconditioners")
 
 
-def _decompose_all(config: KFACConfig, adaptive_config: KFACConfig,
-                   state: ScaleByKFACState) -> ScaleByKFACState:
+def _decompose_all(
+  config: KFACConfig, adaptive_config: KFACConfig, state: ScaleByKFACState
+) -> ScaleByKFACState:
   """``state`` with its factors decomposed again (``guarded_decomposition``),
   under ``adaptive_config`` (absolute λ) if it is the adaptive mode's."""
   dims = factor_dims(state.factors)
@@ -298,27 +322,35 @@ def _decompose_all(config: KFACConfig, adaptive_config: KFACConfig,
     config = adaptive_config
     if config.relative_damping:
       raise ValueError(
-          "recompute_preconditioners(damping_mode='relative'): the state is "
-          "the adaptive mode's, whose λ is absolute; pass damping_mode=None "
-          "or 'absolute'.")
+        "recompute_preconditioners(damping_mode='relative'): the state is "
+        "the adaptive mode's, whose λ is absolute; pass damping_mode=None "
+        "or 'absolute'."
+      )
   if config.adaptive is not None and not is_adaptive:
     raise ValueError(
-        "recompute_preconditioners(adaptive=...): the state is not the "
-        "adaptive mode's (no quadratic_model); drop adaptive, and pass the "
-        "damping it was trained with.")
+      "recompute_preconditioners(adaptive=...): the state is not the "
+      "adaptive mode's (no quadratic_model); drop adaptive, and pass the "
+      "damping it was trained with."
+    )
   if not is_adaptive:
     damping = config.damping(state.count)
   elif config.adaptive is None:
     damping = state.quadratic_model.damping
   else:
-    damping = quadratic_model.clip_damping(state.quadratic_model.damping,
-                                           config.adaptive)
+    damping = quadratic_model.clip_damping(
+      state.quadratic_model.damping, config.adaptive
+    )
   placement = config.placement
   preconditioners, counts = guarded_decomposition(
-      placement, dims, state.factors, placement.init(dims),
-      decomposition_counts(state), damping,
-      None if is_adaptive else hp.all_valid(state.count, config.damping),
-      is_adaptive and config.compute_method is ComputeMethod.INVERSE)
+    placement,
+    dims,
+    state.factors,
+    placement.init(dims),
+    decomposition_counts(state),
+    damping,
+    None if is_adaptive else hp.all_valid(state.count, config.damping),
+    is_adaptive and config.compute_method is ComputeMethod.INVERSE,
+  )
   return with_counts(state._replace(preconditioners=preconditioners), counts)
 
 
@@ -336,20 +368,28 @@ def _abstract(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:
   if sharding is None:
     # jax.devices()[0] is process 0's device: other processes hold no shard
     # of such an array, and Orbax cannot restore it there.
-    sharding = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-                if mesh.empty else NamedSharding(mesh, PartitionSpec()))
+    sharding = (
+      jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+      if mesh.empty
+      else NamedSharding(mesh, PartitionSpec())
+    )
   elif isinstance(sharding, NamedSharding) and isinstance(
-      sharding.mesh, jax.sharding.AbstractMesh):
+    sharding.mesh, jax.sharding.AbstractMesh
+  ):
     if mesh.empty or mesh.abstract_mesh != sharding.mesh:
       raise ValueError(
-          "checkpoint.restore: the target's "
-          f"{_describe_path(_key_path(path))} is "
-          f"sharded over an abstract mesh ({sharding.mesh}), as jax.eval_shape "
-          "gives it under jax.set_mesh, but "
-          + ("no mesh is set now" if mesh.empty else
-             f"the mesh set now is another ({mesh.abstract_mesh})")
-          + ". Call restore under `with jax.set_mesh(mesh):` of the mesh the "
-          "target was made under.")
+        "checkpoint.restore: the target's "
+        f"{_describe_path(_key_path(path))} is "
+        f"sharded over an abstract mesh ({sharding.mesh}), as jax.eval_shape "
+        "gives it under jax.set_mesh, but "
+        + (
+          "no mesh is set now"
+          if mesh.empty
+          else f"the mesh set now is another ({mesh.abstract_mesh})"
+        )
+        + ". Call restore under `with jax.set_mesh(mesh):` of the mesh the "
+        "target was made under."
+      )
     sharding = NamedSharding(mesh, sharding.spec)
   return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
 
@@ -361,8 +401,9 @@ def _path(directory: epath.PathLike) -> epath.Path:
   return path if path.is_absolute() else path.absolute()
 
 
-def _saved_node(saved: Any, path: _KeyPath,
-                directory: epath.Path) -> dict[str, Any]:
+def _saved_node(
+  saved: Any, path: _KeyPath, directory: epath.Path
+) -> dict[str, Any]:
   """The saved K-FAC state at ``path`` in Orbax's metadata tree.
 
   The metadata tree has dicts for mappings and NamedTuples (keyed by field
@@ -372,72 +413,88 @@ def _saved_node(saved: Any, path: _KeyPath,
   for key in path:
     if isinstance(node, dict):
       node = node.get(key)
-    elif isinstance(node, (list, tuple)) and key.isdigit() and int(key) < len(
-        node):
+    elif (
+      isinstance(node, (list, tuple)) and key.isdigit() and int(key) < len(node)
+    ):
       node = node[int(key)]
     else:
       node = None
   if not isinstance(node, dict) or not {"factors", "preconditioners"} <= set(
-      node):
+    node
+  ):
     raise ValueError(
-        f"The checkpoint at {directory} has no K-FAC state at "
-        f"{_describe_path(path)}, where the target has one.")
+      f"The checkpoint at {directory} has no K-FAC state at "
+      f"{_describe_path(path)}, where the target has one."
+    )
   return node
 
 
-def _check_layers(path: _KeyPath, target_layers: set[str],
-                  saved_layers: set[str], directory: epath.Path) -> None:
+def _check_layers(
+  path: _KeyPath,
+  target_layers: set[str],
+  saved_layers: set[str],
+  directory: epath.Path,
+) -> None:
   missing = sorted(target_layers - saved_layers)
   extra = sorted(saved_layers - target_layers)
   if missing or extra:
     raise ValueError(
-        f"The K-FAC state at {_describe_path(path)} in {directory} registers "
-        "other layers than the target: missing from the checkpoint: "
-        f"{missing}; in "
-        f"the checkpoint but not the target: {extra}. Restore onto a target "
-        "made by tx.init with the params (and skip_layers) of the saved run.")
+      f"The K-FAC state at {_describe_path(path)} in {directory} registers "
+      "other layers than the target: missing from the checkpoint: "
+      f"{missing}; in "
+      f"the checkpoint but not the target: {extra}. Restore onto a target "
+      "made by tx.init with the params (and skip_layers) of the saved run."
+    )
 
 
-def _check_fields(path: _KeyPath, saved_state: Any, state: ScaleByKFACState,
-                  directory: epath.Path) -> None:
+def _check_fields(
+  path: _KeyPath,
+  saved_state: Any,
+  state: ScaleByKFACState,
+  directory: epath.Path,
+) -> None:
   """The saved K-FAC state and the target's must have the same arrays.
 
   Orbax fills a target array that the checkpoint holds as ``None`` (an eigen
   state saved with ``compute_eigenvalue_outer_product=False`` has no
   ``damped_inverse``) with ``None``, silently; the update then failed.
   """
-  saved_leaves = {_key_path(p)
-                  for p, _ in jax.tree_util.tree_flatten_with_path(
-                      saved_state)[0]}
+  saved_leaves = {
+    _key_path(p)
+    for p, _ in jax.tree_util.tree_flatten_with_path(saved_state)[0]
+  }
   if state.preconditioners is None:  # Not read (restore drops them).
     saved_leaves = {p for p in saved_leaves if p[0] != "preconditioners"}
-  target_leaves = {_key_path(p)
-                   for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]}
+  target_leaves = {
+    _key_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]
+  }
   missing = sorted("/".join(p) for p in target_leaves - saved_leaves)
   extra = sorted("/".join(p) for p in saved_leaves - target_leaves)
   if missing or extra:
     raise ValueError(
-        f"The K-FAC state at {_describe_path(path)} in {directory} has other "
-        f"arrays than the target: missing from the checkpoint: {missing}; in "
-        f"the checkpoint but not the target: {extra}. Restore onto a target "
-        "made by tx.init of a transformation with the saved run's "
-        "compute_method, compute_eigenvalue_outer_product, adaptive and "
-        "accumulation_steps."
-        + ("" if not any(p.startswith("preconditioners")
-                         for p in missing + extra) else
-           " A state moves between mesh_axes (packed rows) and one device, or "
-           "between methods, by its factors: restore onto a target with "
-           "preconditioners=None, then call recompute_preconditioners under "
-           "the new settings."))
+      f"The K-FAC state at {_describe_path(path)} in {directory} has other "
+      f"arrays than the target: missing from the checkpoint: {missing}; in "
+      f"the checkpoint but not the target: {extra}. Restore onto a target "
+      "made by tx.init of a transformation with the saved run's "
+      "compute_method, compute_eigenvalue_outer_product, adaptive and "
+      "accumulation_steps."
+      + (
+        ""
+        if not any(p.startswith("preconditioners") for p in missing + extra)
+        else " A state moves between mesh_axes (packed rows) and one device, or "
+        "between methods, by its factors: restore onto a target with "
+        "preconditioners=None, then call recompute_preconditioners under "
+        "the new settings."
+      )
+    )
 
 
-def _check_saved_shapes(saved: Any, target: Any,
-                        directory: epath.Path) -> None:
+def _check_saved_shapes(saved: Any, target: Any, directory: epath.Path) -> None:
   """Every target leaf with a saved counterpart must have its shape."""
   saved_shapes = {
-      _key_path(path): tuple(leaf.shape)
-      for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]
-      if getattr(leaf, "shape", None) is not None
+    _key_path(path): tuple(leaf.shape)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]
+    if getattr(leaf, "shape", None) is not None
   }
   mismatched = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
@@ -445,19 +502,23 @@ def _check_saved_shapes(saved: Any, target: Any,
     shape = saved_shapes.get(key)
     if shape is not None and shape != tuple(np.shape(leaf)):
       mismatched.append(
-          f"{_describe_path(key)}: saved {shape}, target "
-          f"{tuple(np.shape(leaf))}")
+        f"{_describe_path(key)}: saved {shape}, target {tuple(np.shape(leaf))}"
+      )
   if mismatched:
     # Packed preconditioner rows change shape with the device count and
     # strategy; the factors do not.
-    hint = ("" if not any("preconditioners/rows" in m for m in mismatched) else
-            " A distributed state moves to another device count or strategy "
-            "by its factors: restore onto a target with "
-            "preconditioners=None, then call recompute_preconditioners under "
-            "the new mesh.")
+    hint = (
+      ""
+      if not any("preconditioners/rows" in m for m in mismatched)
+      else " A distributed state moves to another device count or strategy "
+      "by its factors: restore onto a target with "
+      "preconditioners=None, then call recompute_preconditioners under "
+      "the new mesh."
+    )
     raise ValueError(
-        f"The checkpoint at {directory} has other shapes than the target: "
-        f"{'; '.join(mismatched)}.{hint}")
+      f"The checkpoint at {directory} has other shapes than the target: "
+      f"{'; '.join(mismatched)}.{hint}"
+    )
 
 
 def _key_path(path: Sequence[Any]) -> _KeyPath:

@@ -37,6 +37,7 @@ def leaves_finite(tree: Any) -> Any:
   kernels that read a flag then stay identical across same-shaped leaves,
   and XLA:CPU compiles identical kernels once.
   """
+
   def leaf_finite(leaf: jax.Array) -> jax.Array:
     total = _leaf_sum(leaf)
     return jnp.array(True) if total is None else jnp.isfinite(total)
@@ -63,8 +64,9 @@ def select(predicate: jax.Array, on_true: Any, on_false: Any) -> Any:
   A ``jnp.where`` per leaf, which XLA fuses into whatever computes the
   leaves; for leaves that nothing fuses with (a library call's), ``keep``.
   """
-  return jax.tree.map(lambda t, f: jnp.where(predicate, t, f), on_true,
-                      on_false)
+  return jax.tree.map(
+    lambda t, f: jnp.where(predicate, t, f), on_true, on_false
+  )
 
 
 def keep(predicate: jax.Array, on_true: Any, on_false: Any) -> Any:

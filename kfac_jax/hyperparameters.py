@@ -50,16 +50,19 @@ def parse_enum(cls: type[E], name: str, value: object) -> E:
     except ValueError:
       pass
   allowed = ", ".join(repr(m.value) for m in cls)
-  raise ValueError(f"{name}={value!r} is not supported; use one of {allowed} "
-                   f"(or kfac_jax.{cls.__name__}).")
+  raise ValueError(
+    f"{name}={value!r} is not supported; use one of {allowed} "
+    f"(or kfac_jax.{cls.__name__})."
+  )
 
 
 def _refuse_traced(name: str, value: object, static_arg: str | None) -> None:
   if isinstance(value, jax.core.Tracer):
     raise TypeError(
-        f"{name} fixes the program and cannot be traced; with "
-        "optax.inject_hyperparams, pass "
-        f"static_args=({static_arg or name!r},).")
+      f"{name} fixes the program and cannot be traced; with "
+      "optax.inject_hyperparams, pass "
+      f"static_args=({static_arg or name!r},)."
+    )
 
 
 def static_scalar(name: str, value: Any, static_arg: str | None = None) -> Any:
@@ -74,17 +77,21 @@ def static_scalar(name: str, value: Any, static_arg: str | None = None) -> Any:
   return value
 
 
-def static_bool(name: str, value: object, static_arg: str | None = None) -> bool:
+def static_bool(
+  name: str, value: object, static_arg: str | None = None
+) -> bool:
   """A flag: a bool, NumPy bool or concrete 0-d bool array."""
   value = static_scalar(name, value, static_arg)
   if isinstance(value, (bool, np.bool_)):
     return bool(value)
-  raise TypeError(f"{name} must be True or False; got {value!r} "
-                  f"({type(value).__name__}).")
+  raise TypeError(
+    f"{name} must be True or False; got {value!r} ({type(value).__name__})."
+  )
 
 
-def static_positive_integer(name: str, value: object,
-                            static_arg: str | None = None) -> int:
+def static_positive_integer(
+  name: str, value: object, static_arg: str | None = None
+) -> int:
   """A positive integer (NumPy integers and 0-d arrays accepted, bools not)."""
   value = static_scalar(name, value, static_arg)
   if isinstance(value, (bool, np.bool_)):
@@ -93,12 +100,12 @@ def static_positive_integer(name: str, value: object,
     integer = operator.index(value)
   except TypeError as e:
     raise TypeError(
-        f"{name} must be a positive integer; got {value!r} "
-        f"({type(value).__name__}).") from e
+      f"{name} must be a positive integer; got {value!r} "
+      f"({type(value).__name__})."
+    ) from e
   if integer < 1:
     raise ValueError(f"{name} must be a positive integer; got {value!r}.")
   return integer
-
 
 
 class ComputeMethod(enum.Enum):
@@ -160,8 +167,7 @@ class Hyperparameter:
   @property
   def checked(self) -> bool:
     """Whether construction checked every value it can take."""
-    return not (callable(self.value) or
-                isinstance(self.value, jax.core.Tracer))
+    return not (callable(self.value) or isinstance(self.value, jax.core.Tracer))
 
   def __call__(self, count: jax.Array) -> jax.Array:
     value = self.value(count) if callable(self.value) else self.value
@@ -173,12 +179,13 @@ class Hyperparameter:
     return value
 
 
-def hyperparameter(name: str,
-                   value: ScalarOrSchedule,
-                   is_valid: Callable[[jax.typing.ArrayLike],
-                                      jax.typing.ArrayLike],
-                   requirement: str,
-                   integer: bool = False) -> Hyperparameter:
+def hyperparameter(
+  name: str,
+  value: ScalarOrSchedule,
+  is_valid: Callable[[jax.typing.ArrayLike], jax.typing.ArrayLike],
+  requirement: str,
+  integer: bool = False,
+) -> Hyperparameter:
   """Validates ``value`` (or a schedule's value at step 0) and wraps it.
 
   Args:
@@ -200,31 +207,41 @@ def hyperparameter(name: str,
   else:
     sample = value
   if isinstance(sample, bool) or not isinstance(
-      sample, (numbers.Real, np.ndarray, jax.Array, np.generic)):
+    sample, (numbers.Real, np.ndarray, jax.Array, np.generic)
+  ):
     raise TypeError(
-        f"{name} must be a real number or a callable of the step count "
-        f"returning one; got {sample!r}{source} of type {type(sample).__name__}.")
+      f"{name} must be a real number or a callable of the step count "
+      f"returning one; got {sample!r}{source} of type {type(sample).__name__}."
+    )
   # optax.inject_hyperparams builds the transformation inside a jitted update
   # from traced values: only their shape and kind can be checked.
   traced = isinstance(sample, jax.core.Tracer)
-  shape, dtype = ((sample.shape, sample.dtype) if traced else
-                  (np.shape(sample), np.asarray(sample).dtype))
-  kind_ok = (jnp.issubdtype(dtype, jnp.integer) if integer else
-             jnp.issubdtype(dtype, jnp.number) and
-             not jnp.issubdtype(dtype, jnp.complexfloating))
+  shape, dtype = (
+    (sample.shape, sample.dtype)
+    if traced
+    else (np.shape(sample), np.asarray(sample).dtype)
+  )
+  kind_ok = (
+    jnp.issubdtype(dtype, jnp.integer)
+    if integer
+    else jnp.issubdtype(dtype, jnp.number)
+    and not jnp.issubdtype(dtype, jnp.complexfloating)
+  )
   if shape != () or not kind_ok:
     expected = "an integer scalar" if integer else "a real scalar"
     advice = ""
     if integer and callable(value) and jnp.issubdtype(dtype, jnp.floating):
-      advice = (" optax's schedules return floats: pass lambda count: "
-                "jnp.round(schedule(count)).astype(jnp.int32).")
+      advice = (
+        " optax's schedules return floats: pass lambda count: "
+        "jnp.round(schedule(count)).astype(jnp.int32)."
+      )
     raise TypeError(
-        f"{name} must be {expected}; got {sample!r}{source} with shape "
-        f"{shape} and dtype {dtype}.{advice}")
+      f"{name} must be {expected}; got {sample!r}{source} with shape "
+      f"{shape} and dtype {dtype}.{advice}"
+    )
   # The predicates are jnp expressions: they check Python floats here and
   # traced values at each step (`all_valid`).
-  runtime_check = None if integer else (
-      lambda v: jnp.isfinite(v) & is_valid(v))
+  runtime_check = None if integer else (lambda v: jnp.isfinite(v) & is_valid(v))
   if traced:
     return Hyperparameter(name, value, integer, runtime_check)
   given = np.asarray(sample).item()
@@ -237,28 +254,35 @@ def hyperparameter(name: str,
       scalar = np.float32(scalar).item()
     representable = np.isfinite(scalar)
   if not np.isfinite(float(given)):
-    raise ValueError(f"{name} must be {requirement} and finite; got "
-                     f"{given!r}{source}.")
+    raise ValueError(
+      f"{name} must be {requirement} and finite; got {given!r}{source}."
+    )
   if bool(is_valid(given)) and not representable:
     raise ValueError(
-        f"{name}={given!r}{source} does not fit in "
-        f"{'int32' if integer else 'float32'}, the type update uses.")
+      f"{name}={given!r}{source} does not fit in "
+      f"{'int32' if integer else 'float32'}, the type update uses."
+    )
   if not representable or not bool(is_valid(scalar)):
     raise ValueError(
-        f"{name} must be {requirement} (as {'int32' if integer else 'float32'}); "
-        f"got {given!r}{source}.")
+      f"{name} must be {requirement} (as {'int32' if integer else 'float32'}); "
+      f"got {given!r}{source}."
+    )
   return Hyperparameter(name, value, integer, runtime_check)
 
 
-def all_valid(count: jax.Array,
-              *hyperparameters: Hyperparameter | None) -> jax.Array | None:
+def all_valid(
+  count: jax.Array, *hyperparameters: Hyperparameter | None
+) -> jax.Array | None:
   """Whether every given hyper-parameter's value at ``count`` is in range
   (its ``is_valid``); ``None`` when construction checked them all (nothing
   to guard). Intervals (no ``is_valid``) are raised to 1 instead."""
   valid = None
   for hyperparameter in hyperparameters:
-    if (hyperparameter is not None and not hyperparameter.checked and
-        hyperparameter.is_valid is not None):
+    if (
+      hyperparameter is not None
+      and not hyperparameter.checked
+      and hyperparameter.is_valid is not None
+    ):
       one = hyperparameter.is_valid(hyperparameter(count))
       valid = one if valid is None else valid & one
   return valid
@@ -272,9 +296,10 @@ def _call_schedule(name: str, schedule: Schedule) -> jax.typing.ArrayLike:
     jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
   except Exception as e:  # pylint: disable=broad-except
     raise TypeError(
-        f"{name}: the schedule must be a function of the step count alone that "
-        "jax can trace (use jnp.where, not Python if, on the step); calling it "
-        f"failed with {type(e).__name__}: {e}") from e
+      f"{name}: the schedule must be a function of the step count alone that "
+      "jax can trace (use jnp.where, not Python if, on the step); calling it "
+      f"failed with {type(e).__name__}: {e}"
+    ) from e
   return sample
 
 
@@ -282,8 +307,12 @@ def positive(name: str, value: ScalarOrSchedule) -> Hyperparameter:
   # Not just > 0: XLA on CPU flushes float32 subnormals to 0, and a λ of 0
   # makes every decomposition of a rank-deficient factor non-finite.
   tiny = float(np.finfo(np.float32).tiny)
-  return hyperparameter(name, value, lambda v: v >= tiny,
-                        f"> 0 and a normal float32 (>= {tiny:.3g})")
+  return hyperparameter(
+    name,
+    value,
+    lambda v: v >= tiny,
+    f"> 0 and a normal float32 (>= {tiny:.3g})",
+  )
 
 
 def non_negative(name: str, value: ScalarOrSchedule) -> Hyperparameter:
@@ -292,7 +321,8 @@ def non_negative(name: str, value: ScalarOrSchedule) -> Hyperparameter:
 
 def positive_integer(name: str, value: ScalarOrSchedule) -> Hyperparameter:
   return hyperparameter(
-      name, value, lambda v: v >= 1, "a positive integer", integer=True)
+    name, value, lambda v: v >= 1, "a positive integer", integer=True
+  )
 
 
 def decay(name: str, value: ScalarOrSchedule) -> Hyperparameter:
@@ -301,8 +331,7 @@ def decay(name: str, value: ScalarOrSchedule) -> Hyperparameter:
   Both ends are well defined: 0 replaces ``F`` by ``F_batch`` (KAISA's
   ``exp_decay_factor_averaging`` gives 0 at the first steps), 1 keeps ``F``.
   """
-  return hyperparameter(name, value, lambda v: (0 <= v) & (v <= 1),
-                        "in [0, 1]")
+  return hyperparameter(name, value, lambda v: (0 <= v) & (v <= 1), "in [0, 1]")
 
 
 def floating_dtype(name: str, dtype: jnp.dtype | None) -> jnp.dtype | None:
@@ -311,17 +340,19 @@ def floating_dtype(name: str, dtype: jnp.dtype | None) -> jnp.dtype | None:
     return None
   if isinstance(dtype, (jax.Array, np.ndarray)):
     raise TypeError(
-        f"{name} must be a dtype, got an array: with optax.inject_hyperparams "
-        f"pass it as a dtype instance (jnp.dtype(jnp.bfloat16): the scalar "
-        f"type is callable, taken for a schedule) or in static_args=({name!r},).")
+      f"{name} must be a dtype, got an array: with optax.inject_hyperparams "
+      f"pass it as a dtype instance (jnp.dtype(jnp.bfloat16): the scalar "
+      f"type is callable, taken for a schedule) or in static_args=({name!r},)."
+    )
   try:
     resolved = jnp.dtype(dtype)
   except TypeError as e:
     raise TypeError(f"{name}={dtype!r} is not a dtype.") from e
   if not jnp.issubdtype(resolved, jnp.floating):
     raise ValueError(
-        f"{name} must be a floating dtype such as jnp.float32 or "
-        f"jnp.bfloat16; got {resolved}.")
+      f"{name} must be a floating dtype such as jnp.float32 or "
+      f"jnp.bfloat16; got {resolved}."
+    )
   return resolved
 
 
@@ -337,14 +368,16 @@ STORAGE_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float32, jnp.float64)))
 def _check_storage(name: str, dtype: jnp.dtype) -> jnp.dtype:
   if dtype not in STORAGE_DTYPES:
     raise ValueError(
-        f"{name}={dtype} cannot store K-FAC's factors or preconditioners; use "
-        "jnp.float32 (the default), jnp.bfloat16 or jnp.float64.")
+      f"{name}={dtype} cannot store K-FAC's factors or preconditioners; use "
+      "jnp.float32 (the default), jnp.bfloat16 or jnp.float64."
+    )
   if dtype == jnp.float64 and not jax.config.jax_enable_x64:
     # jax would store float32 instead, with only its generic warning.
     raise ValueError(
-        f"{name}=float64 needs 64-bit mode: call "
-        "jax.config.update('jax_enable_x64', True) before building the "
-        "optimizer, or use jnp.float32.")
+      f"{name}=float64 needs 64-bit mode: call "
+      "jax.config.update('jax_enable_x64', True) before building the "
+      "optimizer, or use jnp.float32."
+    )
   return dtype
 
 
@@ -359,12 +392,13 @@ def factor_dtype(name: str, dtype: jnp.dtype | None) -> jnp.dtype | None:
   resolved = floating_dtype(name, dtype)
   if resolved is not None and _narrower_than_float32(resolved):
     raise ValueError(
-        f"{name}={resolved} cannot hold the factors: their entries are "
-        "squares of activations and cotangents, past its largest value "
-        f"{jnp.finfo(resolved).max:g} for an activation of "
-        f"{float(np.sqrt(jnp.finfo(resolved).max)):.0f}. Use jnp.float32 "
-        "(the default) or jnp.bfloat16 (float32's range, half the memory; "
-        "see the README's Mixed precision).")
+      f"{name}={resolved} cannot hold the factors: their entries are "
+      "squares of activations and cotangents, past its largest value "
+      f"{jnp.finfo(resolved).max:g} for an activation of "
+      f"{float(np.sqrt(jnp.finfo(resolved).max)):.0f}. Use jnp.float32 "
+      "(the default) or jnp.bfloat16 (float32's range, half the memory; "
+      "see the README's Mixed precision)."
+    )
   return resolved if resolved is None else _check_storage(name, resolved)
 
 
@@ -379,14 +413,16 @@ def preconditioner_dtype(name: str, dtype: jnp.dtype) -> jnp.dtype:
   """
   resolved = floating_dtype(name, dtype)
   if resolved is None:
-    raise TypeError(f"{name} must be a floating dtype such as jnp.float32; "
-                    "got None.")
+    raise TypeError(
+      f"{name} must be a floating dtype such as jnp.float32; got None."
+    )
   info = jnp.finfo(resolved)
   if _narrower_than_float32(resolved):
     raise ValueError(
-        f"{name}={resolved} cannot hold the preconditioners: entries of "
-        f"(F + λI)⁻¹ reach 1/λ and factor eigenvalues can pass {info.max:g}, "
-        "its largest value, so decompositions would be rejected and layers "
-        "left unpreconditioned. Use jnp.bfloat16 (float32's range, half the "
-        "memory; KAISA's float16 inv_dtype maps to it) or jnp.float32.")
+      f"{name}={resolved} cannot hold the preconditioners: entries of "
+      f"(F + λI)⁻¹ reach 1/λ and factor eigenvalues can pass {info.max:g}, "
+      "its largest value, so decompositions would be rejected and layers "
+      "left unpreconditioned. Use jnp.bfloat16 (float32's range, half the "
+      "memory; KAISA's float16 inv_dtype maps to it) or jnp.float32."
+    )
   return _check_storage(name, resolved)

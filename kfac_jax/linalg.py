@@ -31,15 +31,19 @@ def contract_rows(left: jax.Array, right: jax.Array) -> jax.Array:
   replicated = jax.typeof(left).sharding.update(spec=PartitionSpec())
   batch_axes = tuple(range(left.ndim - 2))
   rows_axis = left.ndim - 2
-  return lax.dot_general(left, right, (((rows_axis,), (rows_axis,)),
-                                       (batch_axes, batch_axes)),
-                         precision=lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32,
-                         out_sharding=replicated)
+  return lax.dot_general(
+    left,
+    right,
+    (((rows_axis,), (rows_axis,)), (batch_axes, batch_axes)),
+    precision=lax.Precision.HIGHEST,
+    preferred_element_type=jnp.float32,
+    out_sharding=replicated,
+  )
 
 
-def inner_products(arrays: Sequence[jax.Array],
-                   pairs: Sequence[tuple[int, int]]) -> jax.Array:
+def inner_products(
+  arrays: Sequence[jax.Array], pairs: Sequence[tuple[int, int]]
+) -> jax.Array:
   """``[Σ arrays[i] ⊙ arrays[j] for (i, j) in pairs]`` over every axis, float32.
 
   ``arrays`` share one shape; the result is ``[len(pairs)]``. Several pairs
@@ -62,9 +66,13 @@ def inner_products(arrays: Sequence[jax.Array],
     # On a mesh with Explicit axes the contraction must say where its
     # result lives.
     replicated = jax.typeof(arrays[i]).sharding.update(spec=PartitionSpec())
-    return lax.dot_general(arrays[i], arrays[j], ((axes, axes), ((), ())),
-                           precision=lax.Precision.HIGHEST,
-                           out_sharding=replicated)[None]
+    return lax.dot_general(
+      arrays[i],
+      arrays[j],
+      ((axes, axes), ((), ())),
+      precision=lax.Precision.HIGHEST,
+      out_sharding=replicated,
+    )[None]
   products = tuple(arrays[i] * arrays[j] for i, j in pairs)
   zeros = (np.zeros([], COMPUTE_DTYPE),) * len(products)
   add = lambda xs, ys: tuple(x + y for x, y in zip(xs, ys))
@@ -78,16 +86,19 @@ def inner_products(arrays: Sequence[jax.Array],
   return jnp.stack(lax.reduce(products, zeros, add, axes[:1]))
 
 
-def tree_inner_products(trees: Sequence[Any],
-                        pairs: Sequence[tuple[int, int]]) -> jax.Array:
+def tree_inner_products(
+  trees: Sequence[Any], pairs: Sequence[tuple[int, int]]
+) -> jax.Array:
   """``inner_products`` of pytrees of one structure, summed over the leaves.
 
   ``[Σ_leaves Σ trees[i] ⊙ trees[j] for (i, j) in pairs]``, ``[len(pairs)]``.
   Trees with different numbers of leaves raise ``ValueError`` (rather than
   pairing leaves up to the shorter one).
   """
-  per_leaf = [inner_products(arrays, pairs) for arrays in zip(
-      *(jax.tree.leaves(t) for t in trees), strict=True)]
+  per_leaf = [
+    inner_products(arrays, pairs)
+    for arrays in zip(*(jax.tree.leaves(t) for t in trees), strict=True)
+  ]
   return sum(per_leaf, jnp.zeros([len(pairs)], COMPUTE_DTYPE))
 
 
@@ -100,7 +111,7 @@ def diagonal(matrix: jax.Array) -> jax.Array:
   """
   size = matrix.shape[-1]
   flat = matrix.reshape(matrix.shape[:-2] + (size * size,))
-  return flat[..., ::size + 1]
+  return flat[..., :: size + 1]
 
 
 def diagonal_sums(matrices: Sequence[jax.Array]) -> jax.Array:
@@ -123,13 +134,15 @@ def diagonal_sums(matrices: Sequence[jax.Array]) -> jax.Array:
   padding = starts[-1]  # the index of a zero appended to the concatenation
   index = np.full((len(diagonals), width), padding)
   for row, (start, stop) in enumerate(zip(starts[:-1], starts[1:])):
-    index[row, :stop - start] = np.arange(start, stop)
+    index[row, : stop - start] = np.arange(start, stop)
   # Unseen through the barrier, XLA cannot split the sum back into one per
   # diagonal.
   flat = lax.optimization_barrier(
-      jnp.concatenate([*diagonals, jnp.zeros([1], COMPUTE_DTYPE)]))
-  return jnp.sum(jnp.sum(flat[index].reshape(len(diagonals), -1, _ROW),
-                         axis=2), axis=1)
+    jnp.concatenate([*diagonals, jnp.zeros([1], COMPUTE_DTYPE)])
+  )
+  return jnp.sum(
+    jnp.sum(flat[index].reshape(len(diagonals), -1, _ROW), axis=2), axis=1
+  )
 
 
 def scalars(vector: jax.Array) -> tuple[jax.Array, ...]:

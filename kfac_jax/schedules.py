@@ -57,8 +57,9 @@ def exp_decay_factor_averaging(min_value: float = 0.95) -> hp.Schedule:
   """
   if callable(min_value):
     raise TypeError(
-        "exp_decay_factor_averaging: min_value must be a number in [0, 1], "
-        f"not a schedule; got {min_value!r}.")
+      "exp_decay_factor_averaging: min_value must be a number in [0, 1], "
+      f"not a schedule; got {min_value!r}."
+    )
   hp.decay("exp_decay_factor_averaging: min_value", min_value)
 
   def schedule(count: jax.Array) -> jax.Array:

@@ -42,11 +42,14 @@ class TrainState(train_state.TrainState):
   by ``apply_gradients``' other keyword arguments.
   """
 
-  def apply_gradients(self, *, grads: Any,
-                      kfac_stats: (Mapping[str, LayerStatistics] | NoStats |
-                                   None) = None,
-                      split_loss: SplitLoss | None = None,
-                      **kwargs: Any) -> TrainState:
+  def apply_gradients(
+    self,
+    *,
+    grads: Any,
+    kfac_stats: (Mapping[str, LayerStatistics] | NoStats | None) = None,
+    split_loss: SplitLoss | None = None,
+    **kwargs: Any,
+  ) -> TrainState:
     """One optimizer step: ``tx.update`` with the stats, then the params.
 
     Args:
@@ -68,27 +71,37 @@ class TrainState(train_state.TrainState):
         takes no extra arguments.
       ValueError: ``grads`` hold Flax's fp8 collection.
     """
-    extra = {name: value for name, value in (("kfac_stats", kfac_stats),
-                                             ("split_loss", split_loss))
-             if value is not None}
-    if extra and not isinstance(self.tx,
-                                optax.GradientTransformationExtraArgs):
+    extra = {
+      name: value
+      for name, value in (
+        ("kfac_stats", kfac_stats),
+        ("split_loss", split_loss),
+      )
+      if value is not None
+    }
+    if extra and not isinstance(self.tx, optax.GradientTransformationExtraArgs):
       raise TypeError(
-          f"TrainState.apply_gradients: {' and '.join(extra)} given, but "
-          f"tx ({type(self.tx).__name__}) takes no extra arguments to its "
-          "update. Build tx with kfac_jax.kfac(...) or optax.chain("
-          "kfac_jax.scale_by_kfac(...), ...), which pass them to K-FAC.")
+        f"TrainState.apply_gradients: {' and '.join(extra)} given, but "
+        f"tx ({type(self.tx).__name__}) takes no extra arguments to its "
+        "update. Build tx with kfac_jax.kfac(...) or optax.chain("
+        "kfac_jax.scale_by_kfac(...), ...), which pass them to K-FAC."
+      )
     if isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads:
       # Flax's TrainState updates only grads["params"] then; K-FAC's stats
       # name the layers of the loss's params, not of that collection.
       raise ValueError(
-          "TrainState.apply_gradients: grads hold Flax's fp8 "
-          f"{OVERWRITE_WITH_GRADIENT!r} collection, which kfac_jax's "
-          "TrainState does not split off. Keep the 'params' collection "
-          "alone in the state (params=variables['params']), or call "
-          "tx.update on grads['params'] yourself.")
-    updates, opt_state = self.tx.update(grads, self.opt_state, self.params,
-                                        **extra)
-    return self.replace(step=self.step + 1,
-                        params=optax.apply_updates(self.params, updates),
-                        opt_state=opt_state, **kwargs)
+        "TrainState.apply_gradients: grads hold Flax's fp8 "
+        f"{OVERWRITE_WITH_GRADIENT!r} collection, which kfac_jax's "
+        "TrainState does not split off. Keep the 'params' collection "
+        "alone in the state (params=variables['params']), or call "
+        "tx.update on grads['params'] yourself."
+      )
+    updates, opt_state = self.tx.update(
+      grads, self.opt_state, self.params, **extra
+    )
+    return self.replace(
+      step=self.step + 1,
+      params=optax.apply_updates(self.params, updates),
+      opt_state=opt_state,
+      **kwargs,
+    )

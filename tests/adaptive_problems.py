@@ -44,8 +44,9 @@ def sigmoid_problem(batch: int = 32, seed: int = 0):
 
   def loss_fn(p, x_batch, y_batch):
     logits = model.apply({"params": p}, x_batch)
-    return (optax.sigmoid_binary_cross_entropy(logits, y_batch).sum(-1).mean()
-            + regularizer(p))
+    return optax.sigmoid_binary_cross_entropy(logits, y_batch).sum(
+      -1
+    ).mean() + regularizer(p)
 
   return params, (x, y), split, loss_fn
 
@@ -56,9 +57,12 @@ def flat64(tree) -> np.ndarray:
 
 def adaptive_tx(damping=1.0, compute_method="eigen", **config):
   return kfac_jax.scale_by_kfac(
-      damping=damping, kl_clip=None, compute_eigenvalue_outer_product=False,
-      compute_method=compute_method,
-      adaptive=kfac_jax.AdaptiveConfig(**config))
+    damping=damping,
+    kl_clip=None,
+    compute_eigenvalue_outer_product=False,
+    compute_method=compute_method,
+    adaptive=kfac_jax.AdaptiveConfig(**config),
+  )
 
 
 def run_steps(tx, params, batch, split, loss_fn, steps, initial_state=None):
@@ -68,8 +72,9 @@ def run_steps(tx, params, batch, split, loss_fn, steps, initial_state=None):
   @jax.jit
   def step(params, state):
     loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, *batch)
-    updates, new_state = tx.update(grads, state, params, kfac_stats=stats,
-                                   split_loss=split)
+    updates, new_state = tx.update(
+      grads, state, params, kfac_stats=stats, split_loss=split
+    )
     return updates, new_state, loss, grads
 
   for _ in range(steps):
@@ -78,4 +83,3 @@ def run_steps(tx, params, batch, split, loss_fn, steps, initial_state=None):
     params = optax.apply_updates(params, updates)
     state = new_state
   return params, state, history
-

@@ -37,22 +37,25 @@ def loss_fn(model, params, x, y):
 def batches(seed=0):
   rng = np.random.default_rng(seed)
   while True:
-    yield (rng.normal(size=(BATCH, 5)).astype(np.float32),
-           rng.integers(0, 3, size=BATCH).astype(np.int32))
+    yield (
+      rng.normal(size=(BATCH, 5)).astype(np.float32),
+      rng.integers(0, 3, size=BATCH).astype(np.int32),
+    )
 
 
 def make_training(model=MLP(), **kfac_kwargs):
   """(params, tx, jitted step) for a K-FAC + SGD-momentum chain."""
   params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 5)))["params"]
   tx = optax.chain(
-      kfac_jax.scale_by_kfac(learning_rate=0.1, damping=DAMPING,
-                             **kfac_kwargs),
-      optax.sgd(0.1, momentum=0.9))
+    kfac_jax.scale_by_kfac(learning_rate=0.1, damping=DAMPING, **kfac_kwargs),
+    optax.sgd(0.1, momentum=0.9),
+  )
 
   @jax.jit
   def step(params, opt_state, x, y):
     _, grads, stats = kfac_jax.value_grad_and_stats(
-        lambda p: loss_fn(model, p, x, y))(params)
+      lambda p: loss_fn(model, p, x, y)
+    )(params)
     updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
     return optax.apply_updates(params, updates), opt_state
 
@@ -83,4 +86,3 @@ def assert_bit_exact(actual, expected):
     a, b = np.asarray(a), np.asarray(b)
     assert (a.shape, a.dtype) == (b.shape, b.dtype)
     assert a.tobytes() == b.tobytes()
-

@@ -36,8 +36,16 @@ def update_terms(kind: str, shape: tuple[int, int], **factor_kwargs) -> int:
   """A preconditioned gradient's ``[dA, dG]``: the factors', the
   gradient's (CHAIN + ROWS), the eigh's (dA² + dG², test_batched), the
   products' and KL clipping's; through K-FAC's conditioning."""
-  return (factor_terms(kind, **factor_kwargs) + CHAIN[kind] + ROWS[kind] +
-          shape[0]**2 + shape[1]**2 + shape[0] + shape[1] + PARAMS[kind])
+  return (
+    factor_terms(kind, **factor_kwargs)
+    + CHAIN[kind]
+    + ROWS[kind]
+    + shape[0] ** 2
+    + shape[1] ** 2
+    + shape[0]
+    + shape[1]
+    + PARAMS[kind]
+  )
 
 
 class MLP(nn.Module):
@@ -54,8 +62,13 @@ class CNN(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    x = nn.Conv(3, (3, 3), strides=CONV_STRIDES, padding=CONV_PADDING,
-                use_bias=self.use_bias)(x)
+    x = nn.Conv(
+      3,
+      (3, 3),
+      strides=CONV_STRIDES,
+      padding=CONV_PADDING,
+      use_bias=self.use_bias,
+    )(x)
     x = jax.nn.relu(x).reshape(x.shape[0], -1)
     return nn.Dense(4, use_bias=self.use_bias)(x)
 
@@ -72,13 +85,15 @@ def make_problem(kind: str, use_bias: bool, batch: int = 16, seed: int = 0):
   params = model.init(jax.random.PRNGKey(seed), x0)["params"]
   # Non-zero biases so the bias rows matter.
   params = jax.tree.map(
-      lambda p: p + 0.1 * jnp.asarray(rng.normal(size=p.shape), p.dtype),
-      params)
+    lambda p: p + 0.1 * jnp.asarray(rng.normal(size=p.shape), p.dtype), params
+  )
 
   def batches():
     while True:
-      yield (jnp.asarray(rng.normal(size=shape), jnp.float32),
-             jnp.asarray(rng.integers(0, 4, size=shape[0]), jnp.int32))
+      yield (
+        jnp.asarray(rng.normal(size=shape), jnp.float32),
+        jnp.asarray(rng.integers(0, 4, size=shape[0]), jnp.int32),
+      )
 
   def loss_fn(params, x, y):
     logits = model.apply({"params": params}, x)
@@ -89,8 +104,9 @@ def make_problem(kind: str, use_bias: bool, batch: int = 16, seed: int = 0):
     x, y = np.asarray(x, np.float64), np.asarray(y)
     if kind == "mlp":
       return reference.mlp_forward_backward(numpy_params, x, y, use_bias)
-    return reference.cnn_forward_backward(numpy_params, x, y, use_bias,
-                                          CONV_STRIDES, CONV_PADDING)
+    return reference.cnn_forward_backward(
+      numpy_params, x, y, use_bias, CONV_STRIDES, CONV_PADDING
+    )
 
   return params, batches(), loss_fn, reference_tensors
 

@@ -35,9 +35,13 @@ def run_on_eight_devices(module: str, program: str, axis_type: str) -> None:
   """Runs ``python -m module program axis_type`` on 8 simulated devices; the
   program prints ``ok`` when its checks pass."""
   result = subprocess.run(
-      [sys.executable, "-m", module, program, axis_type],
-      env=eight_device_env(), cwd=ROOT, capture_output=True, text=True,
-      timeout=280)
+    [sys.executable, "-m", module, program, axis_type],
+    env=eight_device_env(),
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=280,
+  )
   assert result.returncode == 0, result.stderr[-6000:]
   assert result.stdout.strip().endswith("ok")
 
@@ -50,15 +54,23 @@ def eight_device_env() -> dict[str, str]:
   devices where an accelerator is present.
   """
   flags = os.environ.get("XLA_FLAGS", "")
-  return dict(os.environ, JAX_PLATFORMS="cpu",
-              XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8")
+  return dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8",
+  )
 
 
-MESHES = (((8,), ("devices",)), ((2, 4), ("data", "fsdp")),
-          ((4, 2), ("data", "fsdp")))
-STRATEGIES = (kfac_jax.DistributedStrategy.COMM_OPT,
-              kfac_jax.DistributedStrategy.HYBRID_OPT,
-              kfac_jax.DistributedStrategy.MEM_OPT)
+MESHES = (
+  ((8,), ("devices",)),
+  ((2, 4), ("data", "fsdp")),
+  ((4, 2), ("data", "fsdp")),
+)
+STRATEGIES = (
+  kfac_jax.DistributedStrategy.COMM_OPT,
+  kfac_jax.DistributedStrategy.HYBRID_OPT,
+  kfac_jax.DistributedStrategy.MEM_OPT,
+)
 STEPS = 4
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
@@ -106,46 +118,62 @@ def fsdp_problem(axis_type: AxisType):
   params, loss_fn, batches = conv_problem()
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
   params_specs = jax.tree.map(
-      lambda p: PartitionSpec("fsdp") if p.shape[0] % 4 == 0 else
-      PartitionSpec(), params)
+    lambda p: PartitionSpec("fsdp") if p.shape[0] % 4 == 0 else PartitionSpec(),
+    params,
+  )
   params = jax.device_put(
-      params, jax.tree.map(lambda s: NamedSharding(mesh, s), params_specs))
+    params, jax.tree.map(lambda s: NamedSharding(mesh, s), params_specs)
+  )
   return params, loss_fn, batches, mesh, params_specs
 
 
-def train(params, loss_fn, batches, kwargs, mesh=None, batch_spec=None,
-          params_sharding=None, split_loss=None):
+def train(
+  params,
+  loss_fn,
+  batches,
+  kwargs,
+  mesh=None,
+  batch_spec=None,
+  params_sharding=None,
+  split_loss=None,
+):
   """``STEPS`` steps of K-FAC + SGD; returns (updates per step, K-FAC state, tx).
 
   With ``split_loss(x, y) -> SplitLoss``: K-FAC's adaptive mode alone.
   """
   if split_loss is None:
     tx = optax.chain(
-        kfac_jax.scale_by_kfac(damping=0.01, inv_update_steps=2, **kwargs),
-        optax.sgd(0.1, momentum=0.9))
+      kfac_jax.scale_by_kfac(damping=0.01, inv_update_steps=2, **kwargs),
+      optax.sgd(0.1, momentum=0.9),
+    )
   else:
     tx = kfac_jax.scale_by_kfac(
-        damping=1.0, kl_clip=None, inv_update_steps=2,
-        adaptive=kfac_jax.AdaptiveConfig(damping_adaptation_interval=2),
-        **kwargs)
+      damping=1.0,
+      kl_clip=None,
+      inv_update_steps=2,
+      adaptive=kfac_jax.AdaptiveConfig(damping_adaptation_interval=2),
+      **kwargs,
+    )
 
   @jax.jit
   def step(params, state, x, y):
     _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
     extra = {} if split_loss is None else dict(split_loss=split_loss(x, y))
-    updates, state = tx.update(grads, state, params, kfac_stats=stats,
-                               **extra)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats, **extra)
     return optax.apply_updates(params, updates), state, updates
 
   if mesh is not None:  # Explicit axes need the params placed on the mesh.
     params = jax.device_put(
-        params, params_sharding or NamedSharding(mesh, PartitionSpec()))
+      params, params_sharding or NamedSharding(mesh, PartitionSpec())
+    )
   state = jax.jit(tx.init)(params)
   all_updates = []
   for i in range(STEPS):
     x, y = (b[i] for b in batches)
     if mesh is not None:
-      x, y = (jax.device_put(b, NamedSharding(mesh, batch_spec)) for b in (x, y))
+      x, y = (
+        jax.device_put(b, NamedSharding(mesh, batch_spec)) for b in (x, y)
+      )
     params, state, updates = step(params, state, x, y)
     # One step in flight at a time: simulated CPU devices can deadlock in a
     # collective otherwise (examples/sharded_mnist.py).
@@ -158,10 +186,13 @@ def comparable(preconditioner) -> list[np.ndarray]:
   if isinstance(preconditioner, kfac_jax.InversePreconditioner):
     return [np.asarray(x, np.float32) for x in preconditioner]
   out = []
-  for vectors, values in ((preconditioner.activation_eigenvectors,
-                           preconditioner.activation_eigenvalues),
-                          (preconditioner.gradient_eigenvectors,
-                           preconditioner.gradient_eigenvalues)):
+  for vectors, values in (
+    (
+      preconditioner.activation_eigenvectors,
+      preconditioner.activation_eigenvalues,
+    ),
+    (preconditioner.gradient_eigenvectors, preconditioner.gradient_eigenvalues),
+  ):
     vectors, values = np.asarray(vectors), np.asarray(values)
     out += [values, (vectors * values) @ vectors.T, vectors @ vectors.T]
   if preconditioner.damped_inverse is not None:
@@ -173,27 +204,35 @@ def per_layer(state, kwargs):
   """``state``'s preconditioners per layer, read in the layout of the
   ``scale_by_kfac`` arguments ``kwargs``."""
   placement = KFACConfig(**kwargs).placement
-  return placement.per_layer(factor_dims(state.factors),
-                             state.preconditioners)
+  return placement.per_layer(factor_dims(state.factors), state.preconditioners)
 
 
 def assert_same_run(run, reference, kwargs, reference_kwargs, label):
   (updates, state, _), (ref_updates, ref_state, _) = run, reference
   for step, (a, b) in enumerate(zip(updates, ref_updates)):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-      np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOLERANCE,
-                                 err_msg=f"{label}: updates of step {step}")
-  for x, y in zip(jax.tree.leaves(state.factors),
-                  jax.tree.leaves(ref_state.factors)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOLERANCE,
-                               err_msg=f"{label}: factors")
-  layers, ref_layers = per_layer(state, kwargs), per_layer(ref_state,
-                                                           reference_kwargs)
+      np.testing.assert_allclose(
+        np.asarray(x),
+        np.asarray(y),
+        **TOLERANCE,
+        err_msg=f"{label}: updates of step {step}",
+      )
+  for x, y in zip(
+    jax.tree.leaves(state.factors), jax.tree.leaves(ref_state.factors)
+  ):
+    np.testing.assert_allclose(
+      np.asarray(x), np.asarray(y), **TOLERANCE, err_msg=f"{label}: factors"
+    )
+  layers, ref_layers = (
+    per_layer(state, kwargs),
+    per_layer(ref_state, reference_kwargs),
+  )
   assert set(layers) == set(ref_layers)
   for name in layers:
     for x, y in zip(comparable(layers[name]), comparable(ref_layers[name])):
-      np.testing.assert_allclose(x, y, **TOLERANCE,
-                                 err_msg=f"{label}: preconditioner {name}")
+      np.testing.assert_allclose(
+        x, y, **TOLERANCE, err_msg=f"{label}: preconditioner {name}"
+      )
   for field in ("count", "skipped_factor_updates", "rejected_decompositions"):
     assert int(getattr(state, field)) == int(getattr(ref_state, field)), field
 
@@ -213,27 +252,42 @@ def equality(axis_type: AxisType) -> None:
     for shape, names in meshes:
       mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
       for strategy in STRATEGIES:
-        kwargs = dict(compute_method=method, mesh_axes=names,
-                      grad_worker_fraction=strategy)
+        kwargs = dict(
+          compute_method=method, mesh_axes=names, grad_worker_fraction=strategy
+        )
         with jax.set_mesh(mesh):
-          run = train(params, loss_fn, batches, kwargs, mesh,
-                      PartitionSpec(names))
+          run = train(
+            params, loss_fn, batches, kwargs, mesh, PartitionSpec(names)
+          )
           rows = run[1].preconditioners.rows
           assert rows.sharding.is_equivalent_to(
-              NamedSharding(mesh, PartitionSpec(names)), rows.ndim)
-          assert_same_run(run, reference, kwargs, {"compute_method": method},
-                          f"{method} {strategy.name} on {shape}")
+            NamedSharding(mesh, PartitionSpec(names)), rows.ndim
+          )
+          assert_same_run(
+            run,
+            reference,
+            kwargs,
+            {"compute_method": method},
+            f"{method} {strategy.name} on {shape}",
+          )
   # Second-order work over one axis of two, replicated over the other.
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
   kwargs = dict(mesh_axes="fsdp", grad_worker_fraction="hybrid_opt")
   with jax.set_mesh(mesh):
-    run = train(params, loss_fn, batches, kwargs, mesh,
-                PartitionSpec(("data", "fsdp")))
+    run = train(
+      params, loss_fn, batches, kwargs, mesh, PartitionSpec(("data", "fsdp"))
+    )
     rows = run[1].preconditioners.rows
     assert rows.sharding.is_equivalent_to(
-        NamedSharding(mesh, PartitionSpec("fsdp")), rows.ndim)
-    assert_same_run(run, train(params, loss_fn, batches, {}), kwargs, {},
-                    "hybrid_opt over 'fsdp' of (2, 4)")
+      NamedSharding(mesh, PartitionSpec("fsdp")), rows.ndim
+    )
+    assert_same_run(
+      run,
+      train(params, loss_fn, batches, {}),
+      kwargs,
+      {},
+      "hybrid_opt over 'fsdp' of (2, 4)",
+    )
 
 
 def subspace_solver(axis_type: AxisType) -> None:
@@ -242,12 +296,14 @@ def subspace_solver(axis_type: AxisType) -> None:
   params, loss_fn, batches = conv_problem()
   solver = dict(eigen_solver="subspace")
   reference = train(params, loss_fn, batches, solver)
-  kwargs = dict(solver, mesh_axes=("data", "fsdp"),
-                grad_worker_fraction="hybrid_opt")
+  kwargs = dict(
+    solver, mesh_axes=("data", "fsdp"), grad_worker_fraction="hybrid_opt"
+  )
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
   with jax.set_mesh(mesh):
-    run = train(params, loss_fn, batches, kwargs, mesh,
-                PartitionSpec(("data", "fsdp")))
+    run = train(
+      params, loss_fn, batches, kwargs, mesh, PartitionSpec(("data", "fsdp"))
+    )
     assert_same_run(run, reference, kwargs, solver, "subspace hybrid_opt")
   assert int(run[1].eigh_fallbacks) == int(reference[1].eigh_fallbacks)
 
@@ -272,8 +328,10 @@ def ekfac(axis_type: AxisType) -> None:
   # entries there, would be arbitrary.
   model = DenseNet()
   keys = jax.random.split(jax.random.key(2), 3)
-  batches = (jax.random.normal(keys[0], (STEPS, 64, 6)),
-             jax.random.randint(keys[1], (STEPS, 64), 0, 3))
+  batches = (
+    jax.random.normal(keys[0], (STEPS, 64, 6)),
+    jax.random.randint(keys[1], (STEPS, 64), 0, 3),
+  )
   params = model.init(keys[2], batches[0][0])["params"]
 
   def loss_fn(params, x, y):
@@ -284,22 +342,37 @@ def ekfac(axis_type: AxisType) -> None:
 
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
   specs = jax.tree.map(
-      lambda p: PartitionSpec(*([None] * (p.ndim - 1)), "fsdp")
-      if p.ndim == 2 and p.shape[-1] % 4 == 0 else PartitionSpec(), params)
+    lambda p: (
+      PartitionSpec(*([None] * (p.ndim - 1)), "fsdp")
+      if p.ndim == 2 and p.shape[-1] % 4 == 0
+      else PartitionSpec()
+    ),
+    params,
+  )
   sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   base = dict(eigenvalue_correction=True, factor_decay=0.5)
-  runs = [(dict(base, grad_worker_fraction=strategy), None)
-          for strategy in STRATEGIES]
-  runs.append((dict(base, grad_worker_fraction="hybrid_opt",
-                    accumulation_steps=2), None))
+  runs = [
+    (dict(base, grad_worker_fraction=strategy), None) for strategy in STRATEGIES
+  ]
+  runs.append(
+    (dict(base, grad_worker_fraction="hybrid_opt", accumulation_steps=2), None)
+  )
   if axis_type == AxisType.Auto:  # As in `fsdp`.
-    runs.append((dict(base, grad_worker_fraction="mem_opt",
-                      params_partition_specs=specs), sharding))
+    runs.append(
+      (
+        dict(
+          base, grad_worker_fraction="mem_opt", params_partition_specs=specs
+        ),
+        sharding,
+      )
+    )
   references = {}
   for kwargs, params_sharding in runs:
-    single = {k: v for k, v in kwargs.items()
-              if k in ("eigenvalue_correction", "factor_decay",
-                       "accumulation_steps")}
+    single = {
+      k: v
+      for k, v in kwargs.items()
+      if k in ("eigenvalue_correction", "factor_decay", "accumulation_steps")
+    }
     key = tuple(sorted(single.items()))
     if key not in references:
       references[key] = train(params, loss_fn, batches, single)
@@ -307,24 +380,34 @@ def ekfac(axis_type: AxisType) -> None:
     kwargs = dict(kwargs, mesh_axes=("data", "fsdp"))
     label = f"EKFAC {kwargs}"
     with jax.set_mesh(mesh):
-      run = train(params, loss_fn, batches, kwargs, mesh,
-                  PartitionSpec("data" if params_sharding else
-                                ("data", "fsdp")), params_sharding)
+      run = train(
+        params,
+        loss_fn,
+        batches,
+        kwargs,
+        mesh,
+        PartitionSpec("data" if params_sharding else ("data", "fsdp")),
+        params_sharding,
+      )
       expected = kfac_jax.get_opt_state_partition_specs(
-          params, damping=0.01, inv_update_steps=2, **kwargs)
+        params, damping=0.01, inv_update_steps=2, **kwargs
+      )
       assert_same_run(run, reference, kwargs, single, label)
     state, reference_state = run[1], reference[1]
     for block in reference_state.eigenvalue_scales:
       np.testing.assert_allclose(
-          np.asarray(state.eigenvalue_scales[block]),
-          np.asarray(reference_state.eigenvalue_scales[block]), **TOLERANCE,
-          err_msg=f"{label}: S of {block}")
+        np.asarray(state.eigenvalue_scales[block]),
+        np.asarray(reference_state.eigenvalue_scales[block]),
+        **TOLERANCE,
+        err_msg=f"{label}: S of {block}",
+      )
     is_spec = lambda s: isinstance(s, PartitionSpec)
-    for leaf, spec in zip(jax.tree.leaves(state),
-                          jax.tree.leaves(expected, is_leaf=is_spec)):
-      assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec),
-                                            leaf.ndim), (label, leaf.shape,
-                                                         leaf.sharding, spec)
+    for leaf, spec in zip(
+      jax.tree.leaves(state), jax.tree.leaves(expected, is_leaf=is_spec)
+    ):
+      assert leaf.sharding.is_equivalent_to(
+        NamedSharding(mesh, spec), leaf.ndim
+      ), (label, leaf.shape, leaf.sharding, spec)
 
 
 class ScannedGroupedBlocks(nn.Module):
@@ -334,14 +417,14 @@ class ScannedGroupedBlocks(nn.Module):
   def __call__(self, x):
 
     class Body(nn.Module):
-
       @nn.compact
       def __call__(self, x, _):
         h = jnp.tanh(nn.Conv(4, (3,), feature_group_count=2, name="conv")(x))
         return jnp.tanh(nn.Dense(4, name="dense")(h)), None
 
-    scan = nn.scan(Body, variable_axes={"params": 0},
-                   split_rngs={"params": True}, length=3)
+    scan = nn.scan(
+      Body, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+    )
     x, _ = scan(name="layers")(x, None)
     return x.reshape(x.shape[0], -1)
 
@@ -363,21 +446,41 @@ def blocks(axis_type: AxisType) -> None:
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
   # The scanned kernels sharded over their output axis, as FSDP would.
   specs = jax.tree.map(
-      lambda p: PartitionSpec(*([None] * (p.ndim - 1)), "fsdp")
-      if p.ndim >= 3 else PartitionSpec(), params)
+    lambda p: (
+      PartitionSpec(*([None] * (p.ndim - 1)), "fsdp")
+      if p.ndim >= 3
+      else PartitionSpec()
+    ),
+    params,
+  )
   sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   for strategy in STRATEGIES:
-    kwargs = dict(mesh_axes=("data", "fsdp"), grad_worker_fraction=strategy,
-                  layers=table, params_partition_specs=specs)
+    kwargs = dict(
+      mesh_axes=("data", "fsdp"),
+      grad_worker_fraction=strategy,
+      layers=table,
+      params_partition_specs=specs,
+    )
     with jax.set_mesh(mesh):
-      run = train(params, loss_fn, (x, y), kwargs, mesh,
-                  PartitionSpec(("data", "fsdp")), sharding)
-      assert_same_run(run, reference, kwargs, {"layers": table},
-                      f"blocks {strategy.name}")
-    for update, expected in zip(jax.tree.leaves(run[0][-1]),
-                                jax.tree.leaves(sharding)):
+      run = train(
+        params,
+        loss_fn,
+        (x, y),
+        kwargs,
+        mesh,
+        PartitionSpec(("data", "fsdp")),
+        sharding,
+      )
+      assert_same_run(
+        run, reference, kwargs, {"layers": table}, f"blocks {strategy.name}"
+      )
+    for update, expected in zip(
+      jax.tree.leaves(run[0][-1]), jax.tree.leaves(sharding)
+    ):
       assert update.sharding.is_equivalent_to(expected, update.ndim), (
-          update.sharding, expected)
+        update.sharding,
+        expected,
+      )
 
 
 def adaptive(axis_type: AxisType) -> None:
@@ -389,33 +492,58 @@ def adaptive(axis_type: AxisType) -> None:
 
   def split_loss(x, y):
     return kfac_jax.SplitLoss(
-        lambda p: model.apply({"params": p}, x),
-        lambda logits: optax.softmax_cross_entropy_with_integer_labels(
-            logits, y).mean())
+      lambda p: model.apply({"params": p}, x),
+      lambda logits: optax.softmax_cross_entropy_with_integer_labels(
+        logits, y
+      ).mean(),
+    )
 
   base = dict(compute_method="inverse", factor_batch_size=8)
   reference = train(params, loss_fn, batches, base, split_loss=split_loss)
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
   specs = jax.tree.map(
-      lambda p: PartitionSpec(*([None] * (p.ndim - 1)), "fsdp")
-      if p.ndim >= 2 and p.shape[-1] % 4 == 0 else PartitionSpec(), params)
+    lambda p: (
+      PartitionSpec(*([None] * (p.ndim - 1)), "fsdp")
+      if p.ndim >= 2 and p.shape[-1] % 4 == 0
+      else PartitionSpec()
+    ),
+    params,
+  )
   sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-  kwargs = dict(base, mesh_axes=("data", "fsdp"),
-                grad_worker_fraction=kfac_jax.DistributedStrategy.MEM_OPT,
-                params_partition_specs=specs)
+  kwargs = dict(
+    base,
+    mesh_axes=("data", "fsdp"),
+    grad_worker_fraction=kfac_jax.DistributedStrategy.MEM_OPT,
+    params_partition_specs=specs,
+  )
   with jax.set_mesh(mesh):
-    run = train(params, loss_fn, batches, kwargs, mesh, PartitionSpec("data"),
-                sharding, split_loss=split_loss)
+    run = train(
+      params,
+      loss_fn,
+      batches,
+      kwargs,
+      mesh,
+      PartitionSpec("data"),
+      sharding,
+      split_loss=split_loss,
+    )
     assert_same_run(run, reference, kwargs, base, "adaptive MEM_OPT, FSDP")
-  model_state, ref_model_state = (r[1].quadratic_model for r in (run,
-                                                                 reference))
-  for x, y in zip(jax.tree.leaves(model_state),
-                  jax.tree.leaves(ref_model_state)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOLERANCE,
-                               err_msg="adaptive: quadratic-model state")
+  model_state, ref_model_state = (
+    r[1].quadratic_model for r in (run, reference)
+  )
+  for x, y in zip(
+    jax.tree.leaves(model_state), jax.tree.leaves(ref_model_state)
+  ):
+    np.testing.assert_allclose(
+      np.asarray(x),
+      np.asarray(y),
+      **TOLERANCE,
+      err_msg="adaptive: quadratic-model state",
+    )
   assert float(model_state.damping) != 1.0  # adapted at steps 0 and 2
-  for leaf, expected in zip(jax.tree.leaves(model_state.previous_update),
-                            jax.tree.leaves(sharding)):
+  for leaf, expected in zip(
+    jax.tree.leaves(model_state.previous_update), jax.tree.leaves(sharding)
+  ):
     assert leaf.sharding.is_equivalent_to(expected, leaf.ndim)
   print("ok")
 
@@ -443,20 +571,29 @@ def gradient_from_stats(axis_type: AxisType) -> None:
     logits = model.apply({"params": params}, x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-  for method, inv_dtype in (("eigen", jnp.float32), ("inverse", jnp.float32),
-                            ("inverse", jnp.bfloat16)):
+  for method, inv_dtype in (
+    ("eigen", jnp.float32),
+    ("inverse", jnp.float32),
+    ("inverse", jnp.bfloat16),
+  ):
     base = dict(compute_method=method, inv_dtype=inv_dtype)
     kwargs = dict(base, gradient_from_stats=True)
     # bfloat16 products round the dense and the factored forms' middle
     # products differently: there the reference is the factored form too.
-    reference = train(params, loss_fn, (x, y),
-                      base if inv_dtype == jnp.float32 else kwargs)
+    reference = train(
+      params, loss_fn, (x, y), base if inv_dtype == jnp.float32 else kwargs
+    )
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
     with jax.set_mesh(mesh):
       run = train(params, loss_fn, (x, y), kwargs, mesh, PartitionSpec("data"))
-    assert_same_run(run, reference, kwargs, base,
-                    f"gradient_from_stats {method} {jnp.dtype(inv_dtype)}, "
-                    "batch over 8 devices")
+    assert_same_run(
+      run,
+      reference,
+      kwargs,
+      base,
+      f"gradient_from_stats {method} {jnp.dtype(inv_dtype)}, "
+      "batch over 8 devices",
+    )
 
 
 def edges(axis_type: AxisType) -> None:
@@ -467,28 +604,36 @@ def edges(axis_type: AxisType) -> None:
   params, loss_fn, (x, y) = conv_problem()
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x[0], y[0])
   local = kfac_jax.scale_by_kfac(damping=0.01)
-  expected, _ = local.update(grads, local.init(params), params,
-                             kfac_stats=stats)
+  expected, _ = local.update(
+    grads, local.init(params), params, kfac_stats=stats
+  )
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
   with jax.set_mesh(mesh):
-    placed = jax.device_put((params, grads, stats),
-                            NamedSharding(mesh, PartitionSpec()))
+    placed = jax.device_put(
+      (params, grads, stats), NamedSharding(mesh, PartitionSpec())
+    )
     for strategy in STRATEGIES:
       for mesh_axes in ("data", "model"):
-        tx = kfac_jax.scale_by_kfac(damping=0.01, mesh_axes=mesh_axes,
-                                    grad_worker_fraction=strategy)
-        updates, _ = tx.update(placed[1], tx.init(placed[0]), placed[0],
-                               kfac_stats=placed[2])
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b,
-                                                             **TOLERANCE),
-                     updates, expected)
+        tx = kfac_jax.scale_by_kfac(
+          damping=0.01, mesh_axes=mesh_axes, grad_worker_fraction=strategy
+        )
+        updates, _ = tx.update(
+          placed[1], tx.init(placed[0]), placed[0], kfac_stats=placed[2]
+        )
+        jax.tree.map(
+          lambda a, b: np.testing.assert_allclose(a, b, **TOLERANCE),
+          updates,
+          expected,
+        )
 
-      skipping = kfac_jax.scale_by_kfac(mesh_axes=("data", "model"),
-                                        grad_worker_fraction=strategy,
-                                        skip_layers=[".*"])
-      updates, state = jax.jit(lambda g, s, p, st, tx=skipping: tx.update(
-          g, s, p, kfac_stats=st))(placed[1], skipping.init(placed[0]),
-                                   placed[0], placed[2])
+      skipping = kfac_jax.scale_by_kfac(
+        mesh_axes=("data", "model"),
+        grad_worker_fraction=strategy,
+        skip_layers=[".*"],
+      )
+      updates, state = jax.jit(
+        lambda g, s, p, st, tx=skipping: tx.update(g, s, p, kfac_stats=st)
+      )(placed[1], skipping.init(placed[0]), placed[0], placed[2])
       assert not state.factors and int(state.rejected_decompositions) == 0
       jax.tree.map(np.testing.assert_array_equal, updates, grads)
 
@@ -510,9 +655,18 @@ def main(programs: dict) -> None:
   print("ok")
 
 
-PROGRAMS = {f.__name__: f for f in (adaptive, equality, blocks,
-                                    gradient_from_stats, edges,
-                                    subspace_solver, ekfac)}
+PROGRAMS = {
+  f.__name__: f
+  for f in (
+    adaptive,
+    equality,
+    blocks,
+    gradient_from_stats,
+    edges,
+    subspace_solver,
+    ekfac,
+  )
+}
 
 if __name__ == "__main__":
   main(PROGRAMS)

@@ -14,8 +14,13 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 import kfac_jax
 
 from tests import multidevice
-from tests.multidevice import (TOLERANCE, comparable, conv_problem, per_layer,
-                               train)
+from tests.multidevice import (
+  TOLERANCE,
+  comparable,
+  conv_problem,
+  per_layer,
+  train,
+)
 
 
 def restore_target(params, mesh, kwargs):
@@ -23,10 +28,13 @@ def restore_target(params, mesh, kwargs):
   tx = kfac_jax.scale_by_kfac(**kwargs)
   specs = kfac_jax.get_opt_state_partition_specs(params, **kwargs)
   return jax.tree.map(
-      lambda shape, spec: jax.ShapeDtypeStruct(
-          shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)),
-      jax.eval_shape(tx.init, params), specs,
-      is_leaf=lambda s: isinstance(s, PartitionSpec))
+    lambda shape, spec: jax.ShapeDtypeStruct(
+      shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)
+    ),
+    jax.eval_shape(tx.init, params),
+    specs,
+    is_leaf=lambda s: isinstance(s, PartitionSpec),
+  )
 
 
 def checkpoint(axis_type: AxisType) -> None:
@@ -43,8 +51,9 @@ def checkpoint(axis_type: AxisType) -> None:
   eight = jax.make_mesh((8,), ("devices",), axis_types=(axis_type,))
   saved_kwargs = dict(mesh_axes="devices", grad_worker_fraction="hybrid_opt")
   with jax.set_mesh(eight):
-    _, state, _ = train(params, loss_fn, batches, saved_kwargs, eight,
-                        PartitionSpec("devices"))
+    _, state, _ = train(
+      params, loss_fn, batches, saved_kwargs, eight, PartitionSpec("devices")
+    )
   directory = tempfile.mkdtemp() + "/ckpt"
   checkpoint_lib.save(directory, state, include_preconditioners=False)
 
@@ -55,11 +64,13 @@ def checkpoint(axis_type: AxisType) -> None:
     with jax.set_mesh(mesh):
       restored = checkpoint_lib.restore(directory, target_on(mesh, kwargs))
       restored = checkpoint_lib.recompute_preconditioners(
-          restored, 0.01, **kwargs)
+        restored, 0.01, **kwargs
+      )
       return restored, per_layer(restored, kwargs)
 
-  four = jax.make_mesh((4,), ("devices",), axis_types=(axis_type,),
-                       devices=jax.devices()[4:])
+  four = jax.make_mesh(
+    (4,), ("devices",), axis_types=(axis_type,), devices=jax.devices()[4:]
+  )
   four_kwargs = dict(mesh_axes="devices", grad_worker_fraction="mem_opt")
   # Its packed preconditioners cannot move: the error says how, and a target
   # without them reads the rest (a checkpoint saved with them, as by default).
@@ -72,23 +83,28 @@ def checkpoint(axis_type: AxisType) -> None:
     except ValueError as error:
       assert "preconditioners=None" in str(error), error
     dropped = checkpoint_lib.restore(
-        with_rows, target_on(four, four_kwargs)._replace(preconditioners=None))
+      with_rows, target_on(four, four_kwargs)._replace(preconditioners=None)
+    )
     assert dropped.preconditioners is None
-    dropped = checkpoint_lib.recompute_preconditioners(dropped, 0.01,
-                                                       **four_kwargs)
+    dropped = checkpoint_lib.recompute_preconditioners(
+      dropped, 0.01, **four_kwargs
+    )
     dropped_layers = per_layer(dropped, four_kwargs)
   moved, moved_layers = restored_on(four, four_kwargs)
-  one = jax.make_mesh((1,), ("devices",), axis_types=(axis_type,),
-                      devices=jax.devices()[:1])
+  one = jax.make_mesh(
+    (1,), ("devices",), axis_types=(axis_type,), devices=jax.devices()[:1]
+  )
   _, reference_layers = restored_on(one, dict(mesh_axes="devices"))
   assert moved.preconditioners.rows.shape[0] == 4
-  for x, y in zip(jax.tree.leaves(moved.factors),
-                  jax.tree.leaves(state.factors)):
+  for x, y in zip(
+    jax.tree.leaves(moved.factors), jax.tree.leaves(state.factors)
+  ):
     assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
   for name in reference_layers:
     for layers in (moved_layers, dropped_layers):
-      for x, y in zip(comparable(layers[name]),
-                      comparable(reference_layers[name])):
+      for x, y in zip(
+        comparable(layers[name]), comparable(reference_layers[name])
+      ):
         np.testing.assert_allclose(x, y, **TOLERANCE, err_msg=name)
 
 
@@ -112,13 +128,13 @@ def flipped_costs_problem(seed: int, batches: int):
   x = jax.random.normal(keys[0], (batches, 16, 9))
   y = jax.random.normal(keys[1], (batches, 16, 1))
   params = model.init(keys[2], x[0])["params"]
-  loss_fn = lambda p, x, y: jnp.mean((model.apply({"params": p}, x) - y)**2)
+  loss_fn = lambda p, x, y: jnp.mean((model.apply({"params": p}, x) - y) ** 2)
 
   def step(kwargs, params, state, i):
-    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x[i],
-                                                             y[i])
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x[i], y[i])
     return jax.jit(kfac_jax.scale_by_kfac(**kwargs).update)(
-        grads, state, params, kfac_stats=stats)
+      grads, state, params, kfac_stats=stats
+    )
 
   return params, step
 
@@ -128,10 +144,10 @@ def saved_and_restored(state, params, mesh, kwargs):
   ``scale_by_kfac(**kwargs)`` on ``mesh``."""
   import tempfile  # pylint: disable=g-import-not-at-top
   from kfac_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+
   directory = tempfile.mkdtemp() + "/ckpt"
   checkpoint_lib.save(directory, state)
-  return checkpoint_lib.restore(directory,
-                                restore_target(params, mesh, kwargs))
+  return checkpoint_lib.restore(directory, restore_target(params, mesh, kwargs))
 
 
 def restored_layout(axis_type: AxisType) -> None:
@@ -154,7 +170,9 @@ def restored_layout(axis_type: AxisType) -> None:
       updates, state = step(saved_kwargs, params, state, i)
       params = optax.apply_updates(params, updates)
     restored = saved_and_restored(state, params, mesh, moved_kwargs)
-    assert restored.preconditioners.rows.shape == state.preconditioners.rows.shape
+    assert (
+      restored.preconditioners.rows.shape == state.preconditioners.rows.shape
+    )
     try:
       per_layer(restored, moved_kwargs)
       raise AssertionError("read rows packed under another assignment")
@@ -165,17 +183,22 @@ def restored_layout(axis_type: AxisType) -> None:
     # Reference: the factors decomposed under the new layout, then a
     # decomposition step.
     recomputed = checkpoint_lib.recompute_preconditioners(
-        restored, 0.01, mesh_axes="devices", assignment_strategy="memory")
+      restored, 0.01, mesh_axes="devices", assignment_strategy="memory"
+    )
     reference_updates, reference = step(
-        dict(moved_kwargs, inv_update_steps=1), params, recomputed, 3)
-    for a, b in zip(jax.tree.leaves(updates),
-                    jax.tree.leaves(reference_updates)):
+      dict(moved_kwargs, inv_update_steps=1), params, recomputed, 3
+    )
+    for a, b in zip(
+      jax.tree.leaves(updates), jax.tree.leaves(reference_updates)
+    ):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOLERANCE)
-    layers, reference_layers = (per_layer(s, moved_kwargs)
-                                for s in (moved, reference))
+    layers, reference_layers = (
+      per_layer(s, moved_kwargs) for s in (moved, reference)
+    )
   for name in reference_layers:
-    for a, b in zip(comparable(layers[name]),
-                    comparable(reference_layers[name])):
+    for a, b in zip(
+      comparable(layers[name]), comparable(reference_layers[name])
+    ):
       np.testing.assert_allclose(a, b, **TOLERANCE, err_msg=name)
 
 
@@ -188,9 +211,14 @@ def restored_ekfac_accumulation(axis_type: AxisType) -> None:
   mesh = jax.make_mesh((8,), ("devices",), axis_types=(axis_type,))
   # factor_decay 0.5: a batch S averaged in would move S by half of its
   # distance from outer(d_A, d_G).
-  base = dict(damping=0.01, mesh_axes="devices", inv_update_steps=2,
-              eigenvalue_correction=True, accumulation_steps=2,
-              factor_decay=0.5)
+  base = dict(
+    damping=0.01,
+    mesh_axes="devices",
+    inv_update_steps=2,
+    eigenvalue_correction=True,
+    accumulation_steps=2,
+    factor_decay=0.5,
+  )
   saved_kwargs = dict(base, assignment_strategy="compute")
   moved_kwargs = dict(base, assignment_strategy="memory")
 
@@ -205,15 +233,20 @@ def restored_ekfac_accumulation(axis_type: AxisType) -> None:
     assert int(moved.count) == 4 and int(moved.accumulator.micro_step) == 0
     layers = per_layer(moved, moved_kwargs)
   for block, scales in moved.eigenvalue_scales.items():
-    expected = (np.asarray(layers[block].activation_eigenvalues)[:, None] *
-                np.asarray(layers[block].gradient_eigenvalues)[None, :])
+    expected = (
+      np.asarray(layers[block].activation_eigenvalues)[:, None]
+      * np.asarray(layers[block].gradient_eigenvalues)[None, :]
+    )
     # One float32 product of the same two eigenvalues on either side.
-    np.testing.assert_allclose(np.asarray(scales), expected,
-                               rtol=np.finfo(np.float32).eps, err_msg=block)
+    np.testing.assert_allclose(
+      np.asarray(scales), expected, rtol=np.finfo(np.float32).eps, err_msg=block
+    )
 
 
-PROGRAMS = {f.__name__: f for f in (checkpoint, restored_layout,
-                                    restored_ekfac_accumulation)}
+PROGRAMS = {
+  f.__name__: f
+  for f in (checkpoint, restored_layout, restored_ekfac_accumulation)
+}
 
 
 if __name__ == "__main__":

@@ -83,11 +83,13 @@ def problem():
   params = jax.tree.map(np.asarray, MODEL.init(keys[2], x[0])["params"])
 
   def loss_fn(params, x, y):
-    return jnp.mean((MODEL.apply({"params": params}, x) - y)**2)
+    return jnp.mean((MODEL.apply({"params": params}, x) - y) ** 2)
 
   def split_loss(x, y):
-    return kfac_jax.SplitLoss(lambda p: MODEL.apply({"params": p}, x),
-                              lambda out: jnp.mean((out - y)**2))
+    return kfac_jax.SplitLoss(
+      lambda p: MODEL.apply({"params": p}, x),
+      lambda out: jnp.mean((out - y) ** 2),
+    )
 
   return params, (x, y), loss_fn, split_loss
 
@@ -95,45 +97,66 @@ def problem():
 def fsdp_specs(params):
   """Kernels' output axis over 'fsdp' where it divides."""
   return jax.tree.map(
-      lambda p: PartitionSpec(None, "fsdp") if p.ndim == 2 and
-      p.shape[-1] % 4 == 0 else PartitionSpec(), params)
+    lambda p: (
+      PartitionSpec(None, "fsdp")
+      if p.ndim == 2 and p.shape[-1] % 4 == 0
+      else PartitionSpec()
+    ),
+    params,
+  )
 
 
 def process_local(sharding: NamedSharding, value: np.ndarray) -> jax.Array:
   """The global array of ``value`` from this process's rows only, as a
   data loader of a multi-host program would read them."""
   index = sharding.addressable_devices_indices_map(value.shape).values()
-  rows = sorted({(i[0].start or 0, value.shape[0] if i[0].stop is None
-                  else i[0].stop) for i in index})
+  rows = sorted(
+    {
+      (i[0].start or 0, value.shape[0] if i[0].stop is None else i[0].stop)
+      for i in index
+    }
+  )
   start, stop = rows[0][0], rows[-1][1]
   assert all(a[1] >= b[0] for a, b in zip(rows, rows[1:])), rows  # contiguous
-  return jax.make_array_from_process_local_data(sharding, value[start:stop],
-                                                value.shape)
+  return jax.make_array_from_process_local_data(
+    sharding, value[start:stop], value.shape
+  )
 
 
 def place(tree, shardings):
   """Host arrays (equal in every process) as global arrays."""
   return jax.tree.map(
-      lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]),
-      tree, shardings)
+    lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]),
+    tree,
+    shardings,
+  )
 
 
 def named(mesh, specs):
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                      is_leaf=lambda s: isinstance(s, PartitionSpec))
+  return jax.tree.map(
+    lambda s: NamedSharding(mesh, s),
+    specs,
+    is_leaf=lambda s: isinstance(s, PartitionSpec),
+  )
 
 
 def to_host(tree):
   """Every array of ``tree`` in full, in every process."""
-  return jax.tree.map(np.asarray, multihost_utils.process_allgather(
-      tree, tiled=True))
+  return jax.tree.map(
+    np.asarray, multihost_utils.process_allgather(tree, tiled=True)
+  )
 
 
 def kfac_kwargs(kwargs, adaptive):
   """The ``scale_by_kfac`` arguments of a run: ``kwargs`` and the mode's."""
   if adaptive:
-    return dict(kwargs, damping=1.0, kl_clip=None, inv_update_steps=2,
-                adaptive=kfac_jax.AdaptiveConfig(damping_adaptation_interval=2))
+    return dict(
+      kwargs,
+      damping=1.0,
+      kl_clip=None,
+      inv_update_steps=2,
+      adaptive=kfac_jax.AdaptiveConfig(damping_adaptation_interval=2),
+    )
   return dict(kwargs, damping=DAMPING, inv_update_steps=2)
 
 
@@ -143,8 +166,16 @@ def make_tx(kwargs, adaptive):
   return kfac if adaptive else optax.chain(kfac, optax.sgd(0.1, momentum=0.9))
 
 
-def train(mesh, kwargs, params_specs, batch_spec, adaptive=False,
-          state=None, params=None, steps=range(STEPS)):
+def train(
+  mesh,
+  kwargs,
+  params_specs,
+  batch_spec,
+  adaptive=False,
+  state=None,
+  params=None,
+  steps=range(STEPS),
+):
   """Jitted steps under ``mesh`` from host params (or given ones and a
   state); returns (host updates per step, params, opt_state)."""
   host_params, batches, loss_fn, split_loss = problem()
@@ -154,14 +185,14 @@ def train(mesh, kwargs, params_specs, batch_spec, adaptive=False,
   def step(params, state, x, y):
     _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
     extra = dict(split_loss=split_loss(x, y)) if adaptive else {}
-    updates, state = tx.update(grads, state, params, kfac_stats=stats,
-                               **extra)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats, **extra)
     return optax.apply_updates(params, updates), state, updates
 
   if params is None:
     params = place(host_params, named(mesh, params_specs))
     specs = kfac_jax.get_opt_state_partition_specs(
-        params, tx=tx, **kfac_kwargs(kwargs, adaptive))
+      params, tx=tx, **kfac_kwargs(kwargs, adaptive)
+    )
     state = jax.jit(tx.init, out_shardings=named(mesh, specs))(params)
   batch_sharding = NamedSharding(mesh, batch_spec)
   all_updates = []
@@ -175,22 +206,25 @@ def train(mesh, kwargs, params_specs, batch_spec, adaptive=False,
 def per_layer(state, kwargs):
   """``{layer: preconditioner}`` of a (host) state of
   ``scale_by_kfac(**kwargs)``, read in the layout its placement packs."""
-  return KFACConfig(**kwargs).placement.per_layer(factor_dims(state.factors),
-                                                  state.preconditioners)
+  return KFACConfig(**kwargs).placement.per_layer(
+    factor_dims(state.factors), state.preconditioners
+  )
 
 
 def record(records, label, updates, state, kwargs):
   """Adds the run's updates and K-FAC state (the eigenvectors' sign
   freedom taken out: ``multidevice.comparable``) to ``records``;
   ``kwargs`` are the ``scale_by_kfac`` arguments."""
-  kfac_state = state if isinstance(state, kfac_jax.ScaleByKFACState) else (
-      state[0])
+  kfac_state = (
+    state if isinstance(state, kfac_jax.ScaleByKFACState) else (state[0])
+  )
   host = to_host(kfac_state)
   for step, tree in enumerate(updates):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
       records[f"{label}/updates/{step}{jax.tree_util.keystr(path)}"] = leaf
   for path, leaf in jax.tree_util.tree_flatten_with_path(
-      host._replace(preconditioners=None))[0]:
+    host._replace(preconditioners=None)
+  )[0]:
     records[f"{label}/state{jax.tree_util.keystr(path)}"] = leaf
   for name, preconditioner in per_layer(host, kwargs).items():
     for i, array in enumerate(comparable(preconditioner)):
@@ -214,19 +248,30 @@ def cases(records):
         kwargs["params_partition_specs"] = specs
       with jax.set_mesh(mesh):
         updates, run_params, state = train(
-            mesh, kwargs, specs, PartitionSpec("data" if fsdp else AXES))
-        record(records, f"{axis_type.name}/{strategy.name}", updates, state,
-               kfac_kwargs(kwargs, False))
+          mesh, kwargs, specs, PartitionSpec("data" if fsdp else AXES)
+        )
+        record(
+          records,
+          f"{axis_type.name}/{strategy.name}",
+          updates,
+          state,
+          kfac_kwargs(kwargs, False),
+        )
       log(f"{axis_type.name} {strategy.name}")
       if axis_type == AxisType.Explicit and strategy.name == "HYBRID_OPT":
         kept = mesh, kwargs, run_params, state
   mesh = jax.make_mesh((2, 4), AXES, axis_types=(AxisType.Auto,) * 2)
-  kwargs = dict(compute_method="inverse", factor_batch_size=8,
-                mesh_axes=AXES, grad_worker_fraction="mem_opt",
-                params_partition_specs=fsdp_specs(params))
+  kwargs = dict(
+    compute_method="inverse",
+    factor_batch_size=8,
+    mesh_axes=AXES,
+    grad_worker_fraction="mem_opt",
+    params_partition_specs=fsdp_specs(params),
+  )
   with jax.set_mesh(mesh):
-    updates, _, state = train(mesh, kwargs, fsdp_specs(params),
-                              PartitionSpec("data"), adaptive=True)
+    updates, _, state = train(
+      mesh, kwargs, fsdp_specs(params), PartitionSpec("data"), adaptive=True
+    )
     record(records, "adaptive", updates, state, kfac_kwargs(kwargs, True))
   log("adaptive")
   return kept
@@ -235,15 +280,22 @@ def cases(records):
 def target_of(mesh, kwargs, params, preconditioners=True):
   """The abstract ``{"params", "opt_state"}`` on ``mesh``, from the specs."""
   tx = make_tx(kwargs, False)
-  specs = {"params": jax.tree.map(lambda _: PartitionSpec(), params),
-           "opt_state": kfac_jax.get_opt_state_partition_specs(
-               params, tx=tx, **kfac_kwargs(kwargs, False))}
-  shapes = jax.eval_shape(lambda: {"params": params,
-                                   "opt_state": tx.init(params)})
+  specs = {
+    "params": jax.tree.map(lambda _: PartitionSpec(), params),
+    "opt_state": kfac_jax.get_opt_state_partition_specs(
+      params, tx=tx, **kfac_kwargs(kwargs, False)
+    ),
+  }
+  shapes = jax.eval_shape(
+    lambda: {"params": params, "opt_state": tx.init(params)}
+  )
   target = jax.tree.map(
-      lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype,
-                                                   sharding=sharding),
-      shapes, named(mesh, specs))
+    lambda shape, sharding: jax.ShapeDtypeStruct(
+      shape.shape, shape.dtype, sharding=sharding
+    ),
+    shapes,
+    named(mesh, specs),
+  )
   if not preconditioners:
     kfac_state = target["opt_state"][0]._replace(preconditioners=None)
     target["opt_state"] = (kfac_state,) + tuple(target["opt_state"][1:])
@@ -273,18 +325,31 @@ def moved_to_comm_opt(records, kept, directory: pathlib.Path):
   checkpoint.save(directory / "small", tree, include_preconditioners=False)
   saved = to_host(tree)
   with jax.set_mesh(mesh):
-    on_mesh = checkpoint.restore(directory / "full",
-                                 target_of(mesh, kwargs, params))
+    on_mesh = checkpoint.restore(
+      directory / "full", target_of(mesh, kwargs, params)
+    )
     assert_bit_exact(to_host(on_mesh), saved, "restored onto the mesh")
     comm = dict(kwargs, grad_worker_fraction="comm_opt")
-    moved = checkpoint.restore(directory / "small",
-                               target_of(mesh, comm, params, False))
+    moved = checkpoint.restore(
+      directory / "small", target_of(mesh, comm, params, False)
+    )
     moved = checkpoint.recompute_preconditioners(moved, DAMPING, **comm)
     updates, _, moved_state = train(
-        mesh, comm, None, PartitionSpec(AXES), state=moved["opt_state"],
-        params=moved["params"], steps=[0])
-    record(records, "moved_to_comm_opt", updates, moved_state,
-           kfac_kwargs(comm, False))
+      mesh,
+      comm,
+      None,
+      PartitionSpec(AXES),
+      state=moved["opt_state"],
+      params=moved["params"],
+      steps=[0],
+    )
+    record(
+      records,
+      "moved_to_comm_opt",
+      updates,
+      moved_state,
+      kfac_kwargs(comm, False),
+    )
   log("saved, restored on the mesh, moved to COMM_OPT")
   # Outside the mesh: every array whole on this process's first device.
   restored = checkpoint.restore(directory / "full", without_mesh(saved))
@@ -310,38 +375,53 @@ def restored_elsewhere(out: pathlib.Path) -> None:
   eight = jax.make_mesh((2, 4), AXES, axis_types=(AxisType.Explicit,) * 2)
   kwargs = dict(mesh_axes=AXES, grad_worker_fraction="hybrid_opt")
   with jax.set_mesh(eight):
-    full = checkpoint.restore(directory / "full",
-                              target_of(eight, kwargs, params))
+    full = checkpoint.restore(
+      directory / "full", target_of(eight, kwargs, params)
+    )
   assert_bit_exact(_flat(to_host(full)), saved, "8 devices of 1 process")
-  four = jax.make_mesh((4,), ("devices",), axis_types=(AxisType.Explicit,),
-                       devices=jax.devices()[4:])
+  four = jax.make_mesh(
+    (4,),
+    ("devices",),
+    axis_types=(AxisType.Explicit,),
+    devices=jax.devices()[4:],
+  )
   four_kwargs = dict(mesh_axes="devices", grad_worker_fraction="mem_opt")
   with jax.set_mesh(four):
-    on_four = checkpoint.restore(directory / "small", target_of(
-        four, four_kwargs, params, False))
-    on_four = checkpoint.recompute_preconditioners(on_four, DAMPING,
-                                                   **four_kwargs)
-    four_layers = per_layer(to_host(on_four["opt_state"][0]),
-                            kfac_kwargs(four_kwargs, False))
+    on_four = checkpoint.restore(
+      directory / "small", target_of(four, four_kwargs, params, False)
+    )
+    on_four = checkpoint.recompute_preconditioners(
+      on_four, DAMPING, **four_kwargs
+    )
+    four_layers = per_layer(
+      to_host(on_four["opt_state"][0]), kfac_kwargs(four_kwargs, False)
+    )
   small = {k: v for k, v in saved.items() if "preconditioners" not in k}
-  shapes = jax.eval_shape(lambda: {
-      "params": params, "opt_state": make_tx({}, False).init(params)})
+  shapes = jax.eval_shape(
+    lambda: {"params": params, "opt_state": make_tx({}, False).init(params)}
+  )
   one = checkpoint.restore(directory / "small", shapes)
   one = checkpoint.recompute_preconditioners(one, DAMPING)
-  assert_bit_exact({k: v for k, v in _flat(one).items()
-                    if "preconditioners" not in k and "rejected" not in k},
-                   {k: v for k, v in small.items() if "rejected" not in k},
-                   "factors and momentum on one device")
+  assert_bit_exact(
+    {
+      k: v
+      for k, v in _flat(one).items()
+      if "preconditioners" not in k and "rejected" not in k
+    },
+    {k: v for k, v in small.items() if "rejected" not in k},
+    "factors and momentum on one device",
+  )
   one_layers = one["opt_state"][0].preconditioners
   for name, preconditioner in one_layers.items():
-    for a, b in zip(comparable(four_layers[name]),
-                    comparable(preconditioner)):
+    for a, b in zip(comparable(four_layers[name]), comparable(preconditioner)):
       np.testing.assert_allclose(a, b, **TOLERANCE, err_msg=name)
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
-  return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in
-          jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+    jax.tree_util.keystr(path): np.asarray(leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 def main() -> None:
@@ -354,9 +434,11 @@ def main() -> None:
   args = parser.parse_args()
   if args.role == "distributed":
     jax.distributed.initialize(
-        coordinator_address=f"localhost:{args.port}",
-        num_processes=args.num_processes, process_id=args.process_id,
-        initialization_timeout=60)
+      coordinator_address=f"localhost:{args.port}",
+      num_processes=args.num_processes,
+      process_id=args.process_id,
+      initialization_timeout=60,
+    )
   assert jax.local_device_count() == _ROLE_DEVICES[args.role], jax.devices()
   assert jax.device_count() == 8, jax.devices()
   records = {}

@@ -19,8 +19,9 @@ class NnxModel(nnx.Module):
     self.hidden = nnx.Linear(24, 8, rngs=rngs)
     self.heads = nnx.LinearGeneral(8, (2, 3), rngs=rngs)
     self.blocks = nnx.List([nnx.Linear(6, 6, rngs=rngs) for _ in range(2)])
-    self.norm = nnx.BatchNorm(6, use_running_average=False, use_scale=False,
-                              use_bias=False, rngs=rngs)
+    self.norm = nnx.BatchNorm(
+      6, use_running_average=False, use_scale=False, use_bias=False, rngs=rngs
+    )
 
   def __call__(self, x):
     h = jnp.tanh(self.conv(x)).reshape(x.shape[0], -1)

@@ -29,8 +29,9 @@ def cov(x: np.ndarray) -> np.ndarray:
 
 def damped_inverse(factor: np.ndarray, damping: float) -> np.ndarray:
   """``(F + λI)⁻¹`` in float64."""
-  return np.linalg.inv(np.asarray(factor, np.float64) +
-                       damping * np.eye(len(factor)))
+  return np.linalg.inv(
+    np.asarray(factor, np.float64) + damping * np.eye(len(factor))
+  )
 
 
 def assert_damped_inverse(result, factor: np.ndarray, damping: float) -> None:
@@ -42,13 +43,21 @@ def assert_damped_inverse(result, factor: np.ndarray, damping: float) -> None:
   inverse at n = 1001, where 1e-6 is seen."""
   damped = np.asarray(factor, np.float64) + damping * np.eye(len(factor))
   values = np.linalg.eigvalsh(damped)
-  assert_float32_close(result, damped_inverse(factor, damping),
-                       terms=3 * math.sqrt(len(factor) + 1),
-                       condition=values[-1] / values[0], scale=1 / values[0])
+  assert_float32_close(
+    result,
+    damped_inverse(factor, damping),
+    terms=3 * math.sqrt(len(factor) + 1),
+    condition=values[-1] / values[0],
+    scale=1 / values[0],
+  )
 
 
-def im2col(x: np.ndarray, window: tuple[int, int], strides: tuple[int, int],
-           padding: tuple[tuple[int, int], tuple[int, int]]) -> np.ndarray:
+def im2col(
+  x: np.ndarray,
+  window: tuple[int, int],
+  strides: tuple[int, int],
+  padding: tuple[tuple[int, int], tuple[int, int]],
+) -> np.ndarray:
   """Loop im2col of NHWC ``x``: ``[B, Ho, Wo, kh*kw*C]`` in (kh, kw, C) order."""
   x = np.pad(x, ((0, 0), padding[0], padding[1], (0, 0)))
   b, h, w, c = x.shape
@@ -59,15 +68,21 @@ def im2col(x: np.ndarray, window: tuple[int, int], strides: tuple[int, int],
   out = np.zeros((b, ho, wo, kh * kw * c))
   for i in range(ho):
     for j in range(wo):
-      patch = x[:, i * sh:i * sh + kh, j * sw:j * sw + kw, :]  # [B, kh, kw, C]
+      patch = x[
+        :, i * sh : i * sh + kh, j * sw : j * sw + kw, :
+      ]  # [B, kh, kw, C]
       out[:, i, j, :] = patch.reshape(b, -1)
   return out
 
 
-def im2col_nd(x: np.ndarray, window: tuple[int, ...], strides: tuple[int, ...],
-              padding: str | tuple[tuple[int, int], ...],
-              input_dilation: tuple[int, ...],
-              kernel_dilation: tuple[int, ...]) -> np.ndarray:
+def im2col_nd(
+  x: np.ndarray,
+  window: tuple[int, ...],
+  strides: tuple[int, ...],
+  padding: str | tuple[tuple[int, int], ...],
+  input_dilation: tuple[int, ...],
+  kernel_dilation: tuple[int, ...],
+) -> np.ndarray:
   """Loop im2col of channels-last ``x: [B, *spatial, C]``, any rank.
 
   Returns ``[B, *out_spatial, prod(window)*C]`` in ``(*window, C)`` order.
@@ -96,16 +111,21 @@ def im2col_nd(x: np.ndarray, window: tuple[int, ...], strides: tuple[int, ...],
   # Input dilation: d-1 zeros between neighbours, then the explicit padding.
   spatial = [(n - 1) * d + 1 for n, d in zip(x.shape[1:-1], input_dilation)]
   dilated = np.zeros((x.shape[0], *spatial, x.shape[-1]), x.dtype)
-  dilated[(slice(None),) + tuple(slice(None, None, d) for d in input_dilation)] = x
+  dilated[
+    (slice(None),) + tuple(slice(None, None, d) for d in input_dilation)
+  ] = x
   x = np.pad(dilated, [(0, 0)] + [tuple(p) for p in padding] + [(0, 0)])
-  out_spatial = [(n - k) // s + 1
-                 for n, k, s in zip(x.shape[1:-1], dilated_window, strides)]
+  out_spatial = [
+    (n - k) // s + 1 for n, k, s in zip(x.shape[1:-1], dilated_window, strides)
+  ]
   out = np.zeros((x.shape[0], *out_spatial, math.prod(window) * x.shape[-1]))
   for position in itertools.product(*map(range, out_spatial)):
     taps = []
     for offset in itertools.product(*map(range, window)):
-      index = tuple(p * s + o * d for p, s, o, d in zip(
-          position, strides, offset, kernel_dilation))
+      index = tuple(
+        p * s + o * d
+        for p, s, o, d in zip(position, strides, offset, kernel_dilation)
+      )
       taps.append(x[(slice(None),) + index])  # [B, C]
     out[(slice(None),) + position] = np.concatenate(taps, axis=-1)
   return out
@@ -137,8 +157,9 @@ class LayerTensors:
   gradient: np.ndarray  # [dA, dG]
 
 
-def mlp_forward_backward(params: dict, x: np.ndarray, labels: np.ndarray,
-                         use_bias: bool) -> dict[str, LayerTensors]:
+def mlp_forward_backward(
+  params: dict, x: np.ndarray, labels: np.ndarray, use_bias: bool
+) -> dict[str, LayerTensors]:
   """Dense(hidden) -> tanh -> Dense(classes) -> mean softmax CE."""
   w1 = params["Dense_0"]["kernel"]
   w2 = params["Dense_1"]["kernel"]
@@ -157,10 +178,14 @@ def mlp_forward_backward(params: dict, x: np.ndarray, labels: np.ndarray,
   return {"Dense_0": layer(x, dh), "Dense_1": layer(a, dz)}
 
 
-def cnn_forward_backward(params: dict, x: np.ndarray, labels: np.ndarray,
-                         use_bias: bool, strides: tuple[int, int],
-                         padding: tuple[tuple[int, int], tuple[int, int]]
-                         ) -> dict[str, LayerTensors]:
+def cnn_forward_backward(
+  params: dict,
+  x: np.ndarray,
+  labels: np.ndarray,
+  use_bias: bool,
+  strides: tuple[int, int],
+  padding: tuple[tuple[int, int], tuple[int, int]],
+) -> dict[str, LayerTensors]:
   """Conv(3x3) -> relu -> flatten -> Dense(classes) -> mean softmax CE."""
   kernel = params["Conv_0"]["kernel"]
   kh, kw, _, features = kernel.shape
@@ -182,10 +207,13 @@ def cnn_forward_backward(params: dict, x: np.ndarray, labels: np.ndarray,
   conv_grad_rows = dh.reshape(b * spatial, features)
   dense_rows = _with_ones(a) if use_bias else a
   return {
-      # KAISA: the whole patch matrix (ones column included) and g divided by S.
-      "Conv_0": LayerTensors(conv_rows / spatial, conv_grad_rows / spatial,
-                             conv_rows.T @ conv_grad_rows),
-      "Dense_0": LayerTensors(dense_rows, dz, dense_rows.T @ dz),
+    # KAISA: the whole patch matrix (ones column included) and g divided by S.
+    "Conv_0": LayerTensors(
+      conv_rows / spatial,
+      conv_grad_rows / spatial,
+      conv_rows.T @ conv_grad_rows,
+    ),
+    "Dense_0": LayerTensors(dense_rows, dz, dense_rows.T @ dz),
   }
 
 
@@ -211,25 +239,33 @@ class KFACReference:
   factors: dict = dataclasses.field(default_factory=dict)
   decomposition: dict = dataclasses.field(default_factory=dict)
 
-  def update(self, batches: list[dict[str, LayerTensors]]) -> dict[str, np.ndarray]:
+  def update(
+    self, batches: list[dict[str, LayerTensors]]
+  ) -> dict[str, np.ndarray]:
     """One optimizer step over one or more micro-batches; returns P per layer."""
     names = list(batches[0])
     for name in names:
       if name not in self.factors:
         tensors = batches[0][name]
-        self.factors[name] = (np.eye(tensors.activation_rows.shape[1]),
-                              np.eye(tensors.gradient_rows.shape[1]))
+        self.factors[name] = (
+          np.eye(tensors.activation_rows.shape[1]),
+          np.eye(tensors.gradient_rows.shape[1]),
+        )
     d = self.factor_decay
     if self.step % self.factor_update_steps == 0:
       for name in names:
         a_batch = np.mean([cov(b[name].activation_rows) for b in batches], 0)
         # Each micro-batch's loss is its own mean: its cotangents are k
         # times the concatenated batch's.
-        g_batch = np.mean([cov(b[name].gradient_rows) for b in batches],
-                          0) / len(batches)**2
+        g_batch = (
+          np.mean([cov(b[name].gradient_rows) for b in batches], 0)
+          / len(batches) ** 2
+        )
         a, g = self.factors[name]
-        self.factors[name] = (d * a + (1 - d) * a_batch,
-                              d * g + (1 - d) * g_batch)
+        self.factors[name] = (
+          d * a + (1 - d) * a_batch,
+          d * g + (1 - d) * g_batch,
+        )
     if self.step % self.inv_update_steps == 0:
       for name in names:
         a, g = self.factors[name]
@@ -237,19 +273,23 @@ class KFACReference:
           # (Â + √λI)⁻¹ ∇ (Ĝ + √λI)⁻¹, Â = A / (tr A / dA).
           root = np.sqrt(self.damping)
           self.decomposition[name] = tuple(
-              np.linalg.inv(f / np.mean(np.diag(f)) + root * np.eye(len(f)))
-              for f in (a, g))
+            np.linalg.inv(f / np.mean(np.diag(f)) + root * np.eye(len(f)))
+            for f in (a, g)
+          )
           continue
         if self.relative:
           # (Â ⊗ Ĝ + λI)⁻¹ vec(∇) by a dense solve of the Kronecker
           # matrix: row-major vec(Â ∇ Ĝ) = (Â ⊗ Ĝ) vec(∇). The state keeps
           # the eigenvalues of A and G as they are.
           normalized = [f / np.mean(np.diag(f)) for f in (a, g)]
-          matrix = np.kron(*normalized) + self.damping * np.eye(len(a) *
-                                                                len(g))
+          matrix = np.kron(*normalized) + self.damping * np.eye(len(a) * len(g))
           self.decomposition[name] = (
-              None, np.maximum(np.linalg.eigvalsh(a), 0), None,
-              np.maximum(np.linalg.eigvalsh(g), 0), matrix)
+            None,
+            np.maximum(np.linalg.eigvalsh(a), 0),
+            None,
+            np.maximum(np.linalg.eigvalsh(g), 0),
+            matrix,
+          )
           continue
         if self.method == "eigen":
           da, qa = np.linalg.eigh(a)
@@ -259,26 +299,32 @@ class KFACReference:
           self.decomposition[name] = (qa, da, qg, dg, frozen)
         else:
           self.decomposition[name] = (
-              np.linalg.inv(a + self.damping * np.eye(len(a))),
-              np.linalg.inv(g + self.damping * np.eye(len(g))))
+            np.linalg.inv(a + self.damping * np.eye(len(a))),
+            np.linalg.inv(g + self.damping * np.eye(len(g))),
+          )
     grads = {n: np.mean([b[n].gradient for b in batches], 0) for n in names}
     out = {}
     for name in names:
       grad = grads[name]
       if self.relative and self.method == "eigen":
-        out[name] = np.linalg.solve(self.decomposition[name][-1],
-                                    grad.reshape(-1)).reshape(grad.shape)
+        out[name] = np.linalg.solve(
+          self.decomposition[name][-1], grad.reshape(-1)
+        ).reshape(grad.shape)
       elif self.method == "eigen":
         qa, da, qg, dg, frozen = self.decomposition[name]
-        scale = frozen if self.outer_product else 1 / (
-            np.outer(da, dg) + self.damping)
+        scale = (
+          frozen
+          if self.outer_product
+          else 1 / (np.outer(da, dg) + self.damping)
+        )
         out[name] = qa @ ((qa.T @ grad @ qg) * scale) @ qg.T
       else:
         a_inv, g_inv = self.decomposition[name]
         out[name] = a_inv @ grad @ g_inv
     if self.kl_clip is not None:
-      vg = (self.learning_rate / (1 - self.momentum))**2 * sum(
-          np.sum(out[n] * grads[n]) for n in names)
+      vg = (self.learning_rate / (1 - self.momentum)) ** 2 * sum(
+        np.sum(out[n] * grads[n]) for n in names
+      )
       nu = 1.0 if vg == 0 else min(1.0, np.sqrt(self.kl_clip / abs(vg)))
       out = {n: nu * p for n, p in out.items()}
     self.step += 1
@@ -289,8 +335,15 @@ class KFACReference:
 EPS32 = float(np.finfo(np.float32).eps)
 
 
-def assert_float32_close(actual, expected, *, terms: float, scale=None,
-                         condition: float = 1.0, err_msg: str = "") -> None:
+def assert_float32_close(
+  actual,
+  expected,
+  *,
+  terms: float,
+  scale=None,
+  condition: float = 1.0,
+  err_msg: str = "",
+) -> None:
   """``actual``, computed in float32, is ``expected`` up to float32 rounding.
 
   The error model (Higham's, first order): each float32 operation rounds
@@ -316,21 +369,24 @@ def assert_float32_close(actual, expected, *, terms: float, scale=None,
   atol = terms * condition * EPS32 * scale
   actual = np.asarray(actual, np.float64)
   if np.ndim(atol) == 0:
-    np.testing.assert_allclose(actual, expected, rtol=0, atol=atol,
-                               err_msg=err_msg)
+    np.testing.assert_allclose(
+      actual, expected, rtol=0, atol=atol, err_msg=err_msg
+    )
     return
   excess = np.abs(actual - expected) - atol
   assert actual.shape == expected.shape and np.all(excess <= 0), (
-      f"{err_msg}: {np.sum(~(excess <= 0))} entries beyond terms={terms}, "
-      f"condition={condition:g} roundings of their scale; actual {actual}, "
-      f"expected {expected}")
+    f"{err_msg}: {np.sum(~(excess <= 0))} entries beyond terms={terms}, "
+    f"condition={condition:g} roundings of their scale; actual {actual}, "
+    f"expected {expected}"
+  )
 
 
 def largest(arrays) -> float:
   """max |entry| over ``arrays`` (a pytree's leaves): a normwise ``scale``
   for a whole update, whose rounding comes from every layer's."""
-  return max(float(np.abs(np.asarray(a, np.float64)).max(initial=0.0))
-             for a in arrays)
+  return max(
+    float(np.abs(np.asarray(a, np.float64)).max(initial=0.0)) for a in arrays
+  )
 
 
 def running_factor_scale(factor, identity_weight: float) -> np.ndarray:
@@ -351,12 +407,14 @@ def kfac_state(state):
     state = state.values()
   elif not isinstance(state, (tuple, list)):
     return None
-  return next((found for found in map(kfac_state, state) if found is not None),
-              None)
+  return next(
+    (found for found in map(kfac_state, state) if found is not None), None
+  )
 
 
-def kfac_condition(factors, damping: float, relative: bool = False,
-                   method: str = "eigen") -> float:
+def kfac_condition(
+  factors, damping: float, relative: bool = False, method: str = "eigen"
+) -> float:
   """The largest ``κ(A ⊗ G + λI) = (‖A‖‖G‖ + λ)/(λmin(A)λmin(G) + λ)`` over
   ``factors`` (``{layer: (A, G)}``, stacked layers' factors too); with
   ``relative`` damping of the normalized factors ``Â``, ``Ĝ``, and for the
@@ -375,9 +433,16 @@ def kfac_condition(factors, damping: float, relative: bool = False,
       eg = eg / eg.mean(axis=-1, keepdims=True)
       if method != "eigen":
         root = np.sqrt(damping)
-        worst = max(worst, float(np.max(
-            (ea[..., -1] + root) * (eg[..., -1] + root) /
-            ((ea[..., 0] + root) * (eg[..., 0] + root)))))
+        worst = max(
+          worst,
+          float(
+            np.max(
+              (ea[..., -1] + root)
+              * (eg[..., -1] + root)
+              / ((ea[..., 0] + root) * (eg[..., 0] + root))
+            )
+          ),
+        )
         continue
     top = ea[..., -1] * eg[..., -1] + damping
     worst = max(worst, float(np.max(top / (ea[..., 0] * eg[..., 0] + damping))))
@@ -392,6 +457,8 @@ def assert_member_stats(stats, index: int, alone, *, terms: float) -> None:
   assert sorted(stats) == sorted(alone)
   for name, single in alone.items():
     mapped = stats[name]
-    for member, expected in zip((*mapped.inputs, *mapped.output_cotangents),
-                                (*single.inputs, *single.output_cotangents)):
+    for member, expected in zip(
+      (*mapped.inputs, *mapped.output_cotangents),
+      (*single.inputs, *single.output_cotangents),
+    ):
       assert_float32_close(member[index], expected, terms=terms, err_msg=name)

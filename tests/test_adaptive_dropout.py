@@ -26,7 +26,6 @@ RATE = 0.5  # kept units are scaled by 2, exactly, as the mask below does
 
 
 class DropoutModel(nnx.Module):
-
   def __init__(self, rngs: nnx.Rngs):
     self.hidden = nnx.Linear(IN, HIDDEN, rngs=rngs)
     self.drop = nnx.Dropout(RATE)
@@ -49,19 +48,24 @@ class MaskedModel(nnx.Module):
 
 def _data():
   rng = np.random.default_rng(0)
-  return (jnp.asarray(rng.normal(size=(B, IN)), jnp.float32),
-          jnp.asarray(rng.normal(size=(B, OUT)), jnp.float32))
+  return (
+    jnp.asarray(rng.normal(size=(B, IN)), jnp.float32),
+    jnp.asarray(rng.normal(size=(B, OUT)), jnp.float32),
+  )
 
 
 def _optimizer(model):
   tx = kfac_jax.scale_by_kfac(
-      damping=1.0, kl_clip=None, compute_method="inverse",
-      adaptive=kfac_jax.AdaptiveConfig(damping_adaptation_interval=1))
+    damping=1.0,
+    kl_clip=None,
+    compute_method="inverse",
+    adaptive=kfac_jax.AdaptiveConfig(damping_adaptation_interval=1),
+  )
   return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
 def _squared_error(outputs, y):
-  return jnp.mean((outputs - y)**2)
+  return jnp.mean((outputs - y) ** 2)
 
 
 @nnx.jit
@@ -73,11 +77,13 @@ def dropout_step(model, optimizer, rngs, x, y):
     return model(x, rngs=nnx.Rngs(dropout=key))
 
   loss, grads, stats = kfac_jax.value_grad_and_stats(
-      lambda model: _squared_error(forward(model), y))(model)
+    lambda model: _squared_error(forward(model), y)
+  )(model)
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
   split = kfac_jax.SplitLoss(
-      lambda params: forward(nnx.merge(graphdef, params, rest, copy=True)),
-      lambda outputs: _squared_error(outputs, y))
+    lambda params: forward(nnx.merge(graphdef, params, rest, copy=True)),
+    lambda outputs: _squared_error(outputs, y),
+  )
   optimizer.update(model, grads, kfac_stats=stats, split_loss=split)
   return loss
 
@@ -85,11 +91,13 @@ def dropout_step(model, optimizer, rngs, x, y):
 @nnx.jit
 def masked_step(model, optimizer, mask, x, y):
   loss, grads, stats = kfac_jax.value_grad_and_stats(
-      lambda model: _squared_error(model(x, mask), y))(model)
+    lambda model: _squared_error(model(x, mask), y)
+  )(model)
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
   split = kfac_jax.SplitLoss(
-      lambda params: nnx.merge(graphdef, params, rest, copy=True)(x, mask),
-      lambda outputs: _squared_error(outputs, y))
+    lambda params: nnx.merge(graphdef, params, rest, copy=True)(x, mask),
+    lambda outputs: _squared_error(outputs, y),
+  )
   optimizer.update(model, grads, kfac_stats=stats, split_loss=split)
   return loss
 
@@ -102,12 +110,21 @@ def test_the_documented_dropout_step_is_the_adaptive_mode_of_its_mask():
   losses, lambdas = [], []
   for _ in range(4):
     # The mask of this step's key: what Dropout keeps, scaled by 1/keep.
-    mask = nnx.Dropout(RATE)(jnp.ones((B, HIDDEN)),
-                             rngs=nnx.Rngs(dropout=keys.dropout()))
-    losses.append((dropout_step(model, optimizer, rngs, x, y),
-                   masked_step(masked, masked_optimizer, mask, x, y)))
-    lambdas.append((optimizer.opt_state.quadratic_model.damping[...],
-                    masked_optimizer.opt_state.quadratic_model.damping[...]))
+    mask = nnx.Dropout(RATE)(
+      jnp.ones((B, HIDDEN)), rngs=nnx.Rngs(dropout=keys.dropout())
+    )
+    losses.append(
+      (
+        dropout_step(model, optimizer, rngs, x, y),
+        masked_step(masked, masked_optimizer, mask, x, y),
+      )
+    )
+    lambdas.append(
+      (
+        optimizer.opt_state.quadratic_model.damping[...],
+        masked_optimizer.opt_state.quadratic_model.damping[...],
+      )
+    )
   # The two programs differ by the RNG's operations only: the same float32
   # arithmetic, the masks' scaling by 2 exact. λ moves by ω or 1/ω per step
   # (one rounding each); the losses carry a dot of IN, one of HIDDEN and the
@@ -116,8 +133,11 @@ def test_the_documented_dropout_step_is_the_adaptive_mode_of_its_mask():
     close(loss, masked_loss, terms=IN + HIDDEN + B * OUT + 4)
     close(damping, masked_damping, terms=len(lambdas))
   assert len({float(d) for d, _ in lambdas}) > 1  # λ did adapt
-  jax.tree.map(lambda a, b: close(a, b, terms=4 * (IN + HIDDEN + B * OUT)),
-               nnx.state(model, nnx.Param), nnx.state(masked, nnx.Param))
+  jax.tree.map(
+    lambda a, b: close(a, b, terms=4 * (IN + HIDDEN + B * OUT)),
+    nnx.state(model, nnx.Param),
+    nnx.state(masked, nnx.Param),
+  )
 
 
 def test_an_outer_rngs_in_the_split_loss_is_refused_naming_the_pattern():
@@ -130,14 +150,19 @@ def test_an_outer_rngs_in_the_split_loss_is_refused_naming_the_pattern():
   @nnx.jit
   def step(model, optimizer, rngs):
     loss, grads, stats = kfac_jax.value_grad_and_stats(
-        lambda model, rngs: _squared_error(model(x, rngs), y))(model, rngs)
+      lambda model, rngs: _squared_error(model(x, rngs), y)
+    )(model, rngs)
     graphdef, _, rest = nnx.split(model, nnx.Param, ...)
     split = kfac_jax.SplitLoss(
-        lambda params: nnx.merge(graphdef, params, rest, copy=True)(x, rngs),
-        lambda outputs: _squared_error(outputs, y))
+      lambda params: nnx.merge(graphdef, params, rest, copy=True)(x, rngs),
+      lambda outputs: _squared_error(outputs, y),
+    )
     optimizer.update(model, grads, kfac_stats=stats, split_loss=split)
     return loss
 
-  with pytest.raises(ValueError, match=r"SplitLoss.outputs_fn updates an NNX "
-                     r"object made outside it.*nnx.Rngs\(dropout=key\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"SplitLoss.outputs_fn updates an NNX "
+    r"object made outside it.*nnx.Rngs\(dropout=key\)",
+  ):
     step(model, optimizer, rngs)

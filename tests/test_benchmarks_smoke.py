@@ -21,14 +21,27 @@ from examples import training
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_smoke(module: str, out, *extra: str,
-              **env: str) -> subprocess.CompletedProcess[str]:
+def run_smoke(
+  module: str, out, *extra: str, **env: str
+) -> subprocess.CompletedProcess[str]:
   """Runs ``python -m benchmarks.<module> --smoke`` from the repository root."""
   result = subprocess.run(
-      [sys.executable, "-m", f"benchmarks.{module}", "--smoke", "--no-progress",
-       "--out", str(out), *extra],
-      cwd=REPO, env=dict(os.environ, **env), capture_output=True, text=True,
-      timeout=240)
+    [
+      sys.executable,
+      "-m",
+      f"benchmarks.{module}",
+      "--smoke",
+      "--no-progress",
+      "--out",
+      str(out),
+      *extra,
+    ],
+    cwd=REPO,
+    env=dict(os.environ, **env),
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   return result
 
@@ -38,27 +51,45 @@ def test_step_time_smoke(tmp_path):
   (results_file,) = tmp_path.glob("step_time_*.json")
   results = json.loads(results_file.read_text())
   assert results  # a non-empty record of the run
-  for variant in ("sgd", "kfac-eigen", "kfac-inverse", "kfac-inverse-gfs",
-                  "kfac-adaptive"):
+  for variant in (
+    "sgd",
+    "kfac-eigen",
+    "kfac-inverse",
+    "kfac-inverse-gfs",
+    "kfac-adaptive",
+  ):
     assert variant in result.stdout
   # --kfac-revs: the committed package, timed beside the working tree's.
-  head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                        capture_output=True, text=True,
-                        check=True).stdout.strip()
+  head = subprocess.run(
+    ["git", "rev-parse", "--short", "HEAD"],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.strip()
   timed = results["results"][0]["variants"]
-  for variant in ("kfac-eigen", "kfac-inverse", "kfac-inverse-gfs",
-                  "kfac-adaptive"):
+  for variant in (
+    "kfac-eigen",
+    "kfac-inverse",
+    "kfac-inverse-gfs",
+    "kfac-adaptive",
+  ):
     assert timed[f"{variant}@{head}"]["n_plain"] > 0
 
 
 def test_compile_time_smoke(tmp_path):
   result = run_smoke("compile_time", tmp_path, "--kfac-revs", "HEAD")
   (results_file,) = tmp_path.glob("compile_time_*.json")
-  rows = {row["variant"]: row
-          for row in json.loads(results_file.read_text())["rows"]}
-  head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                        capture_output=True, text=True,
-                        check=True).stdout.strip()
+  rows = {
+    row["variant"]: row for row in json.loads(results_file.read_text())["rows"]
+  }
+  head = subprocess.run(
+    ["git", "rev-parse", "--short", "HEAD"],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.strip()
   # SGD once; K-FAC from the working tree and from HEAD.
   assert set(rows) == {"sgd", "kfac-inverse-gfs", f"kfac-inverse-gfs@{head}"}
   for row in rows.values():
@@ -72,14 +103,15 @@ def test_compile_time_smoke(tmp_path):
 
 
 def test_decomposition_time_smoke(tmp_path):
-  result = run_smoke("decomposition_time", tmp_path,
-                     JAX_PLATFORMS="cpu")
+  result = run_smoke("decomposition_time", tmp_path, JAX_PLATFORMS="cpu")
   (results_file,) = tmp_path.glob("decomposition_time_*.json")
   rows = json.loads(results_file.read_text())["results"]
   methods = ("eigen", "eigen subspace k=1", "eigen subspace k=2", "inverse")
   assert sorted((row["method"], row["layout"]) for row in rows) == [
-      (method, layout) for method in methods
-      for layout in ("one by one", "stacked")]
+    (method, layout)
+    for method in methods
+    for layout in ("one by one", "stacked")
+  ]
   for row in rows:
     # The subspace rows refine bases one averaging step old: no fallback.
     assert row["rejected"] == 0 and row["fallbacks"] == 0
@@ -87,15 +119,19 @@ def test_decomposition_time_smoke(tmp_path):
     # On CPU the library decomposes one factor per call for both methods.
     assert row["library_choice"] == (row["layout"] == "one by one")
   assert "| eigen | one by one |" in result.stdout
-  sizes = [row["size"] for row in json.loads(
-      results_file.read_text())["orthogonalization"]]
+  sizes = [
+    row["size"]
+    for row in json.loads(results_file.read_text())["orthogonalization"]
+  ]
   assert sizes == sorted(sizes) and len(sizes) == 4
 
 
 def _autoencoder_shapes(batch):
   widths = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
-  return [dict(name=str(i), rows=batch, fan_in=a, fan_out=b, bias=1, conv=0)
-          for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))]
+  return [
+    dict(name=str(i), rows=batch, fan_in=a, fan_out=b, bias=1, conv=0)
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))
+  ]
 
 
 def test_flop_floor_of_the_issue_autoencoder():
@@ -105,8 +141,10 @@ def test_flop_floor_of_the_issue_autoencoder():
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
+
   floor = lambda batch, method, gfs: flops.flop_floor(
-      _autoencoder_shapes(batch), method, 10, 4.0, 1.0, gfs)
+    _autoencoder_shapes(batch), method, 10, 4.0, 1.0, gfs
+  )
 
   model = models.Autoencoder()
   x = jnp.full((256, 784), 0.5)
@@ -114,8 +152,11 @@ def test_flop_floor_of_the_issue_autoencoder():
   sgd = optax.sgd(0.1, momentum=0.9)
 
   def step(params, opt_state):
-    grads = jax.grad(lambda p: models.autoencoder_losses(
-        model.apply({"params": p}, x), x).mean())(params)
+    grads = jax.grad(
+      lambda p: models.autoencoder_losses(
+        model.apply({"params": p}, x), x
+      ).mean()
+    )(params)
     updates, opt_state = sgd.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -128,8 +169,7 @@ def test_flop_floor_of_the_issue_autoencoder():
   for method, issue_floor in (("inverse", 3.83), ("eigen", 5.90)):
     f = floor(256, method, False)
     kfac = (f["floor_plain_x"] - 1) * f["sgd_flops"]
-    assert abs(1 + kfac / (f["sgd_flops"] + data_gradient) -
-               issue_floor) < 0.01
+    assert abs(1 + kfac / (f["sgd_flops"] + data_gradient) - issue_floor) < 0.01
   for method in ("inverse", "eigen"):
     dense = floor(256, method, False)["precondition_flops"]
     factored = floor(256, method, True)["precondition_flops"]
@@ -139,8 +179,10 @@ def test_flop_floor_of_the_issue_autoencoder():
     first_pairs = dense / (2 if method == "eigen" else 1)
     assert factored < dense - 0.4 * first_pairs
     # At 2048 rows no layer's is (the 250 × 30 pair: 2048 > 29 rows).
-    assert (floor(2048, method, True)["precondition_flops"] ==
-            floor(2048, method, False)["precondition_flops"])
+    assert (
+      floor(2048, method, True)["precondition_flops"]
+      == floor(2048, method, False)["precondition_flops"]
+    )
 
 
 def test_race_flops_match_the_shapes_and_share_a_forward_pass(tmp_path):
@@ -154,8 +196,19 @@ def test_race_flops_match_the_shapes_and_share_a_forward_pass(tmp_path):
   against the gradient apart.
   """
   result = subprocess.run(
-      [sys.executable, "-m", "benchmarks.race_flops", "--no-progress", "--out",
-       str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=240)
+    [
+      sys.executable,
+      "-m",
+      "benchmarks.race_flops",
+      "--no-progress",
+      "--out",
+      str(tmp_path),
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   (path,) = tmp_path.glob("race_flops_*.json")
   counts = json.loads(path.read_text())
@@ -163,16 +216,21 @@ def test_race_flops_match_the_shapes_and_share_a_forward_pass(tmp_path):
   assert sorted(shapes) == ["capture", "gradient", "quadratic_model"]
   for name, count in shapes.items():
     assert abs(xla[name] / count - 1) < 0.02, (name, xla[name], count)
-  weights = sum(layer["fan_in"] * layer["fan_out"]
-                for layer in _autoencoder_shapes(1))
+  weights = sum(
+    layer["fan_in"] * layer["fan_out"] for layer in _autoencoder_shapes(1)
+  )
   forward = 2 * counts["curvature_examples"] * weights
-  shared = (xla["capture"] + xla["quadratic_model"] -
-            xla["capture_and_quadratic_model"])
+  shared = (
+    xla["capture"] + xla["quadratic_model"] - xla["capture_and_quadratic_model"]
+  )
   assert abs(shared / forward - 1) < 0.05, (shared, forward)
   # With the gradient's loss split at the curvature examples, its forward
   # pass over them is shared too.
-  shared = (xla["gradient"] + xla["capture_and_quadratic_model"] -
-            xla["all_gradient_split"])
+  shared = (
+    xla["gradient"]
+    + xla["capture_and_quadratic_model"]
+    - xla["all_gradient_split"]
+  )
   assert abs(shared / forward - 1) < 0.05, (shared, forward)
 
 
@@ -191,21 +249,39 @@ def test_scaling_smoke(tmp_path):
 
 
 def test_convergence_refuses_a_center_outside_the_swept_range():
-  for center, message in (("kfac_adaptive=2000", r"within \[0.0001, 1000\]"),
-                          ("kfac_adaptive=0", "must be > 0"),
-                          ("adam=-1e-3", "must be > 0")):
+  for center, message in (
+    ("kfac_adaptive=2000", r"within \[0.0001, 1000\]"),
+    ("kfac_adaptive=0", "must be > 0"),
+    ("adam=-1e-3", "must be > 0"),
+  ):
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.convergence", "--center", center,
-         "--tasks", "cifar", "--smoke"], cwd=REPO, capture_output=True,
-        text=True, timeout=120)
+      [
+        sys.executable,
+        "-m",
+        "benchmarks.convergence",
+        "--center",
+        center,
+        "--tasks",
+        "cifar",
+        "--smoke",
+      ],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=120,
+    )
     assert result.returncode != 0
     assert re.search(message, result.stderr), result.stderr[-1000:]
 
 
 def run_convergence(*args: str) -> subprocess.CompletedProcess[str]:
   result = subprocess.run(
-      [sys.executable, "-m", "benchmarks.convergence", "--no-progress", *args],
-      cwd=REPO, capture_output=True, text=True, timeout=240)
+    [sys.executable, "-m", "benchmarks.convergence", "--no-progress", *args],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   return result
 
@@ -216,11 +292,24 @@ def test_convergence_smoke_and_resume(tmp_path):
   has_kron = importlib.util.find_spec("distributed_kron") is not None
   optimizers = tuple(n for n in asked if has_kron or n != "kron")
   # kfac_adaptive's factors from the Gauss-Newton surrogate on 4 examples.
-  first = run_convergence("--smoke", "--tasks", "cifar", "--optimizers",
-                          *asked, "--curvature", "gauss-newton",
-                          "--curvature-examples", "4", "--targets", "0", "101",
-                          "--at-seconds", "0", "--out",
-                          str(tmp_path / "first"))
+  first = run_convergence(
+    "--smoke",
+    "--tasks",
+    "cifar",
+    "--optimizers",
+    *asked,
+    "--curvature",
+    "gauss-newton",
+    "--curvature-examples",
+    "4",
+    "--targets",
+    "0",
+    "101",
+    "--at-seconds",
+    "0",
+    "--out",
+    str(tmp_path / "first"),
+  )
   (path,) = (tmp_path / "first").glob("convergence_*.json")
   runs = json.loads(path.read_text())["runs"]
   assert [r["optimizer"] for r in runs] == list(optimizers)
@@ -230,20 +319,28 @@ def test_convergence_smoke_and_resume(tmp_path):
     assert all(0 <= p["metric"] <= 100 for p in run["curve"])
   # The target is the best first-order final accuracy (one seed: its value);
   # K-FAC reaches it iff one of its evaluations is at least as high.
-  target = max(r["final"] for r in runs
-               if r["optimizer"] not in ("kfac", "kfac_adaptive"))
+  target = max(
+    r["final"] for r in runs if r["optimizer"] not in ("kfac", "kfac_adaptive")
+  )
   kfac_run = next(r for r in runs if r["optimizer"] == "kfac")
   reached = any(p["metric"] >= target for p in kfac_run["curve"])
   (table,) = (tmp_path / "first").glob("convergence_*.md")
-  kfac_row = next(line for line in table.read_text().splitlines()
-                  if line.startswith("| kfac |"))
+  kfac_row = next(
+    line
+    for line in table.read_text().splitlines()
+    if line.startswith("| kfac |")
+  )
   assert ("| 1/1 |" if reached else "| 0/1 |") in kfac_row
   # Readouts: accuracy ≥ 0 from the first evaluation, 101 % never.
-  readout = next(line for line in table.read_text().splitlines()
-                 if line.startswith("| kfac, seed 0 |"))
+  readout = next(
+    line
+    for line in table.read_text().splitlines()
+    if line.startswith("| kfac, seed 0 |")
+  )
   initial = kfac_run["curve"][0]["metric"]
-  assert readout.startswith(f"| kfac, seed 0 | 0 (0) | 0, 0.0 | never | — | "
-                            f"{initial:.4g} | "), readout
+  assert readout.startswith(
+    f"| kfac, seed 0 | 0 (0) | 0, 0.0 | never | — | {initial:.4g} | "
+  ), readout
   # The adaptive mode has no learning rate: its swept setting is λ₀ (here
   # unswept, at the center: kfac-jax's example's 150).
   assert "| kfac_adaptive | λ₀=150 |" in table.read_text()
@@ -257,8 +354,9 @@ def test_convergence_smoke_and_resume(tmp_path):
   floor = kfac_jax.AdaptiveConfig().min_damping
   assert runs[-1]["min_damping"] == floor
   first_order = len(optimizers) - 2
-  assert [r.get("inv_dtype") for r in runs] == ([None] * first_order
-                                                + ["float32", "float32"])
+  assert [r.get("inv_dtype") for r in runs] == (
+    [None] * first_order + ["float32", "float32"]
+  )
   assert all(floor <= d <= 1000 for d in trace["damping"])
   assert all("trace" not in r for r in runs[:-1])
   assert list((tmp_path / "first").glob("convergence_*_cifar.png"))
@@ -269,13 +367,28 @@ def test_convergence_smoke_and_resume(tmp_path):
   # under another --inv-dtype, and kfac_adaptive's under another
   # --curvature (here the default, factor_batch_size=4) and another floor
   # of λ.
-  second = run_convergence("--smoke", "--tasks", "cifar", "--optimizers",
-                           *optimizers, "--curvature-examples", "4",
-                           "--min-damping", "1e-3", "--inv-dtype",
-                           "bfloat16", "--resume", str(path), "--out",
-                           str(tmp_path / "second"))
-  retrained = [line.split()[2] for line in second.stdout.splitlines()
-               if "after 2 steps" in line]
+  second = run_convergence(
+    "--smoke",
+    "--tasks",
+    "cifar",
+    "--optimizers",
+    *optimizers,
+    "--curvature-examples",
+    "4",
+    "--min-damping",
+    "1e-3",
+    "--inv-dtype",
+    "bfloat16",
+    "--resume",
+    str(path),
+    "--out",
+    str(tmp_path / "second"),
+  )
+  retrained = [
+    line.split()[2]
+    for line in second.stdout.splitlines()
+    if "after 2 steps" in line
+  ]
   assert retrained == ["kfac", "kfac_adaptive"]
   (path2,) = (tmp_path / "second").glob("convergence_*.json")
   runs2 = json.loads(path2.read_text())["runs"]
@@ -293,10 +406,22 @@ def test_time_to_target_readouts():
   """The interpolated crossing, the metric at a time, and medians over seeds
   that count a miss as infinitely late."""
   task = tasks.Task(
-      name="toy", description="", metric="loss", higher_is_better=False,
-      data=(), batch_size=1, init=None, loss_fn=None, evaluate=None)
-  run = dict(curve=[dict(step=s, seconds=t, metric=m) for s, t, m in
-                    [(0, 0.0, 10.0), (10, 5.0, 8.0), (20, 10.0, 6.0)]])
+    name="toy",
+    description="",
+    metric="loss",
+    higher_is_better=False,
+    data=(),
+    batch_size=1,
+    init=None,
+    loss_fn=None,
+    evaluate=None,
+  )
+  run = dict(
+    curve=[
+      dict(step=s, seconds=t, metric=m)
+      for s, t, m in [(0, 0.0, 10.0), (10, 5.0, 8.0), (20, 10.0, 6.0)]
+    ]
+  )
   assert targets.first_reach(task, run, 7.0) == (20, 10.0)
   assert targets.crossing(task, run, 7.0) == (15.0, 7.5)
   assert targets.crossing(task, run, 10.0) == (0.0, 0.0)
@@ -315,13 +440,14 @@ def test_curvature_shared_loss_is_the_same_objective():
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from tests import reference  # pylint: disable=g-import-not-at-top
+
   rng = np.random.default_rng(0)
   x = rng.normal(size=(12, 3)).astype(np.float32)
   y = rng.normal(size=(12, 2)).astype(np.float32)
   weights = rng.normal(size=(3, 2)).astype(np.float32)
 
   def loss_fn(w, x, y):
-    return (((x @ w - y) ** 2).sum(-1).mean() + 0.1 * (w ** 2).sum())
+    return ((x @ w - y) ** 2).sum(-1).mean() + 0.1 * (w**2).sum()
 
   for examples in (1, 5, 11, 12, 40):
     split = training.curvature_shared_loss(loss_fn, examples)
@@ -333,14 +459,13 @@ def test_curvature_shared_loss_is_the_same_objective():
     # and the sum over the 12 examples.
     forward = 3 + 2 + 2 + 12 + 6 + 2
     reference.assert_float32_close(value, expected_value, terms=forward)
-    reference.assert_float32_close(grad, expected_grad,
-                                   terms=2 * forward + 12)
+    reference.assert_float32_close(grad, expected_grad, terms=2 * forward + 12)
   # Were y cut elsewhere than x (or the head weighed by anything but
   # its share), a per-example loss would change.
   calls = []
   training.curvature_shared_loss(
-      lambda w, x, y: calls.append((x.shape, y.shape)) or 0.0, 5)(
-          weights, x, y)
+    lambda w, x, y: calls.append((x.shape, y.shape)) or 0.0, 5
+  )(weights, x, y)
   assert calls == [((5, 3), (5, 2)), ((7, 3), (7, 2))]
 
 
@@ -349,9 +474,18 @@ def test_deepmind_scripts_refuse_this_kfac_jax(tmp_path):
   import, parse their flags and stop with the message that says so."""
   for module in ("dm_kfac_step_time", "dm_kfac_race"):
     result = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{module}", "--out",
-         str(tmp_path / "x.json")], cwd=REPO, capture_output=True, text=True,
-        timeout=240)
+      [
+        sys.executable,
+        "-m",
+        f"benchmarks.{module}",
+        "--out",
+        str(tmp_path / "x.json"),
+      ],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=240,
+    )
     assert result.returncode != 0
     assert "is not DeepMind's kfac-jax" in result.stderr, result.stderr[-2000:]
 
@@ -360,11 +494,16 @@ def test_phases_smoke(tmp_path):
   """Every program is timed, and the table shows each phase beside AdamW's
   step (the smoke's numbers are one call each: no timing is asserted)."""
   from benchmarks import phases, phases_report  # pylint: disable=g-import-not-at-top
+
   result = run_smoke("phases", tmp_path)
   (path,) = tmp_path.glob("phases_*.json")
   (task,) = json.loads(path.read_text())["tasks"]
-  programs = {"adamw", "grad", "capture",
-              *(name for name, *_ in phases.KFAC_PROGRAMS)}
+  programs = {
+    "adamw",
+    "grad",
+    "capture",
+    *(name for name, *_ in phases.KFAC_PROGRAMS),
+  }
   assert set(task["median_ms"]) == programs
   assert all(ms > 0 for ms in task["median_ms"].values())
   assert task["largest_factor"]["size"] == 257  # the MLP's 256 + bias
@@ -375,10 +514,21 @@ def test_phases_smoke(tmp_path):
 def test_phases_report_arithmetic():
   """The phases and amortized steps from made-up medians, by hand."""
   from benchmarks import phases_report  # pylint: disable=g-import-not-at-top
-  ms = dict(adamw=10.0, grad=8.0, capture=11.0, stats=20.0, no_stats=12.0,
-            decompose=52.0, full=62.0, eigen_no_stats=14.0,
-            eigen_decompose=94.0, fraction_stats=16.0, reduce_stats=15.0,
-            both_stats=13.0)
+
+  ms = dict(
+    adamw=10.0,
+    grad=8.0,
+    capture=11.0,
+    stats=20.0,
+    no_stats=12.0,
+    decompose=52.0,
+    full=62.0,
+    eigen_no_stats=14.0,
+    eigen_decompose=94.0,
+    fraction_stats=16.0,
+    reduce_stats=15.0,
+    both_stats=13.0,
+  )
   out = phases_report.derived(ms, period=10)
   assert out["adamw_update"] == 2.0 and out["statistics"] == 3.0
   assert out["factor_update"] == 20.0 - 12.0 - 3.0
@@ -401,20 +551,33 @@ def test_batch_norm_state_is_threaded_through_every_contestant():
   from benchmarks import race_optimizers  # pylint: disable=g-import-not-at-top
   from examples import datasets  # pylint: disable=g-import-not-at-top
   from tests import reference  # pylint: disable=g-import-not-at-top
+
   rng = np.random.default_rng(0)
   x = rng.normal(size=(8, 8, 8, 1)).astype(np.float32)
   y = rng.integers(0, 10, size=8).astype(np.int32)
   task = tasks.batch_norm_classifier(
-      "mnist_bn", "tiny", models.BatchNormCNN(),
-      datasets.ImageData("random", x, y, x, y, 10), None, 8,
-      weight_decay=0.0)
+    "mnist_bn",
+    "tiny",
+    models.BatchNormCNN(),
+    datasets.ImageData("random", x, y, x, y, 10),
+    None,
+    8,
+    weight_decay=0.0,
+  )
   assert task.stateful and race_optimizers.unsupported("kfac_adaptive", task)
   params, state = task.initial(0)
   expected = jax.device_get(task.loss_fn(params, state, x, y)[1])
   conv = params["Conv_0"]
-  features = jax.lax.conv_general_dilated(
-      x, conv["kernel"], (1, 1), "SAME",
-      dimension_numbers=("NHWC", "HWIO", "NHWC")) + conv["bias"]
+  features = (
+    jax.lax.conv_general_dilated(
+      x,
+      conv["kernel"],
+      (1, 1),
+      "SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
+    + conv["bias"]
+  )
   by_hand = 0.1 * np.asarray(features, np.float64).mean(axis=(0, 1, 2))
   # Roundings: the convolutions' sums (9 and 3·3·32 products) and the
   # means and variances over the positions (8·8·8 and 8·4·4), added.
@@ -423,18 +586,19 @@ def test_batch_norm_state_is_threaded_through_every_contestant():
   # to compile).
   for name in ("adamw", "muon", "soap", "kfac"):
     optimizer = race_optimizers.build_optimizer(
-        name, race_optimizers.CENTERS[name], task)
+      name, race_optimizers.CENTERS[name], task
+    )
     step = training.make_train_step(task.loss_fn, optimizer, stateful=True)
     fresh = jax.tree.map(np.array, (params, state))
     _, _, new_state, loss = step(
-        fresh[0], optimizer.tx.init(fresh[0]), fresh[1], jax.random.key(0),
-        x, y)
+      fresh[0], optimizer.tx.init(fresh[0]), fresh[1], jax.random.key(0), x, y
+    )
     assert np.isfinite(float(loss)), name
-    for got, want in zip(jax.tree.leaves(new_state),
-                         jax.tree.leaves(expected)):
+    for got, want in zip(jax.tree.leaves(new_state), jax.tree.leaves(expected)):
       reference.assert_float32_close(got, want, terms=terms, err_msg=name)
     reference.assert_float32_close(
-        new_state["BatchNorm_0"]["mean"], by_hand, terms=terms, err_msg=name)
+      new_state["BatchNorm_0"]["mean"], by_hand, terms=terms, err_msg=name
+    )
 
 
 def test_muon_orthogonalizes_the_kernels_of_the_layer_table():
@@ -445,23 +609,33 @@ def test_muon_orthogonalizes_the_kernels_of_the_layer_table():
   import optax  # pylint: disable=g-import-not-at-top
   import pytest  # pylint: disable=g-import-not-at-top
   from benchmarks import race_optimizers  # pylint: disable=g-import-not-at-top
+
   if not hasattr(optax.contrib, "MuonDimensionNumbers"):
-    pytest.skip("optax < 0.2.7: Muon takes the 2-D parameters only "
-                "(race_optimizers.muon)")
+    pytest.skip(
+      "optax < 0.2.7: Muon takes the 2-D parameters only (race_optimizers.muon)"
+    )
   task = tasks.shakespeare_task(eval_examples=8, batch_size=2)
   params = task.init(0)
   dims = race_optimizers.muon_dimensions(task.layers)(params)
   query = dims["blocks"]["attention"]["query"]
   assert params["blocks"]["attention"]["query"]["kernel"].shape == (
-      2, 64, 4, 16)
+    2,
+    64,
+    4,
+    16,
+  )
   assert tuple(query["kernel"]) == ((1,), (2, 3))
   assert query["bias"] is None
   out = dims["blocks"]["attention"]["out"]["kernel"]
   assert tuple(out) == ((1, 2), (3,))
   assert tuple(dims["logits"]["kernel"]) == ((0,), (1,))
   assert dims["Embed_0"]["embedding"] is None and dims["position"] is None
-  muon = sum(d is not None for d in jax.tree.leaves(
-      dims, is_leaf=lambda d: d is None or isinstance(d, tuple)))
+  muon = sum(
+    d is not None
+    for d in jax.tree.leaves(
+      dims, is_leaf=lambda d: d is None or isinstance(d, tuple)
+    )
+  )
   assert muon == 7  # q, k, v, out, mlp_in, mlp_out, logits
 
 
@@ -469,9 +643,20 @@ def test_convergence_smoke_on_a_batch_norm_task(tmp_path):
   """The race trains and evaluates a BatchNorm task with every contestant
   that can, and says which it leaves out; its clock may count CPU
   seconds."""
-  result = run_convergence("--smoke", "--tasks", "mnist_bn", "--optimizers",
-                           "adamw", "kfac", "kfac_adaptive", "kfac_levers",
-                           "--clock", "cpu", "--out", str(tmp_path))
+  result = run_convergence(
+    "--smoke",
+    "--tasks",
+    "mnist_bn",
+    "--optimizers",
+    "adamw",
+    "kfac",
+    "kfac_adaptive",
+    "kfac_levers",
+    "--clock",
+    "cpu",
+    "--out",
+    str(tmp_path),
+  )
   assert "leaving kfac_adaptive out" in result.stdout
   (path,) = tmp_path.glob("convergence_*.json")
   runs = json.loads(path.read_text())["runs"]

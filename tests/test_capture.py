@@ -25,7 +25,6 @@ class SharedLayer(nn.Module):
 
 
 class Outer(nn.Module):
-
   @nn.compact
   def __call__(self, x1, x2):
     return SharedLayer(name="block")(x1, x2)
@@ -43,9 +42,11 @@ def test_each_call_is_captured_with_its_cotangent():
     return jnp.sum(y**2), y
 
   (loss, y), grads, stats = kfac_jax.value_grad_and_stats(
-      loss_fn, has_aux=True)(params)
+    loss_fn, has_aux=True
+  )(params)
   (expected_loss, _), expected_grads = jax.value_and_grad(
-      loss_fn, has_aux=True)(params)
+    loss_fn, has_aux=True
+  )(params)
   # The dot of 5, the bias, out₁ + 2·out₂, the sum over 4 × 3 outputs
   # (reference.assert_float32_close's ``terms``); the gradients, backward
   # and the kernel's sums over 2 × 4 rows.
@@ -93,31 +94,36 @@ def test_a_call_whose_output_does_not_reach_the_loss_adds_nothing():
   # token 0 for each of its rows.
   model = TargetWithSameLayers()
   rng = np.random.default_rng(4)
-  x, target_x = (jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
-                 for _ in range(2))
+  x, target_x = (
+    jnp.asarray(rng.normal(size=(5, 4)), jnp.float32) for _ in range(2)
+  )
   ids, target_ids = jnp.array([1, 2, 2, 3, 5]), jnp.array([0, 0, 4, 4, 1])
-  params = model.init(jax.random.PRNGKey(0), ids, x, target_ids,
-                      target_x)["params"]
+  params = model.init(jax.random.PRNGKey(0), ids, x, target_ids, target_x)[
+    "params"
+  ]
 
   def loss_fn(params):
-    online, target = model.apply({"params": params}, ids, x, target_ids,
-                                 target_x)
-    return jnp.sum((online - target)**2)
+    online, target = model.apply(
+      {"params": params}, ids, x, target_ids, target_x
+    )
+    return jnp.sum((online - target) ** 2)
 
   _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
-  online, target = model.apply({"params": params}, ids, x, target_ids,
-                               target_x)
+  online, target = model.apply({"params": params}, ids, x, target_ids, target_x)
   online_cotangent = 2 * np.asarray(online - target, np.float64)
   (a,), (g,) = batch_factors(stats["dense"])
-  online_rows = np.concatenate([np.asarray(x, np.float64), np.ones((5, 1))],
-                               1)
+  online_rows = np.concatenate([np.asarray(x, np.float64), np.ones((5, 1))], 1)
   close(a, reference.cov(online_rows), terms=5 + 1)  # 5 rows' products, / 5
   # The cotangent 2(online − target) cancels: its rounding (the dot of 4, the
   # bias, the embedding's add, for each side) is of 2(|online| + |target|),
   # and G's of that squared; then G's 5 rows' products, / 5.
   magnitude = 2 * float(np.max(np.abs(online) + np.abs(target)))
-  close(g, reference.cov(online_cotangent), terms=2 * (4 + 1 + 1) + 5 + 1,
-        scale=magnitude**2)
+  close(
+    g,
+    reference.cov(online_cotangent),
+    terms=2 * (4 + 1 + 1) + 5 + 1,
+    scale=magnitude**2,
+  )
   (a,), _ = batch_factors(stats["embed"])
   # Counts of one-hot rows, exact, / 5.
   close(np.diag(a), np.bincount(ids, minlength=6) / 5, terms=1)
@@ -136,8 +142,9 @@ def test_extra_arguments_and_jit():
   # Root module: its path is empty, as is the params path of its kernel.
   assert list(stats) == [""]
   np.testing.assert_allclose(grads["bias"], 3.0 * 3 * np.ones(2))
-  np.testing.assert_allclose(stats[""].output_cotangents[0], 3.0 * np.ones(
-      (3, 2)))
+  np.testing.assert_allclose(
+    stats[""].output_cotangents[0], 3.0 * np.ones((3, 2))
+  )
 
 
 def test_non_scalar_loss_is_rejected():
@@ -145,8 +152,9 @@ def test_non_scalar_loss_is_rejected():
   x = jnp.ones((3, 4))
   params = model.init(jax.random.PRNGKey(0), x)["params"]
   with pytest.raises(ValueError, match="scalar loss"):
-    kfac_jax.value_grad_and_stats(
-        lambda p: model.apply({"params": p}, x))(params)
+    kfac_jax.value_grad_and_stats(lambda p: model.apply({"params": p}, x))(
+      params
+    )
 
 
 def test_has_aux_requires_a_pair():
@@ -155,7 +163,8 @@ def test_has_aux_requires_a_pair():
   params = model.init(jax.random.PRNGKey(0), x)["params"]
   with pytest.raises(ValueError, match=r"\(loss, aux\)"):
     kfac_jax.value_grad_and_stats(
-        lambda p: jnp.sum(model.apply({"params": p}, x)), has_aux=True)(params)
+      lambda p: jnp.sum(model.apply({"params": p}, x)), has_aux=True
+    )(params)
 
 
 class ScaledDense(nn.Dense):
@@ -169,7 +178,6 @@ class ScaledDense(nn.Dense):
 def test_a_subclass_overriding_call_is_captured_at_the_base_call():
   # Linen intercepts both calls; only the inner, linear one is the layer.
   class Model(nn.Module):
-
     @nn.compact
     def __call__(self, x):
       return ScaledDense(3, name="scaled")(x)
@@ -179,11 +187,12 @@ def test_a_subclass_overriding_call_is_captured_at_the_base_call():
   x = rng.normal(size=(5, 4))
   y = rng.normal(size=(5, 3))
   params = model.init(jax.random.PRNGKey(0), jnp.asarray(x, jnp.float32))[
-      "params"]
+    "params"
+  ]
 
   def loss_fn(params):
     out = model.apply({"params": params}, jnp.asarray(x, jnp.float32))
-    return 0.5 * jnp.mean(jnp.sum((out - y)**2, -1))
+    return 0.5 * jnp.mean(jnp.sum((out - y) ** 2, -1))
 
   _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
   assert len(stats["scaled"].inputs) == 1
@@ -201,18 +210,20 @@ def test_calls_that_contract_different_axes_are_refused():
   # axis=1 is the features of the rank-3 input and of the rank-2 one, -2 and
   # -1 counted from the end: one factor layout cannot hold both.
   class Model(nn.Module):
-
     @nn.compact
     def __call__(self, x3, x2):
       layer = nn.DenseGeneral(3, axis=1, name="general")
-      return jnp.sum(layer(x3)) + jnp.sum(layer(x2)**2)
+      return jnp.sum(layer(x3)) + jnp.sum(layer(x2) ** 2)
 
   model = Model()
   x3, x2 = jnp.ones((5, 4, 2)), jnp.ones((5, 4))
   params = model.init(jax.random.PRNGKey(0), x3, x2)["params"]
-  with pytest.raises(ValueError, match="'general' is called with two signatures"):
+  with pytest.raises(
+    ValueError, match="'general' is called with two signatures"
+  ):
     kfac_jax.value_grad_and_stats(
-        lambda params: model.apply({"params": params}, x3, x2))(params)
+      lambda params: model.apply({"params": params}, x3, x2)
+    )(params)
 
 
 @pytest.mark.parametrize("batch_dims", [0, (0,)])
@@ -221,22 +232,21 @@ def test_dense_general_with_batch_dims_is_left_out(batch_dims):
   # shorthand for one axis) was read as none: kernel (6, 3, 2) as in (6,),
   # out (3, 2), then a bias-shape error at init.
   class Model(nn.Module):
-
     @nn.compact
     def __call__(self, x):
       h = nn.DenseGeneral(2, batch_dims=batch_dims, name="batched")(x)
       return nn.Dense(1, name="head")(h)
 
   model = Model()
-  x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 5, 3)),
-                  jnp.float32)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 5, 3)), jnp.float32)
   params = model.init(jax.random.PRNGKey(0), x)["params"]
   assert params["batched"]["kernel"].shape == (6, 3, 2)
-  loss_fn = lambda params: jnp.mean(model.apply({"params": params}, x)**2)
+  loss_fn = lambda params: jnp.mean(model.apply({"params": params}, x) ** 2)
   table = kfac_jax.trace_layers(loss_fn, params)
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
   assert list(table) == list(stats) == ["head"]
   tx = kfac_jax.scale_by_kfac(layers=table, skip_layers=["^batched$"])
   updates, _ = tx.update(grads, tx.init(params), kfac_stats=stats)
-  jax.tree.map(np.testing.assert_array_equal, updates["batched"],
-               grads["batched"])
+  jax.tree.map(
+    np.testing.assert_array_equal, updates["batched"], grads["batched"]
+  )

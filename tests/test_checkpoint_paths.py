@@ -34,9 +34,11 @@ def small_tree():
 @pytest.mark.parametrize("kind", ["epath", "relative", "pathlib"])
 def test_save_and_restore_take_orbax_path_types(kind, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  directory = {"epath": epath.Path(tmp_path) / "ckpt",
-               "relative": "runs/ckpt",
-               "pathlib": pathlib.Path("runs") / "ckpt"}[kind]
+  directory = {
+    "epath": epath.Path(tmp_path) / "ckpt",
+    "relative": "runs/ckpt",
+    "pathlib": pathlib.Path("runs") / "ckpt",
+  }[kind]
   tree = small_tree()
   checkpoint.save(directory, tree)
   restored = checkpoint.restore(directory, jax.eval_shape(lambda: tree))
@@ -65,10 +67,12 @@ def test_a_gcs_url_reaches_orbax_as_it_is(as_path, tmp_path, monkeypatch):
     # asked about the URL, not about a local path.
     with pytest.raises(ValueError, match=f"Destination {URL} already exists"):
       checkpoint.save(directory, tree)
-    with pytest.raises(FileNotFoundError,
-                       match=f"no checkpoint directory at '{URL}'"):
+    with pytest.raises(
+      FileNotFoundError, match=f"no checkpoint directory at '{URL}'"
+    ):
       checkpoint.restore(directory, jax.eval_shape(lambda: tree))
   assert URL in asked
-  assert not any("gs:/" in path and not path.startswith("gs://")
-                 for path in asked), asked
+  assert not any(
+    "gs:/" in path and not path.startswith("gs://") for path in asked
+  ), asked
   assert not (tmp_path / "gs:").exists()

@@ -55,14 +55,15 @@ PROGRAM = textwrap.dedent("""
 def _run_in_process() -> str:
   namespace: dict = {}
   exec(PROGRAM.replace('print(run("eigen"), run("inverse"))', ""), namespace)
-  return f'{namespace["run"]("eigen")} {namespace["run"]("inverse")}'
+  return f"{namespace['run']('eigen')} {namespace['run']('inverse')}"
 
 
 def test_bit_identical_run_to_run():
   first = _run_in_process()
   jax.clear_caches()  # recompile: determinism must not hinge on the cache
   second = _run_in_process()
-  other_process = subprocess.run([sys.executable, "-c", PROGRAM],
-                                 capture_output=True, text=True, timeout=240)
+  other_process = subprocess.run(
+    [sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=240
+  )
   assert other_process.returncode == 0, other_process.stderr[-3000:]
   assert first == second == other_process.stdout.strip()

@@ -46,8 +46,9 @@ def _check_like_jitted(eager, jitted) -> None:
   assert sorted(stats) == sorted(stats_j)
   for name in stats:
     for field in ("inputs", "output_cotangents"):
-      for value, expected in zip(getattr(stats[name], field),
-                                 getattr(stats_j[name], field)):
+      for value, expected in zip(
+        getattr(stats[name], field), getattr(stats_j[name], field)
+      ):
         close(value, expected, terms=TERMS, err_msg=f"{name} {field}")
 
 
@@ -60,17 +61,18 @@ def test_a_linen_loss_using_numpy_runs_eagerly_as_under_value_and_grad():
     scale = _numpy_scale(x)
     if scale > 100:  # a Python branch on a concrete value
       scale = 100.0
-    return jnp.sum(model.apply({"params": params}, x)**2) / scale
+    return jnp.sum(model.apply({"params": params}, x) ** 2) / scale
 
   eager = kfac_jax.value_grad_and_stats(loss_fn)(params, x)
   expected_loss, expected_grads = jax.value_and_grad(loss_fn)(params, x)
   close(eager[0], expected_loss, terms=TERMS)
-  jax.tree.map(lambda a, b: close(a, b, terms=TERMS), eager[1],
-               expected_grads)
+  jax.tree.map(lambda a, b: close(a, b, terms=TERMS), eager[1], expected_grads)
   scale = _numpy_scale(x)
-  jitted = jax.jit(kfac_jax.value_grad_and_stats(
-      lambda params, x: jnp.sum(model.apply({"params": params}, x)**2) /
-      scale))(params, x)
+  jitted = jax.jit(
+    kfac_jax.value_grad_and_stats(
+      lambda params, x: jnp.sum(model.apply({"params": params}, x) ** 2) / scale
+    )
+  )(params, x)
   _check_like_jitted(eager, jitted)
   # The layer table reads the same loss eagerly too.
   assert list(kfac_jax.trace_layers(loss_fn, params, x)) == [""]
@@ -81,12 +83,15 @@ def test_an_nnx_loss_using_numpy_runs_eagerly():
   x = _data()
 
   def loss_fn(model, x):
-    return jnp.sum(model(x)**2) / _numpy_scale(x)
+    return jnp.sum(model(x) ** 2) / _numpy_scale(x)
 
   eager = kfac_jax.value_grad_and_stats(loss_fn)(model, x)
   scale = _numpy_scale(x)
-  jitted = nnx.jit(kfac_jax.value_grad_and_stats(
-      lambda model, x: jnp.sum(model(x)**2) / scale))(model, x)
+  jitted = nnx.jit(
+    kfac_jax.value_grad_and_stats(
+      lambda model, x: jnp.sum(model(x) ** 2) / scale
+    )
+  )(model, x)
   _check_like_jitted(eager, jitted)
 
 
@@ -100,17 +105,22 @@ def test_a_loss_with_a_cell_in_a_loop_using_numpy_runs_eagerly():
   def looped(scale):
     def loss_fn(params, x):
       step = lambda h, _: (jnp.tanh(model.apply({"params": params}, h)), h)
-      return jnp.sum(jax.lax.scan(step, x, length=3)[1]**2) / scale(x)
+      return jnp.sum(jax.lax.scan(step, x, length=3)[1] ** 2) / scale(x)
 
     return loss_fn
 
   eager = kfac_jax.value_grad_and_stats(looped(_numpy_scale))(params, x)
   scale = _numpy_scale(x)
   jitted = jax.jit(kfac_jax.value_grad_and_stats(looped(lambda _: scale)))(
-      params, x)
+    params, x
+  )
   # Three steps of the layer forward and back.
   assert eager[2][""].inputs[0].shape == (B, 3, IN)
   close(eager[0], jitted[0], terms=3 * TERMS)
   for field in ("inputs", "output_cotangents"):
-    close(getattr(eager[2][""], field)[0], getattr(jitted[2][""], field)[0],
-          terms=3 * TERMS, err_msg=field)
+    close(
+      getattr(eager[2][""], field)[0],
+      getattr(jitted[2][""], field)[0],
+      terms=3 * TERMS,
+      err_msg=field,
+    )

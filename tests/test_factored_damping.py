@@ -13,8 +13,7 @@ from kfac_jax.factors import batch as batch_lib
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import inverse as inverse_lib
 from tests import reference
-from tests.adaptive_problems import (L2, flat64, run_steps,
-                                     sigmoid_problem)
+from tests.adaptive_problems import L2, flat64, run_steps, sigmoid_problem
 
 close = reference.assert_float32_close
 
@@ -23,28 +22,37 @@ def test_fisher_scaled_gradient_factor_is_the_per_example_covariance():
   """Dense: ``G = (1/N) Σ ∇ℓᵢ ∇ℓᵢᵀ`` of the output layer, in closed form."""
   params, batch, _, loss_fn = sigmoid_problem()
   _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, *batch)
-  _, gradient_factor = batch_lib.batch_factors(stats["Dense_1"],
-                                               fisher_scaled=True)
+  _, gradient_factor = batch_lib.batch_factors(
+    stats["Dense_1"], fisher_scaled=True
+  )
   x, y = batch
-  hidden = np.tanh(np.asarray(x, np.float64) @ np.asarray(
-      params["Dense_0"]["kernel"], np.float64) + np.asarray(
-          params["Dense_0"]["bias"], np.float64))
-  logits = hidden @ np.asarray(params["Dense_1"]["kernel"],
-                               np.float64) + np.asarray(
-                                   params["Dense_1"]["bias"], np.float64)
+  hidden = np.tanh(
+    np.asarray(x, np.float64)
+    @ np.asarray(params["Dense_0"]["kernel"], np.float64)
+    + np.asarray(params["Dense_0"]["bias"], np.float64)
+  )
+  logits = hidden @ np.asarray(
+    params["Dense_1"]["kernel"], np.float64
+  ) + np.asarray(params["Dense_1"]["bias"], np.float64)
   per_example = 1 / (1 + np.exp(-logits)) - np.asarray(y, np.float64)
   # The residuals σ(z) − y carry the dots of 4 and 6, the bias, tanh and
   # the sigmoid (14 roundings), twice in each product; the sum over 32, / 32.
-  close(gradient_factor[0], per_example.T @ per_example / len(per_example),
-        terms=2 * 14 + 32 + 1)
+  close(
+    gradient_factor[0],
+    per_example.T @ per_example / len(per_example),
+    terms=2 * 14 + 32 + 1,
+  )
 
 
 def test_fisher_scales_of_a_convolution():
-  conv = LayerSignature("Conv", True, conv=ConvGeometry(
-      (3, 3), (1, 1), "SAME", (1, 1), (1, 1)))
+  conv = LayerSignature(
+    "Conv", True, conv=ConvGeometry((3, 3), (1, 1), "SAME", (1, 1), (1, 1))
+  )
   # B = 2 examples, T = 4·5 output positions: (T², N²·T) with N = B·T.
   assert batch_lib.fisher_scales(jnp.zeros((2, 4, 5, 7)), conv) == (
-      20.0**2, 40.0**2 * 20)
+    20.0**2,
+    40.0**2 * 20,
+  )
 
 
 def test_factored_damping_splits_lambda_by_the_trace_ratio():
@@ -55,30 +63,45 @@ def test_factored_damping_splits_lambda_by_the_trace_ratio():
   grad = rng.normal(size=(5, 3))
   damping = 0.7
   (scaled,) = inverse_lib.factored_damping_scaled(
-      {"layer": LayerFactors(jnp.asarray(activation, jnp.float32),
-                             jnp.asarray(gradient, jnp.float32))},
-      jnp.float32(damping)).values()
-  result = (np.linalg.inv(np.asarray(scaled.activation_factor) + np.eye(5)) @
-            grad @ np.linalg.inv(np.asarray(scaled.gradient_factor) +
-                                 np.eye(3)))
+    {
+      "layer": LayerFactors(
+        jnp.asarray(activation, jnp.float32), jnp.asarray(gradient, jnp.float32)
+      )
+    },
+    jnp.float32(damping),
+  ).values()
+  result = (
+    np.linalg.inv(np.asarray(scaled.activation_factor) + np.eye(5))
+    @ grad
+    @ np.linalg.inv(np.asarray(scaled.gradient_factor) + np.eye(3))
+  )
   pi = np.sqrt((np.trace(activation) / 5) / (np.trace(gradient) / 3))
   expected = damping * (
-      np.linalg.inv(activation + pi * np.sqrt(damping) * np.eye(5)) @ grad @
-      np.linalg.inv(gradient + np.sqrt(damping) / pi * np.eye(3)))
+    np.linalg.inv(activation + pi * np.sqrt(damping) * np.eye(5))
+    @ grad
+    @ np.linalg.inv(gradient + np.sqrt(damping) / pi * np.eye(3))
+  )
   # The factors' rounding to float32 and π's (traces over 5 and 3, their
   # ratio, the square root; √λ, the division): 13, each factor's through
   # its conditioning, of ‖(A/(π√λ) + I)⁻¹‖‖∇‖‖(Gπ/√λ + I)⁻¹‖.
   a_shifted = np.asarray(scaled.activation_factor, np.float64) + np.eye(5)
   g_shifted = np.asarray(scaled.gradient_factor, np.float64) + np.eye(3)
-  close(result, expected, terms=13,
-        condition=np.linalg.cond(a_shifted) + np.linalg.cond(g_shifted),
-        scale=damping * np.linalg.norm(np.linalg.inv(a_shifted), 2) *
-        np.linalg.norm(grad) * np.linalg.norm(np.linalg.inv(g_shifted), 2))
+  close(
+    result,
+    expected,
+    terms=13,
+    condition=np.linalg.cond(a_shifted) + np.linalg.cond(g_shifted),
+    scale=damping
+    * np.linalg.norm(np.linalg.inv(a_shifted), 2)
+    * np.linalg.norm(grad)
+    * np.linalg.norm(np.linalg.inv(g_shifted), 2),
+  )
 
 
 @pytest.mark.parametrize("gradient_from_stats", [False, True])
 def test_inverse_direction_keeps_its_scale_against_unregistered_params(
-    gradient_from_stats):
+  gradient_from_stats,
+):
   """Adaptive inverse method: the direction is ``(A + π√λI)⁻¹ ∇ (G +
   √λ/π I)⁻¹`` on a registered layer beside the raw ``∇`` of a skipped one,
   so ``v = αΔ`` is one multiple of both. Without the ``/λ`` that undoes
@@ -91,53 +114,76 @@ def test_inverse_direction_keeps_its_scale_against_unregistered_params(
   params, batch, split, loss_fn = sigmoid_problem(batch=rows)
   damping = 10.0
   tx = kfac_jax.scale_by_kfac(
-      damping=damping, kl_clip=None, compute_method="inverse",
-      skip_layers="Dense_1", gradient_from_stats=gradient_from_stats,
-      adaptive=kfac_jax.AdaptiveConfig(use_momentum=False))
+    damping=damping,
+    kl_clip=None,
+    compute_method="inverse",
+    skip_layers="Dense_1",
+    gradient_from_stats=gradient_from_stats,
+    adaptive=kfac_jax.AdaptiveConfig(use_momentum=False),
+  )
   _, _, history = run_steps(tx, params, batch, split, loss_fn, 2)
   _, _, updates, grads, _ = history[0]
   factors = history[1][1].factors["Dense_0"]
   activation = np.asarray(factors.activation_factor, np.float64)
   gradient = np.asarray(factors.gradient_factor, np.float64)
-  pi = np.sqrt((np.trace(activation) / len(activation)) /
-               (np.trace(gradient) / len(gradient)))
+  pi = np.sqrt(
+    (np.trace(activation) / len(activation))
+    / (np.trace(gradient) / len(gradient))
+  )
   root = np.sqrt(damping)
   layer_gradient = np.concatenate(
-      [grads["Dense_0"]["kernel"], grads["Dense_0"]["bias"][None]])
+    [grads["Dense_0"]["kernel"], grads["Dense_0"]["bias"][None]]
+  )
   if gradient_from_stats:
     # aᵀg is the data loss's gradient alone: the loss's L2 term is not in
     # the stats (scale_by_kfac's gradient_from_stats says so).
     layer_params = history[0][0]["Dense_0"]
     layer_gradient = layer_gradient - L2 * np.concatenate(
-        [layer_params["kernel"], layer_params["bias"][None]])
+      [layer_params["kernel"], layer_params["bias"][None]]
+    )
   layer_direction = (
-      np.linalg.inv(activation + pi * root * np.eye(len(activation))) @
-      layer_gradient @
-      np.linalg.inv(gradient + root / pi * np.eye(len(gradient))))
-  direction = np.concatenate([layer_direction.ravel(), flat64(
-      grads["Dense_1"])])
-  update = np.concatenate([np.concatenate(
-      [updates["Dense_0"]["kernel"], updates["Dense_0"]["bias"][None]]
-  ).ravel(), flat64(updates["Dense_1"])])
+    np.linalg.inv(activation + pi * root * np.eye(len(activation)))
+    @ layer_gradient
+    @ np.linalg.inv(gradient + root / pi * np.eye(len(gradient)))
+  )
+  direction = np.concatenate(
+    [layer_direction.ravel(), flat64(grads["Dense_1"])]
+  )
+  update = np.concatenate(
+    [
+      np.concatenate(
+        [updates["Dense_0"]["kernel"], updates["Dense_0"]["bias"][None]]
+      ).ravel(),
+      flat64(updates["Dense_1"]),
+    ]
+  )
   alpha = (update @ direction) / (direction @ direction)
   assert alpha < 0
   # The float32 direction: the Cholesky inverses (3·(5 + 1), 3·(6 + 1),
   # reference.assert_damped_inverse) through their conditioning, the
   # product with ∇ (5 + 6, and the sum over the rows of aᵀg); α's scale is
   # fitted away.
-  condition = (
-      np.linalg.cond(activation + pi * root * np.eye(len(activation))) +
-      np.linalg.cond(gradient + root / pi * np.eye(len(gradient))))
-  close(update, alpha * direction,
-        terms=3 * (5 + 1) + 3 * (6 + 1) + 5 + 6 + rows, condition=condition)
+  condition = np.linalg.cond(
+    activation + pi * root * np.eye(len(activation))
+  ) + np.linalg.cond(gradient + root / pi * np.eye(len(gradient)))
+  close(
+    update,
+    alpha * direction,
+    terms=3 * (5 + 1) + 3 * (6 + 1) + 5 + 6 + rows,
+    condition=condition,
+  )
 
 
 def test_factored_damping_gives_each_layer_its_own_pi():
   # Layers of other sizes and trace ratios, scaled together: π = 2 and 1/3,
   # √λ = 2, so every scaled factor is a multiple of I in closed form.
   scaled = inverse_lib.factored_damping_scaled(
-      {"a": LayerFactors(4 * jnp.eye(3), jnp.eye(2)),
-       "b": LayerFactors(jnp.eye(5), 9 * jnp.eye(4))}, jnp.float32(4.0))
+    {
+      "a": LayerFactors(4 * jnp.eye(3), jnp.eye(2)),
+      "b": LayerFactors(jnp.eye(5), 9 * jnp.eye(4)),
+    },
+    jnp.float32(4.0),
+  )
   # π from the traces (up to 5 terms), their ratio, its root, √λ, the
   # division: 10 roundings.
   close(scaled["a"].activation_factor, np.eye(3), terms=10)
@@ -150,8 +196,9 @@ def test_factored_damping_of_far_apart_traces_does_not_overflow():
   # tr A/dA ÷ tr G/dG = 1e40 overflowed float32 (π = 1e20 does not): π = ∞
   # zeroed A's side and G's inverse, and the layer stopped moving.
   (scaled,) = inverse_lib.factored_damping_scaled(
-      {"layer": LayerFactors(1e20 * jnp.eye(3), 1e-20 * jnp.eye(2))},
-      jnp.float32(1.0)).values()
+    {"layer": LayerFactors(1e20 * jnp.eye(3), 1e-20 * jnp.eye(2))},
+    jnp.float32(1.0),
+  ).values()
   # π from the traces (3 and 2 terms), their ratio, its root, √λ, the
   # division: 8 roundings.
   close(scaled.activation_factor, np.eye(3), terms=8)
@@ -164,8 +211,9 @@ def _numpy_forward(params, x, y):
   x, y = f64(x), f64(y)
   pre = x @ f64(params["Dense_0"]["kernel"]) + f64(params["Dense_0"]["bias"])
   hidden = np.tanh(pre)
-  logits = (hidden @ f64(params["Dense_1"]["kernel"]) +
-            f64(params["Dense_1"]["bias"]))
+  logits = hidden @ f64(params["Dense_1"]["kernel"]) + f64(
+    params["Dense_1"]["bias"]
+  )
   return x, hidden, logits, y
 
 
@@ -176,12 +224,15 @@ def test_adaptive_running_gradient_factor_is_on_the_fishers_scale():
   plain covariance of ``[hidden, 1]``."""
   params, batch, split, loss_fn = sigmoid_problem()
   decay = 0.5
-  tx = kfac_jax.scale_by_kfac(damping=1e-2, kl_clip=None, factor_decay=decay,
-                              adaptive=kfac_jax.AdaptiveConfig())
+  tx = kfac_jax.scale_by_kfac(
+    damping=1e-2,
+    kl_clip=None,
+    factor_decay=decay,
+    adaptive=kfac_jax.AdaptiveConfig(),
+  )
   state = tx.init(params)
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, *batch)
-  _, state = tx.update(grads, state, params, kfac_stats=stats,
-                       split_loss=split)
+  _, state = tx.update(grads, state, params, kfac_stats=stats, split_loss=split)
   x, hidden, logits, y = _numpy_forward(params, *batch)
   n = len(x)
   residual = 1 / (1 + np.exp(-logits)) - y  # ∇ℓᵢ w.r.t. the logits
@@ -193,10 +244,15 @@ def test_adaptive_running_gradient_factor_is_on_the_fishers_scale():
   # the sigmoid), the hidden rows 6, twice in each product; the sum over
   # 32, / 32, the mix. Each entry on its two parts' magnitudes.
   for got, expected, terms in (
-      (factors.gradient_factor, g_expected, 2 * 14 + 32 + 3),
-      (factors.activation_factor, a_expected, 2 * 6 + 32 + 3)):
-    close(got, expected, terms=terms,
-          scale=reference.running_factor_scale(expected, decay))
+    (factors.gradient_factor, g_expected, 2 * 14 + 32 + 3),
+    (factors.activation_factor, a_expected, 2 * 6 + 32 + 3),
+  ):
+    close(
+      got,
+      expected,
+      terms=terms,
+      scale=reference.running_factor_scale(expected, decay),
+    )
 
 
 def test_factored_damping_of_a_zero_gradient_factor_uses_pi_one():
@@ -207,10 +263,13 @@ def test_factored_damping_of_a_zero_gradient_factor_uses_pi_one():
     a = np.zeros((2, 2)) if a_zero else activation
     g = np.zeros((3, 3)) if g_zero else 5 * np.eye(3)
     (scaled,) = inverse_lib.factored_damping_scaled(
-        {"layer": LayerFactors(jnp.asarray(a, jnp.float32),
-                               jnp.asarray(g, jnp.float32))},
-        jnp.float32(9.0)).values()
+      {
+        "layer": LayerFactors(
+          jnp.asarray(a, jnp.float32), jnp.asarray(g, jnp.float32)
+        )
+      },
+      jnp.float32(9.0),
+    ).values()
     # √9 = 3 exactly, one division.
     close(scaled.activation_factor, a / 3, terms=1)
     close(scaled.gradient_factor, g / 3, terms=1)
-

@@ -17,16 +17,17 @@ import pytest
 
 import kfac_jax
 from kfac_jax.factors import batch as batch_lib
-from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
-                                                     factored_is_cheaper,
-                                                     sandwich)
+from kfac_jax.preconditioning.gradient_matrix import (
+  FactoredGradient,
+  factored_is_cheaper,
+  sandwich,
+)
 from tests import reference
 
 BATCH = 4
 
 
 class Block(nn.Module):
-
   @nn.compact
   def __call__(self, x, _):
     return jnp.tanh(nn.Dense(24, name="dense")(x)), None
@@ -41,8 +42,9 @@ class Mixed(nn.Module):
     h = jnp.tanh(nn.DenseGeneral(24, axis=(-2, -1), name="general")(h))
     shared = nn.Dense(24, name="shared")
     h = jnp.tanh(shared(jnp.tanh(shared(h))))
-    scanned = nn.scan(Block, variable_axes={"params": 0},
-                      split_rngs={"params": True}, length=2)
+    scanned = nn.scan(
+      Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2
+    )
     h, _ = scanned(name="layers")(h, None)
     return nn.Dense(2, name="head")(h)
 
@@ -64,11 +66,12 @@ def _problem():
   targets = jnp.asarray(rng.normal(size=(BATCH, 2)), jnp.float32)
 
   def loss_fn(params, inputs, targets):
-    return jnp.mean((model.apply({"params": params}, inputs) - targets)**2)
+    return jnp.mean((model.apply({"params": params}, inputs) - targets) ** 2)
 
   layers = kfac_jax.trace_layers(loss_fn, params, inputs, targets)
-  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, inputs,
-                                                            targets)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(
+    params, inputs, targets
+  )
   return params, grads, stats, layers
 
 
@@ -92,20 +95,21 @@ def test_sandwich_of_factors_equals_the_dense_product(left_dim, right_dim):
   right = rng.normal(size=(right_dim, right_dim))
   expected = left @ (activation.T @ gradient) @ right
   as32 = lambda x: jnp.asarray(x, jnp.float32)
-  factored = sandwich(as32(left), FactoredGradient(as32(activation),
-                                                   as32(gradient)),
-                      as32(right))
+  factored = sandwich(
+    as32(left), FactoredGradient(as32(activation), as32(gradient)), as32(right)
+  )
   dense = sandwich(as32(left), as32(activation.T @ gradient), as32(right))
   # The inputs' rounding to float32 (4), the sum over the rows and the two
   # products' over left_dim and right_dim, each entry on the magnitude of
   # its terms, |L|·|a|ᵀ|g|·|R| (reference.assert_float32_close).
-  magnitudes = np.abs(left) @ (np.abs(activation).T @ np.abs(gradient)) @ (
-      np.abs(right))
+  magnitudes = (
+    np.abs(left) @ (np.abs(activation).T @ np.abs(gradient)) @ (np.abs(right))
+  )
   for got in (factored, dense):
     assert got.dtype == jnp.float32
-    reference.assert_float32_close(got, expected,
-                                   terms=4 + rows + left_dim + right_dim,
-                                   scale=magnitudes)
+    reference.assert_float32_close(
+      got, expected, terms=4 + rows + left_dim + right_dim, scale=magnitudes
+    )
 
 
 def test_captured_rows_multiply_to_the_gradients():
@@ -113,23 +117,34 @@ def test_captured_rows_multiply_to_the_gradients():
   params, grads, stats, layers = _problem()
   for name in FACTORED | {"head"}:
     activation, gradient = batch_lib.gradient_rows_of_dense(stats[name])
-    product = np.einsum("bna,bng->bag", np.asarray(activation, np.float64),
-                        np.asarray(gradient, np.float64))
+    product = np.einsum(
+      "bna,bng->bag",
+      np.asarray(activation, np.float64),
+      np.asarray(gradient, np.float64),
+    )
     layer = layers[name]
     node = _node(grads, name)
     kernel = np.asarray(node[layer.kernel_key]).reshape(
-        product.shape[0], -1, product.shape[2])
+      product.shape[0], -1, product.shape[2]
+    )
     expected = np.concatenate(
-        [kernel, np.asarray(node["bias"]).reshape(product.shape[0], 1, -1)],
-        axis=1)
+      [kernel, np.asarray(node["bias"]).reshape(product.shape[0], 1, -1)],
+      axis=1,
+    )
     # The gradient sums the same rows' products in float32: each entry
     # within (rows)·ε of the magnitude of its terms, |a|ᵀ|g|.
-    magnitudes = np.einsum("bna,bng->bag",
-                           np.abs(np.asarray(activation, np.float64)),
-                           np.abs(np.asarray(gradient, np.float64)))
-    reference.assert_float32_close(product, expected,
-                                   terms=activation.shape[1],
-                                   scale=magnitudes, err_msg=name)
+    magnitudes = np.einsum(
+      "bna,bng->bag",
+      np.abs(np.asarray(activation, np.float64)),
+      np.abs(np.asarray(gradient, np.float64)),
+    )
+    reference.assert_float32_close(
+      product,
+      expected,
+      terms=activation.shape[1],
+      scale=magnitudes,
+      err_msg=name,
+    )
   with pytest.raises(ValueError, match="Conv layer's gradient"):
     batch_lib.gradient_rows_of_dense(stats["conv"])
 
@@ -147,10 +162,16 @@ def _two_steps(tx, params, grads, stats):
 def test_equals_the_dense_path(compute_method, kl_clip):
   params, grads, stats, layers = _problem()
   make = lambda flag: optax.chain(
-      kfac_jax.scale_by_kfac(learning_rate=0.1, damping=1e-2, kl_clip=kl_clip,
-                             compute_method=compute_method, layers=layers,
-                             gradient_from_stats=flag),
-      optax.sgd(0.1, momentum=0.9))
+    kfac_jax.scale_by_kfac(
+      learning_rate=0.1,
+      damping=1e-2,
+      kl_clip=kl_clip,
+      compute_method=compute_method,
+      layers=layers,
+      gradient_from_stats=flag,
+    ),
+    optax.sgd(0.1, momentum=0.9),
+  )
   expected, expected_state = _two_steps(make(False), params, grads, stats)
   got, state = _two_steps(make(True), params, grads, stats)
   # The same preconditioner applied as (a Lᵀ)ᵀ(g R) against L(aᵀg)R: their
@@ -161,11 +182,16 @@ def test_equals_the_dense_path(compute_method, kl_clip):
   for path, leaf in jax.tree_util.tree_leaves_with_path(expected):
     layer_scale = reference.largest(jax.tree.leaves(_at(expected, path[:-1])))
     reference.assert_float32_close(
-        _at(got, path), leaf, terms=2 * (8 + 49 + 24 + 1),
-        condition=condition, scale=layer_scale,
-        err_msg=jax.tree_util.keystr(path))
-  np.testing.assert_array_equal(np.asarray(state[0].count),
-                                np.asarray(expected_state[0].count))
+      _at(got, path),
+      leaf,
+      terms=2 * (8 + 49 + 24 + 1),
+      condition=condition,
+      scale=layer_scale,
+      err_msg=jax.tree_util.keystr(path),
+    )
+  np.testing.assert_array_equal(
+    np.asarray(state[0].count), np.asarray(expected_state[0].count)
+  )
 
 
 def _node(tree, name):
@@ -183,26 +209,36 @@ def _at(tree, path):
 def test_factored_layers_do_not_read_their_dense_gradients():
   """Zeroing every gradient changes only the layers left in the dense form."""
   params, grads, stats, layers = _problem()
-  tx = kfac_jax.scale_by_kfac(damping=1e-2, kl_clip=None, layers=layers,
-                              compute_method="inverse",
-                              gradient_from_stats=True)
+  tx = kfac_jax.scale_by_kfac(
+    damping=1e-2,
+    kl_clip=None,
+    layers=layers,
+    compute_method="inverse",
+    gradient_from_stats=True,
+  )
   state = tx.init(params)
   with_grads, _ = tx.update(grads, state, params, kfac_stats=stats)
-  zeros, _ = tx.update(jax.tree.map(jnp.zeros_like, grads), state, params,
-                       kfac_stats=stats)
+  zeros, _ = tx.update(
+    jax.tree.map(jnp.zeros_like, grads), state, params, kfac_stats=stats
+  )
   assert set(layers) == FACTORED | {"conv", "head"}
   for name in layers:
     got, from_zeros = _node(with_grads, name), _node(zeros, name)
-    same = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(
-        jax.tree.leaves(got), jax.tree.leaves(from_zeros)))
+    same = all(
+      np.array_equal(np.asarray(x), np.asarray(y))
+      for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(from_zeros))
+    )
     assert same == (name in FACTORED), name
     if name not in FACTORED:
-      assert all(not np.any(np.asarray(leaf))
-                 for leaf in jax.tree.leaves(from_zeros)), name
+      assert all(
+        not np.any(np.asarray(leaf)) for leaf in jax.tree.leaves(from_zeros)
+      ), name
 
 
 def test_bad_configurations_raise():
-  with pytest.raises(TypeError, match="gradient_from_stats must be True or False"):
+  with pytest.raises(
+    TypeError, match="gradient_from_stats must be True or False"
+  ):
     kfac_jax.scale_by_kfac(gradient_from_stats="yes")
   with pytest.raises(ValueError, match="accumulation_steps=2"):
     kfac_jax.scale_by_kfac(gradient_from_stats=True, accumulation_steps=2)

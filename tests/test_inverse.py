@@ -22,8 +22,9 @@ def _spd(size: int, seed: int = 0) -> np.ndarray:
 
 # One block; two blocks, one a row longer; three uneven blocks; four (the
 # autoencoder's 1001 rows at the default block size).
-@pytest.mark.parametrize("size", [1, 7, BLOCK, 2 * BLOCK + 1, 3 * BLOCK - 49,
-                                  4 * BLOCK + 1])
+@pytest.mark.parametrize(
+  "size", [1, 7, BLOCK, 2 * BLOCK + 1, 3 * BLOCK - 49, 4 * BLOCK + 1]
+)
 def test_matches_float64_numpy_across_block_boundaries(size):
   factor = _spd(size)
   (result,) = jax.jit(inverse.damped_inverse)(factor, jnp.float32(DAMPING))
@@ -33,7 +34,8 @@ def test_matches_float64_numpy_across_block_boundaries(size):
 def test_stacked_factors_under_vmap():
   factors = np.stack([_spd(2 * BLOCK + 3, seed) for seed in range(3)])
   (results,) = jax.jit(jax.vmap(inverse.damped_inverse, in_axes=(0, None)))(
-      factors, jnp.float32(DAMPING))
+    factors, jnp.float32(DAMPING)
+  )
   for factor, result in zip(factors, results):
     reference.assert_damped_inverse(result, factor, DAMPING)
 
@@ -44,4 +46,5 @@ def test_a_factor_that_is_not_positive_definite_gives_nan_in_every_block():
   (result,) = jax.jit(inverse.damped_inverse)(factor, jnp.float32(DAMPING))
   assert np.isnan(np.diagonal(result)).all()
   assert not inverse.are_finite(
-      [inverse.InversePreconditioner(result, result)])[0]
+    [inverse.InversePreconditioner(result, result)]
+  )[0]

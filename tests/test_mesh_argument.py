@@ -40,56 +40,80 @@ def specs(axis_type: AxisType) -> None:
   chain_with = optax.sgd(0.1, momentum=0.9)
   for strategy in multidevice.STRATEGIES:
     for method in ("eigen", "inverse"):
-      kwargs = dict(mesh_axes=("data", "fsdp"), grad_worker_fraction=strategy,
-                    compute_method=method, params_partition_specs=params_specs,
-                    accumulation_steps=2)
+      kwargs = dict(
+        mesh_axes=("data", "fsdp"),
+        grad_worker_fraction=strategy,
+        compute_method=method,
+        params_partition_specs=params_specs,
+        accumulation_steps=2,
+      )
       outside = kfac_jax.get_opt_state_partition_specs(
-          params, chain_with=chain_with, mesh=mesh, **kwargs)
+        params, chain_with=chain_with, mesh=mesh, **kwargs
+      )
       abstract = kfac_jax.get_opt_state_partition_specs(
-          params, chain_with=chain_with, mesh=mesh.abstract_mesh, **kwargs)
+        params, chain_with=chain_with, mesh=mesh.abstract_mesh, **kwargs
+      )
       # Built before the context, as jax.jit's out_shardings.
-      shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), outside,
-                               is_leaf=is_spec)
+      shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), outside, is_leaf=is_spec
+      )
       assert jax.sharding.get_abstract_mesh().empty
       tx = optax.chain(kfac_jax.scale_by_kfac(**kwargs), chain_with)
       with jax.set_mesh(mesh):
         inside = kfac_jax.get_opt_state_partition_specs(
-            params, chain_with=chain_with, **kwargs)
+          params, chain_with=chain_with, **kwargs
+        )
         same = kfac_jax.get_opt_state_partition_specs(
-            params, chain_with=chain_with, mesh=mesh, **kwargs)
+          params, chain_with=chain_with, mesh=mesh, **kwargs
+        )
         state = jax.jit(tx.init, out_shardings=shardings)(params)
       for other in (abstract, inside, same):
         assert other == outside, (strategy, method)
-      for leaf, spec in zip(jax.tree.leaves(state),
-                            jax.tree.leaves(outside, is_leaf=is_spec)):
+      for leaf, spec in zip(
+        jax.tree.leaves(state), jax.tree.leaves(outside, is_leaf=is_spec)
+      ):
         assert leaf.sharding.is_equivalent_to(
-            NamedSharding(mesh, spec), leaf.ndim), (leaf.shape, spec)
+          NamedSharding(mesh, spec), leaf.ndim
+        ), (leaf.shape, spec)
   kwargs = dict(mesh_axes="data", params_partition_specs=params_specs)
-  expect_error(ValueError, "needs a mesh",
-               lambda: kfac_jax.get_opt_state_partition_specs(params, **kwargs))
+  expect_error(
+    ValueError,
+    "needs a mesh",
+    lambda: kfac_jax.get_opt_state_partition_specs(params, **kwargs),
+  )
   # Mesh axis names are checked against the mesh given.
-  expect_error(ValueError, "'model'", lambda: kfac_jax.get_opt_state_partition_specs(
-      params, mesh=mesh, mesh_axes="model"))
-  check_mismatches(mesh, lambda m: kfac_jax.get_opt_state_partition_specs(
-      params, mesh=m, **kwargs))
+  expect_error(
+    ValueError,
+    "'model'",
+    lambda: kfac_jax.get_opt_state_partition_specs(
+      params, mesh=mesh, mesh_axes="model"
+    ),
+  )
+  check_mismatches(
+    mesh,
+    lambda m: kfac_jax.get_opt_state_partition_specs(params, mesh=m, **kwargs),
+  )
 
 
 def check_mismatches(mesh, call) -> None:
   """``call(other mesh)`` under ``jax.set_mesh(mesh)`` raises naming both."""
   devices = np.asarray(jax.devices())
   others = (
-      jax.make_mesh((4, 2), ("data", "fsdp"), axis_types=mesh.axis_types),
-      jax.make_mesh((2, 4), ("data", "model"), axis_types=mesh.axis_types),
-      # The same axes over other devices.
-      jax.sharding.Mesh(devices[::-1].reshape(2, 4), ("data", "fsdp"),
-                        axis_types=mesh.axis_types),
+    jax.make_mesh((4, 2), ("data", "fsdp"), axis_types=mesh.axis_types),
+    jax.make_mesh((2, 4), ("data", "model"), axis_types=mesh.axis_types),
+    # The same axes over other devices.
+    jax.sharding.Mesh(
+      devices[::-1].reshape(2, 4), ("data", "fsdp"), axis_types=mesh.axis_types
+    ),
   )
   with jax.set_mesh(mesh):
     for other in others:
-      expect_error(ValueError, "is not the mesh set by jax.set_mesh",
-                   lambda: call(other))
-    expect_error(TypeError, "mesh must be a jax.sharding.Mesh",
-                 lambda: call("data"))
+      expect_error(
+        ValueError, "is not the mesh set by jax.set_mesh", lambda: call(other)
+      )
+    expect_error(
+      TypeError, "mesh must be a jax.sharding.Mesh", lambda: call("data")
+    )
 
 
 def recompute(axis_type: AxisType) -> None:
@@ -98,24 +122,43 @@ def recompute(axis_type: AxisType) -> None:
   params, loss_fn, batches, mesh, _ = multidevice.fsdp_problem(axis_type)
   kwargs = dict(mesh_axes=("data", "fsdp"), grad_worker_fraction="hybrid_opt")
   with jax.set_mesh(mesh):
-    _, state, _ = multidevice.train(params, loss_fn, batches, kwargs, mesh,
-                                    PartitionSpec(("data", "fsdp")))
+    _, state, _ = multidevice.train(
+      params, loss_fn, batches, kwargs, mesh, PartitionSpec(("data", "fsdp"))
+    )
     inside = checkpoint.recompute_preconditioners(
-        state._replace(preconditioners=None), 0.01, **kwargs)
+      state._replace(preconditioners=None), 0.01, **kwargs
+    )
   outside = checkpoint.recompute_preconditioners(
-      state._replace(preconditioners=None), 0.01, mesh=mesh, **kwargs)
-  jax.tree.map(np.testing.assert_array_equal, outside.preconditioners,
-               inside.preconditioners)
+    state._replace(preconditioners=None), 0.01, mesh=mesh, **kwargs
+  )
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    outside.preconditioners,
+    inside.preconditioners,
+  )
   assert outside.preconditioners.rows.sharding.is_equivalent_to(
-      NamedSharding(mesh, PartitionSpec(("data", "fsdp"))), 2)
-  expect_error(ValueError, "needs a mesh",
-               lambda: checkpoint.recompute_preconditioners(
-                   state._replace(preconditioners=None), 0.01, **kwargs))
-  check_mismatches(mesh, lambda m: checkpoint.recompute_preconditioners(
-      state, 0.01, mesh=m, **kwargs))
-  expect_error(TypeError, "mesh must be a jax.sharding.Mesh",
-               lambda: checkpoint.recompute_preconditioners(
-                   state, 0.01, mesh=mesh.abstract_mesh, **kwargs))
+    NamedSharding(mesh, PartitionSpec(("data", "fsdp"))), 2
+  )
+  expect_error(
+    ValueError,
+    "needs a mesh",
+    lambda: checkpoint.recompute_preconditioners(
+      state._replace(preconditioners=None), 0.01, **kwargs
+    ),
+  )
+  check_mismatches(
+    mesh,
+    lambda m: checkpoint.recompute_preconditioners(
+      state, 0.01, mesh=m, **kwargs
+    ),
+  )
+  expect_error(
+    TypeError,
+    "mesh must be a jax.sharding.Mesh",
+    lambda: checkpoint.recompute_preconditioners(
+      state, 0.01, mesh=mesh.abstract_mesh, **kwargs
+    ),
+  )
 
 
 PROGRAMS = {f.__name__: f for f in (specs, recompute)}
@@ -125,16 +168,18 @@ PROGRAMS = {f.__name__: f for f in (specs, recompute)}
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_mesh_argument_on_eight_devices(program, axis_type):
-  multidevice.run_on_eight_devices("tests.test_mesh_argument", program,
-                                   axis_type)
+  multidevice.run_on_eight_devices(
+    "tests.test_mesh_argument", program, axis_type
+  )
 
 
 def test_specs_without_mesh_axes_take_a_mesh_or_none():
   """Without mesh axes no mesh is needed; one given is still checked."""
   params, _, _ = multidevice.conv_problem()
   mesh = jax.make_mesh((1,), ("data",))
-  assert (kfac_jax.get_opt_state_partition_specs(params, mesh=mesh) ==
-          kfac_jax.get_opt_state_partition_specs(params))
+  assert kfac_jax.get_opt_state_partition_specs(
+    params, mesh=mesh
+  ) == kfac_jax.get_opt_state_partition_specs(params)
   with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
     kfac_jax.get_opt_state_partition_specs(params, mesh=("data",))
 

@@ -34,7 +34,8 @@ def _setup(hidden=6):
 
 def _stats(model, params, x, **kwargs):
   return kfac_jax.value_grad_and_stats(
-      lambda p: jnp.sum(model.apply({"params": p}, x, **kwargs)**2))(params)
+    lambda p: jnp.sum(model.apply({"params": p}, x, **kwargs) ** 2)
+  )(params)
 
 
 def test_a_complex_layer_is_refused_naming_it():
@@ -42,7 +43,7 @@ def test_a_complex_layer_is_refused_naming_it():
   model = nn.Dense(3, dtype=jnp.complex64, param_dtype=jnp.complex64)
   x = (jnp.ones((4, 5)) + 2j * jnp.ones((4, 5))).astype(jnp.complex64)
   params = model.init(jax.random.PRNGKey(0), x)["params"]
-  loss_fn = lambda p: jnp.sum(jnp.abs(model.apply({"params": p}, x))**2)
+  loss_fn = lambda p: jnp.sum(jnp.abs(model.apply({"params": p}, x)) ** 2)
   with pytest.raises(ValueError, match="layer ''.*complex.*skip_layers"):
     kfac_jax.value_grad_and_stats(loss_fn)(params)
 
@@ -72,8 +73,12 @@ def test_stats_with_a_layer_the_state_lacks():
   only_first = {"Dense_0": params["Dense_0"]}
   tx = kfac_jax.scale_by_kfac()
   with pytest.raises(ValueError, match="'Dense_1'.*no kernel"):
-    tx.update({"Dense_0": grads["Dense_0"]}, tx.init(only_first), only_first,
-              kfac_stats=stats)
+    tx.update(
+      {"Dense_0": grads["Dense_0"]},
+      tx.init(only_first),
+      only_first,
+      kfac_stats=stats,
+    )
 
 
 def test_stats_shapes_disagree_with_params():
@@ -82,7 +87,10 @@ def test_stats_shapes_disagree_with_params():
   _, grads, _ = _stats(model, params, x)
   _, _, other_stats = _stats(other_model, other_params, x)
   tx = kfac_jax.scale_by_kfac()
-  with pytest.raises(ValueError, match=r"'Dense_0'.*output \(4, 8\) does not end in kernel out \(6,\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"'Dense_0'.*output \(4, 8\) does not end in kernel out \(6,\)",
+  ):
     tx.update(grads, tx.init(params), params, kfac_stats=other_stats)
 
 
@@ -123,7 +131,6 @@ def test_untraced_kernel_is_skipped_with_one_warning():
   """A kernel the capture does not know (nn.Einsum) is left to the chain."""
 
   class WithEinsum(nn.Module):
-
     @nn.compact
     def __call__(self, x):
       x = nn.Dense(3)(x)
@@ -139,12 +146,15 @@ def test_untraced_kernel_is_skipped_with_one_warning():
   with pytest.raises(ValueError, match="'Einsum_0'.*skip_layers"):
     tx.update(grads, tx.init(params), params, kfac_stats=stats)
   tx = kfac_jax.scale_by_kfac(layers=kfac_jax.trace_layers(loss_fn, params))
-  with pytest.warns(UserWarning, match="'Einsum_0'.*chained optimizer") as record:
+  with pytest.warns(
+    UserWarning, match="'Einsum_0'.*chained optimizer"
+  ) as record:
     state = tx.init(params)
   assert len(record) == 1
   updates, _ = tx.update(grads, state, params, kfac_stats=stats)
-  np.testing.assert_array_equal(updates["Einsum_0"]["kernel"],
-                                grads["Einsum_0"]["kernel"])
+  np.testing.assert_array_equal(
+    updates["Einsum_0"]["kernel"], grads["Einsum_0"]["kernel"]
+  )
   assert list(state.factors) == ["Dense_0"]
 
 
@@ -153,20 +163,24 @@ def test_a_masked_conv_is_refused_and_can_be_skipped():
   cover: the update moved the masked entries (max 355 against 2644 on the
   live ones) and gave the live ones the Schur complement of A."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   mask = jnp.ones((3, 3, 2, 4)).at[2].set(0.0)
   x = jnp.ones((2, 5, 5, 2))
   linen = nn.Conv(4, (3, 3), mask=mask)
   params = linen.init(jax.random.key(0), x)["params"]
-  loss_fn = lambda p: jnp.sum(linen.apply({"params": p}, x)**2)
-  with pytest.raises(ValueError, match=r"layer '' \(Conv\) has a mask.*"
-                     r"skip_layers=\['\^\$'\]"):
+  loss_fn = lambda p: jnp.sum(linen.apply({"params": p}, x) ** 2)
+  with pytest.raises(
+    ValueError,
+    match=r"layer '' \(Conv\) has a mask.*"
+    r"skip_layers=\['\^\$'\]",
+  ):
     kfac_jax.value_grad_and_stats(loss_fn)(params)
-  _, grads, stats = kfac_jax.value_grad_and_stats(
-      loss_fn, skip_layers="^$")(params)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn, skip_layers="^$")(
+    params
+  )
   assert not stats and float(jnp.abs(grads["kernel"][2]).max()) == 0
 
   class Masked(nnx.Module):
-
     def __init__(self):
       self.conv = nnx.Conv(2, 4, (3, 3), mask=mask, rngs=nnx.Rngs(0))
 
@@ -175,7 +189,7 @@ def test_a_masked_conv_is_refused_and_can_be_skipped():
 
   model = Masked()
   with pytest.raises(ValueError, match=r"layer 'conv' \(Conv\) has a mask"):
-    kfac_jax.value_grad_and_stats(lambda m: jnp.sum(m(x)**2))(model)
+    kfac_jax.value_grad_and_stats(lambda m: jnp.sum(m(x) ** 2))(model)
 
 
 def test_stats_of_a_layer_the_table_lacks_name_the_table():
@@ -184,7 +198,6 @@ def test_stats_of_a_layer_the_table_lacks_name_the_table():
   kernel. It names the table, and both suggested fixes work."""
 
   class Head(nn.Module):
-
     @nn.compact
     def __call__(self, x):
       return nn.Dense(3)(x)
@@ -192,18 +205,22 @@ def test_stats_of_a_layer_the_table_lacks_name_the_table():
   model = Head()
   x = jnp.ones((8, 4))
   params = model.init(jax.random.PRNGKey(0), x)["params"]
-  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x)**2)
+  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x) ** 2)
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
   with pytest.warns(UserWarning):
     stale_table = kfac_jax.trace_layers(lambda p: jnp.sum(x), params)
     tx = kfac_jax.scale_by_kfac(layers=stale_table)
     state = tx.init(params)
-  with pytest.raises(ValueError, match=r"'Dense_0'.*the gradients have its "
-                     r"kernel.*lack it.*trace_layers.*'\^Dense_0\$'"):
+  with pytest.raises(
+    ValueError,
+    match=r"'Dense_0'.*the gradients have its "
+    r"kernel.*lack it.*trace_layers.*'\^Dense_0\$'",
+  ):
     tx.update(grads, state, params, kfac_stats=stats)
-  for tx in [kfac_jax.scale_by_kfac(layers=kfac_jax.trace_layers(loss_fn,
-                                                                  params)),
-             kfac_jax.scale_by_kfac(skip_layers=["^Dense_0$"])]:
+  for tx in [
+    kfac_jax.scale_by_kfac(layers=kfac_jax.trace_layers(loss_fn, params)),
+    kfac_jax.scale_by_kfac(skip_layers=["^Dense_0$"]),
+  ]:
     tx.update(grads, tx.init(params), params, kfac_stats=stats)
 
 
@@ -213,7 +230,6 @@ def test_class_name_skip_without_a_table_says_to_skip_by_path():
   itself; the error says so, and both suggested fixes work."""
 
   class Named(nn.Module):
-
     @nn.compact
     def __call__(self, x):
       x = nn.Conv(4, (3,), name="features")(x).reshape(x.shape[0], -1)
@@ -222,24 +238,30 @@ def test_class_name_skip_without_a_table_says_to_skip_by_path():
   model = Named()
   x = jnp.ones((2, 5, 3))
   params = model.init(jax.random.PRNGKey(0), x)["params"]
-  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x)**2)
+  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x) ** 2)
   skip = ["^Conv$"]
-  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn,
-                                                  skip_layers=skip)(params)
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn, skip_layers=skip)(
+    params
+  )
   assert list(stats) == ["head"]
   tx = kfac_jax.scale_by_kfac(skip_layers=skip)
   with pytest.raises(ValueError, match="'features'.*class.*skip it by path"):
     tx.update(grads, tx.init(params), params, kfac_stats=stats)
   table = kfac_jax.trace_layers(loss_fn, params, skip_layers=skip)
   for tx, warned in [
-      (kfac_jax.scale_by_kfac(skip_layers=skip + ["^features$"]),
-       # Without a table the class pattern skips nothing here (the capture
-       # left the Conv out): it says so.
-       [r"'\^Conv\$' matches no module path of the params nor a class "
-        "name"]),
-      # The table tells the class-skipped layer from an unknown module: no
-      # warning (it warned that the layer was not captured).
-      (kfac_jax.scale_by_kfac(skip_layers=skip, layers=table), [])]:
+    (
+      kfac_jax.scale_by_kfac(skip_layers=skip + ["^features$"]),
+      # Without a table the class pattern skips nothing here (the capture
+      # left the Conv out): it says so.
+      [
+        r"'\^Conv\$' matches no module path of the params nor a class "
+        "name"
+      ],
+    ),
+    # The table tells the class-skipped layer from an unknown module: no
+    # warning (it warned that the layer was not captured).
+    (kfac_jax.scale_by_kfac(skip_layers=skip, layers=table), []),
+  ]:
     with warnings.catch_warnings(record=True) as record:
       warnings.simplefilter("always")
       state = tx.init(params)
@@ -248,8 +270,9 @@ def test_class_name_skip_without_a_table_says_to_skip_by_path():
     for w, pattern in zip(record, warned):
       assert re.search(pattern, str(w.message)), str(w.message)
     # The skipped layer's gradient passes through as it is.
-    jax.tree.map(np.testing.assert_array_equal, updates["features"],
-                 grads["features"])
+    jax.tree.map(
+      np.testing.assert_array_equal, updates["features"], grads["features"]
+    )
   # Skipped by class in trace_layers alone: the warning names the class.
   with pytest.warns(UserWarning, match=r"'features'.*class name \(Conv\)"):
     kfac_jax.scale_by_kfac(layers=table).init(params)
@@ -261,7 +284,6 @@ def test_nnx_class_name_skip_with_the_table_does_not_warn():
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   class MLP(nnx.Module):
-
     def __init__(self, rngs):
       self.body = nnx.Linear(4, 5, rngs=rngs)
       self.head = nnx.Linear(5, 3, rngs=rngs)
@@ -269,11 +291,13 @@ def test_nnx_class_name_skip_with_the_table_does_not_warn():
     def __call__(self, x):
       return self.head(jnp.tanh(self.body(x)))
 
-  loss_fn = lambda model, x: jnp.sum(model(x)**2)
+  loss_fn = lambda model, x: jnp.sum(model(x) ** 2)
   model, x, skip = MLP(nnx.Rngs(0)), jnp.ones((8, 4)), ["^Linear$"]
   table = kfac_jax.trace_layers(loss_fn, model, x, skip_layers=skip)
   assert dict(table) == {} and table.skipped_classes == {
-      "body": "Linear", "head": "Linear"}
+    "body": "Linear",
+    "head": "Linear",
+  }
   tx = kfac_jax.scale_by_kfac(layers=table, skip_layers=skip)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
@@ -281,25 +305,35 @@ def test_nnx_class_name_skip_with_the_table_does_not_warn():
   assert not optimizer.opt_state.factors
 
 
-@pytest.mark.parametrize("other, names", [
-    (dict(compute_method="inverse"),
-     r"holds \['EigenPreconditioner'\].*makes \['InversePreconditioner'\].*"
-     "compute_method"),
-    (dict(inv_dtype=jnp.bfloat16),
-     r"stored as \['float32'\].*stores \['bfloat16'\].*inv_dtype"),
-    (dict(compute_eigenvalue_outer_product=False),
-     "compute_eigenvalue_outer_product"),
-])
+@pytest.mark.parametrize(
+  "other, names",
+  [
+    (
+      dict(compute_method="inverse"),
+      r"holds \['EigenPreconditioner'\].*makes \['InversePreconditioner'\].*"
+      "compute_method",
+    ),
+    (
+      dict(inv_dtype=jnp.bfloat16),
+      r"stored as \['float32'\].*stores \['bfloat16'\].*inv_dtype",
+    ),
+    (
+      dict(compute_eigenvalue_outer_product=False),
+      "compute_eigenvalue_outer_product",
+    ),
+  ],
+)
 def test_a_state_of_another_configuration_names_what_differs(other, names):
   # The message listed every possible cause instead of the one that differs.
   model = nn.Dense(3)
   x = jnp.ones((4, 5))
   params = model.init(jax.random.PRNGKey(0), x)["params"]
-  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x)**2)
+  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x) ** 2)
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
   state = kfac_jax.scale_by_kfac(compute_method="eigen").init(params)
-  with pytest.raises(ValueError, match="not the ones this transformation "
-                     f"makes: .*{names}"):
+  with pytest.raises(
+    ValueError, match=f"not the ones this transformation makes: .*{names}"
+  ):
     kfac_jax.scale_by_kfac(**{"compute_method": "eigen", **other}).update(
-        grads, state, params, kfac_stats=stats)
-
+      grads, state, params, kfac_stats=stats
+    )

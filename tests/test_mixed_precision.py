@@ -15,16 +15,16 @@ from sklearn.datasets import load_digits
 import kfac_jax
 from examples import models
 from kfac_jax.factors.running import LayerFactors, init_factors, update_factors
-from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
-                                                     sandwich)
+from kfac_jax.preconditioning.gradient_matrix import FactoredGradient, sandwich
 from tests import reference
 
 # Unit roundoff of bfloat16: 8 significand bits, round to nearest.
 BF16_ROUNDOFF = 2.0**-8
 
 
-def mlp(dtype: jnp.dtype = jnp.bfloat16,
-        param_dtype: jnp.dtype = jnp.bfloat16) -> models.MLP:
+def mlp(
+  dtype: jnp.dtype = jnp.bfloat16, param_dtype: jnp.dtype = jnp.bfloat16
+) -> models.MLP:
   """A 32-unit tanh MLP with 10 outputs computing in ``dtype``."""
   return models.MLP((32,), 10, jnp.tanh, dtype, param_dtype)
 
@@ -43,8 +43,9 @@ def loss_fn(model, params, x, y):
 @functools.cache
 def float32_params():
   x, _ = digits()
-  return mlp(jnp.float32, jnp.float32).init(jax.random.PRNGKey(0),
-                                            x[:1])["params"]
+  return mlp(jnp.float32, jnp.float32).init(jax.random.PRNGKey(0), x[:1])[
+    "params"
+  ]
 
 
 def init(model):
@@ -53,16 +54,22 @@ def init(model):
 
 
 def all_finite(tree) -> bool:
-  return all(np.all(np.isfinite(np.asarray(x, np.float32)))
-             for x in jax.tree.leaves(tree)
-             if jnp.issubdtype(x.dtype, jnp.inexact))
+  return all(
+    np.all(np.isfinite(np.asarray(x, np.float32)))
+    for x in jax.tree.leaves(tree)
+    if jnp.issubdtype(x.dtype, jnp.inexact)
+  )
 
 
-@pytest.mark.parametrize("param_dtype, dtype, compute_method, storage", [
+@pytest.mark.parametrize(
+  "param_dtype, dtype, compute_method, storage",
+  [
     (jnp.bfloat16, jnp.bfloat16, "eigen", dict(factor_dtype=jnp.bfloat16)),
     (jnp.bfloat16, jnp.bfloat16, "inverse", dict(inv_dtype=jnp.bfloat16)),
     (jnp.float32, jnp.bfloat16, "eigen", dict(factor_dtype=jnp.bfloat16)),
-], ids=["bf16-eigen", "bf16-inverse", "f32-params-bf16-activations-eigen"])
+  ],
+  ids=["bf16-eigen", "bf16-inverse", "f32-params-bf16-activations-eigen"],
+)
 def test_storage_dtypes(param_dtype, dtype, compute_method, storage):
   x, y = digits()
   model = mlp(dtype, param_dtype)
@@ -72,15 +79,18 @@ def test_storage_dtypes(param_dtype, dtype, compute_method, storage):
   @jax.jit
   def step(params, state):
     _, grads, stats = kfac_jax.value_grad_and_stats(
-        lambda p: loss_fn(model, p, x[:64], y[:64]))(params)
+      lambda p: loss_fn(model, p, x[:64], y[:64])
+    )(params)
     return tx.update(grads, state, params, kfac_stats=stats)
 
   updates, state = step(params, tx.init(params))
   # Each defaults to float32, whatever the other and the params.
   assert {f.dtype for f in jax.tree.leaves(state.factors)} == {
-      jnp.dtype(storage.get("factor_dtype", jnp.float32))}
+    jnp.dtype(storage.get("factor_dtype", jnp.float32))
+  }
   assert {p.dtype for p in jax.tree.leaves(state.preconditioners)} == {
-      jnp.dtype(storage.get("inv_dtype", jnp.float32))}
+    jnp.dtype(storage.get("inv_dtype", jnp.float32))
+  }
   for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params)):
     assert u.dtype == p.dtype == jnp.dtype(param_dtype)
   assert all_finite(updates) and all_finite(state)
@@ -93,7 +103,8 @@ def test_factors_of_a_bf16_model_default_to_float32():
   params = init(model)
   state = kfac_jax.scale_by_kfac().init(params)
   assert {f.dtype for f in jax.tree.leaves(state.factors)} == {
-      jnp.dtype(jnp.float32)}
+    jnp.dtype(jnp.float32)
+  }
 
   batch = LayerFactors(0.3 * jnp.eye(3), 0.3 * jnp.eye(3))
   step = jax.jit(lambda f: update_factors(f, batch, jnp.float32(0.99)))
@@ -115,32 +126,40 @@ def test_float64_factors_are_averaged_in_float64():
   # The average ran in float32 whatever the storage: float64 factors held
   # float32's precision (5e-5 off after 20,000 steps at decay 0.999).
   with jax.enable_x64(True):
-    running = LayerFactors(jnp.full((2, 2), 1 + 1e-12, jnp.float64),
-                           jnp.ones((1, 1), jnp.float64))
+    running = LayerFactors(
+      jnp.full((2, 2), 1 + 1e-12, jnp.float64), jnp.ones((1, 1), jnp.float64)
+    )
     batch = LayerFactors(jnp.full((2, 2), 0.3), jnp.full((1, 1), 0.3))
     updated = update_factors(running, batch, jnp.float64(0.999))
     assert updated.activation_factor.dtype == jnp.float64
     expected = 0.999 * (1 + 1e-12) + 0.001 * 0.3
-    np.testing.assert_allclose(np.asarray(updated.activation_factor),
-                               expected, rtol=1e-15)
+    np.testing.assert_allclose(
+      np.asarray(updated.activation_factor), expected, rtol=1e-15
+    )
 
 
 def test_bf16_model_trains_on_digits():
   x, y = digits()
   model = mlp()
   params = init(model)
-  tx = kfac_jax.kfac(0.1, momentum=0.9, damping=3e-3,
-                     factor_dtype=jnp.bfloat16)
+  tx = kfac_jax.kfac(0.1, momentum=0.9, damping=3e-3, factor_dtype=jnp.bfloat16)
 
   @jax.jit
   def step(params, opt_state, xb, yb):
     loss, grads, stats = kfac_jax.value_grad_and_stats(
-        lambda p: loss_fn(model, p, xb, yb))(params)
+      lambda p: loss_fn(model, p, xb, yb)
+    )(params)
     updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
     params = optax.apply_updates(params, updates)
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in
-                                jax.tree.leaves((loss, params, opt_state))
-                                if jnp.issubdtype(leaf.dtype, jnp.inexact)]))
+    finite = jnp.all(
+      jnp.stack(
+        [
+          jnp.all(jnp.isfinite(leaf))
+          for leaf in jax.tree.leaves((loss, params, opt_state))
+          if jnp.issubdtype(leaf.dtype, jnp.inexact)
+        ]
+      )
+    )
     return params, opt_state, finite
 
   full_loss = jax.jit(lambda p: loss_fn(model, p, x, y))
@@ -182,45 +201,62 @@ def test_bf16_factors_change_the_step_by_their_rounding_only():
   params = init(model)
   damping = 1e-3
   transforms = [
-      kfac_jax.scale_by_kfac(damping=damping, kl_clip=None,
-                             compute_method="eigen", factor_dtype=factor_dtype)
-      for factor_dtype in (jnp.float32, jnp.bfloat16)
+    kfac_jax.scale_by_kfac(
+      damping=damping,
+      kl_clip=None,
+      compute_method="eigen",
+      factor_dtype=factor_dtype,
+    )
+    for factor_dtype in (jnp.float32, jnp.bfloat16)
   ]
 
   @jax.jit
   def steps(params):
     _, grads, stats = kfac_jax.value_grad_and_stats(
-        lambda p: loss_fn(model, p, x[:128], y[:128]))(params)
-    return grads, [tx.update(grads, tx.init(params), params, kfac_stats=stats)
-                   for tx in transforms]
+      lambda p: loss_fn(model, p, x[:128], y[:128])
+    )(params)
+    return grads, [
+      tx.update(grads, tx.init(params), params, kfac_stats=stats)
+      for tx in transforms
+    ]
 
   _, ((p32, s32), (p16, s16)) = steps(params)
   norm2 = lambda m: np.linalg.norm(m, 2)
   for name in s32.factors:
     matrix = lambda tree: np.concatenate(
-        [np.asarray(tree[name]["kernel"], np.float64),
-         np.asarray(tree[name]["bias"], np.float64)[None]])
+      [
+        np.asarray(tree[name]["kernel"], np.float64),
+        np.asarray(tree[name]["bias"], np.float64)[None],
+      ]
+    )
     p, p_bf16 = matrix(p32), matrix(p16)
     a, g = (np.asarray(f, np.float64) for f in s32.factors[name])
     a16, g16 = (np.asarray(f, np.float64) for f in s16.factors[name])
     assert np.all(np.abs(a16 - a) <= BF16_ROUNDOFF * np.abs(a))
     assert np.all(np.abs(g16 - g) <= BF16_ROUNDOFF * np.abs(g))
     da, dg = a16 - a, g16 - g
-    m_inverse = 1 / (np.linalg.eigvalsh(a).min() * np.linalg.eigvalsh(g).min()
-                     + damping)
-    bound = m_inverse * (norm2(da) * norm2(g16) + norm2(a) * norm2(dg)) * (
-        np.linalg.norm(p_bf16))
+    m_inverse = 1 / (
+      np.linalg.eigvalsh(a).min() * np.linalg.eigvalsh(g).min() + damping
+    )
+    bound = (
+      m_inverse
+      * (norm2(da) * norm2(g16) + norm2(a) * norm2(dg))
+      * (np.linalg.norm(p_bf16))
+    )
     error = np.linalg.norm(p_bf16 - p)
     assert error <= bound + 1e-5 * np.linalg.norm(p), (name, error, bound)
     assert error <= 4 * BF16_ROUNDOFF * np.linalg.norm(p), (
-        name, error / np.linalg.norm(p))
+      name,
+      error / np.linalg.norm(p),
+    )
     assert error > 0  # The bf16 factors did change something.
 
 
 def _bf16_rounded(x) -> np.ndarray:
   """``x`` rounded to bfloat16, as float64 (an emulation of jnp's cast)."""
-  return np.asarray(jnp.asarray(np.asarray(x, np.float32), jnp.bfloat16),
-                    np.float64)
+  return np.asarray(
+    jnp.asarray(np.asarray(x, np.float32), jnp.bfloat16), np.float64
+  )
 
 
 @pytest.mark.parametrize("form", ["dense", "factored"])
@@ -249,22 +285,27 @@ def test_bf16_preconditioner_multiplies_in_bf16(form):
   if form == "dense":
     gradient = jnp.asarray(a.T @ g, jnp.float32)
   else:
-    gradient = FactoredGradient(jnp.asarray(a, jnp.float32),
-                                jnp.asarray(g, jnp.float32))
+    gradient = FactoredGradient(
+      jnp.asarray(a, jnp.float32), jnp.asarray(g, jnp.float32)
+    )
 
   def ours(dtype):
-    out = sandwich(jnp.asarray(left, dtype), gradient,
-                   jnp.asarray(right, dtype))
+    out = sandwich(
+      jnp.asarray(left, dtype), gradient, jnp.asarray(right, dtype)
+    )
     assert out.dtype == jnp.float32
     return np.asarray(out, np.float64)
 
   stored_left, stored_right = _bf16_rounded(left), _bf16_rounded(right)
   if form == "dense":
-    emulated = _bf16_rounded(
-        stored_left @ _bf16_rounded(np.asarray(gradient))) @ stored_right
+    emulated = (
+      _bf16_rounded(stored_left @ _bf16_rounded(np.asarray(gradient)))
+      @ stored_right
+    )
   else:
-    emulated = (_bf16_rounded(_bf16_rounded(a) @ stored_left.T).T @
-                _bf16_rounded(_bf16_rounded(g) @ stored_right))
+    emulated = _bf16_rounded(
+      _bf16_rounded(a) @ stored_left.T
+    ).T @ _bf16_rounded(_bf16_rounded(g) @ stored_right)
   relative = lambda x, y: np.linalg.norm(x - y) / np.linalg.norm(y)
   assert relative(ours(jnp.bfloat16), emulated) < 3e-4
   assert relative(ours(jnp.float32), emulated) > 1e-3
@@ -287,26 +328,36 @@ def test_bf16_inv_dtype_changes_the_step_by_rounding_only(compute_method):
   model = mlp(jnp.float32, jnp.float32)
   params = init(model)
   transforms = [
-      kfac_jax.scale_by_kfac(damping=1e-3, kl_clip=None,
-                             compute_method=compute_method, inv_dtype=dtype)
-      for dtype in (jnp.float32, jnp.bfloat16)
+    kfac_jax.scale_by_kfac(
+      damping=1e-3, kl_clip=None, compute_method=compute_method, inv_dtype=dtype
+    )
+    for dtype in (jnp.float32, jnp.bfloat16)
   ]
 
   @jax.jit
   def steps(params):
     _, grads, stats = kfac_jax.value_grad_and_stats(
-        lambda p: loss_fn(model, p, x[:128], y[:128]))(params)
-    return [tx.update(grads, tx.init(params), params, kfac_stats=stats)
-            for tx in transforms]
+      lambda p: loss_fn(model, p, x[:128], y[:128])
+    )(params)
+    return [
+      tx.update(grads, tx.init(params), params, kfac_stats=stats)
+      for tx in transforms
+    ]
 
   (p32, _), (p16, s16) = steps(params)
   assert {p.dtype for p in jax.tree.leaves(s16.preconditioners)} == {
-      jnp.dtype(jnp.bfloat16)}
+    jnp.dtype(jnp.bfloat16)
+  }
   for name in p32:
     update32, update16 = (
-        np.concatenate([np.ravel(np.asarray(tree[name][key], np.float64))
-                        for key in ("kernel", "bias")])
-        for tree in (p32, p16))
+      np.concatenate(
+        [
+          np.ravel(np.asarray(tree[name][key], np.float64))
+          for key in ("kernel", "bias")
+        ]
+      )
+      for tree in (p32, p16)
+    )
     assert p16[name]["kernel"].dtype == jnp.float32
     error = np.linalg.norm(update16 - update32) / np.linalg.norm(update32)
     assert 1e-4 < error <= 4 * BF16_ROUNDOFF, (name, error)
@@ -344,5 +395,6 @@ def test_float64_kernels_get_float64_factors_by_default():
     assert factors.gradient_factor.dtype == jnp.float64
     # The batch factor in float32: the inputs' rounding (twice in each
     # product), the sum over 8 rows, / 8.
-    reference.assert_float32_close(factors.activation_factor, expected,
-                                   terms=2 + 8 + 1)
+    reference.assert_float32_close(
+      factors.activation_factor, expected, terms=2 + 8 + 1
+    )

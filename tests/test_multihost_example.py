@@ -18,10 +18,27 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 def run_example(*args: str) -> subprocess.CompletedProcess[str]:
   # The example's own --timeout stops its processes first.
   return subprocess.run(
-      [sys.executable, "-m", "examples.multihost", "--num-processes", "2",
-       "--batch-size", "64", "--eval-size", "200", "--timeout", "200", *args],
-      cwd=REPO_ROOT, env=dict(os.environ), capture_output=True, text=True,
-      timeout=240, check=False)
+    [
+      sys.executable,
+      "-m",
+      "examples.multihost",
+      "--num-processes",
+      "2",
+      "--batch-size",
+      "64",
+      "--eval-size",
+      "200",
+      "--timeout",
+      "200",
+      *args,
+    ],
+    cwd=REPO_ROOT,
+    env=dict(os.environ),
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=False,
+  )
 
 
 @pytest.mark.multiprocess
@@ -31,10 +48,17 @@ def test_multihost_example_trains_checkpoints_and_resumes(tmp_path):
   first = run_example("--steps", "2", "--checkpoint-dir", str(checkpoints))
   assert first.returncode == 0, first.stdout + first.stderr
   assert "2 processes x 4 devices, mesh {'data': 2, 'fsdp': 4}, hybrid_opt" in (
-      first.stdout)
+    first.stdout
+  )
   assert f"saved {checkpoints / 'step_2'}" in first.stdout
-  second = run_example("--steps", "1", "--strategy", "mem_opt",
-                       "--checkpoint-dir", str(checkpoints))
+  second = run_example(
+    "--steps",
+    "1",
+    "--strategy",
+    "mem_opt",
+    "--checkpoint-dir",
+    str(checkpoints),
+  )
   assert second.returncode == 0, second.stdout + second.stderr
   assert f"resumed from {checkpoints / 'step_2'}" in second.stdout
   assert "step 3: loss" in second.stdout

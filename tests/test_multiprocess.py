@@ -39,33 +39,44 @@ def env_with_devices(count: int) -> dict[str, str]:
   """This environment with ``count`` simulated CPU devices added to the
   inherited ``XLA_FLAGS`` (``make test`` sets compile flags there)."""
   flags = os.environ.get("XLA_FLAGS", "")
-  return dict(os.environ, JAX_PLATFORMS="cpu",
-              XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count="
-              f"{count}")
+  return dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={count}",
+  )
 
 
-def run_together(commands: dict[str, tuple[list[str], dict[str, str]]],
-                 logs: pathlib.Path, deadline_s: float) -> None:
+def run_together(
+  commands: dict[str, tuple[list[str], dict[str, str]]],
+  logs: pathlib.Path,
+  deadline_s: float,
+) -> None:
   """Runs every ``name: (argv, env)`` at once; fails with the log of the
   first to exit non-zero (or of all, past ``deadline_s``), after killing the
   rest."""
   running = {}
   for name, (argv, env) in commands.items():
     log = open(logs / f"{name}.log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
-    running[name] = (subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log,
-                                      stderr=subprocess.STDOUT), log)
+    running[name] = (
+      subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+      ),
+      log,
+    )
   deadline = time.monotonic() + deadline_s
   failed = None
   try:
-    while failed is None and any(p.poll() is None
-                                 for p, _ in running.values()):
-      failed = next((name for name, (p, _) in running.items()
-                     if p.poll() not in (None, 0)), None)
+    while failed is None and any(p.poll() is None for p, _ in running.values()):
+      failed = next(
+        (name for name, (p, _) in running.items() if p.poll() not in (None, 0)),
+        None,
+      )
       if time.monotonic() > deadline:
         failed = "deadline"
       time.sleep(0.2)
-    failed = failed or next((name for name, (p, _) in running.items()
-                             if p.returncode != 0), None)
+    failed = failed or next(
+      (name for name, (p, _) in running.items() if p.returncode != 0), None
+    )
   finally:
     for process, log in running.values():
       if process.poll() is None:
@@ -73,12 +84,20 @@ def run_together(commands: dict[str, tuple[list[str], dict[str, str]]],
         process.wait()
       log.close()
   if failed is not None:
-    tails = {name: (logs / f"{name}.log").read_text()[-4000:]
-             for name in (commands if failed == "deadline" else [failed])}
-    header = (f"past the deadline ({deadline_s} s)" if failed == "deadline"
-              else f"{failed} failed")
-    pytest.fail(header + ":\n" + "\n".join(
-        f"--- {name}:\n{tail}" for name, tail in tails.items()))
+    tails = {
+      name: (logs / f"{name}.log").read_text()[-4000:]
+      for name in (commands if failed == "deadline" else [failed])
+    }
+    header = (
+      f"past the deadline ({deadline_s} s)"
+      if failed == "deadline"
+      else f"{failed} failed"
+    )
+    pytest.fail(
+      header
+      + ":\n"
+      + "\n".join(f"--- {name}:\n{tail}" for name, tail in tails.items())
+    )
 
 
 @pytest.mark.multiprocess
@@ -93,21 +112,42 @@ def test_two_processes_train_and_checkpoint_as_one_process(tmp_path):
   port = free_port()
   program = [sys.executable, "-m", MODULE]
   commands = {
-      f"process_{i}": (program + [
-          "distributed", "--out", str(tmp_path), "--process-id", str(i),
-          "--num-processes", "2", "--port", str(port)], env_with_devices(4))
-      for i in range(2)}
-  commands["single"] = (program + ["single", "--out", str(tmp_path)],
-                        env_with_devices(8))
+    f"process_{i}": (
+      program
+      + [
+        "distributed",
+        "--out",
+        str(tmp_path),
+        "--process-id",
+        str(i),
+        "--num-processes",
+        "2",
+        "--port",
+        str(port),
+      ],
+      env_with_devices(4),
+    )
+    for i in range(2)
+  }
+  commands["single"] = (
+    program + ["single", "--out", str(tmp_path)],
+    env_with_devices(8),
+  )
   run_together(commands, tmp_path, DEADLINE_S)
   reference = np.load(tmp_path / "single_0.npz")
-  assert {key.split("/")[0] + "/" + key.split("/")[1]
-          for key in reference if key.count("/") > 1} >= {
-              f"{axes}/{strategy}" for axes in ("Auto", "Explicit")
-              for strategy in ("COMM_OPT", "HYBRID_OPT", "MEM_OPT")}
+  assert {
+    key.split("/")[0] + "/" + key.split("/")[1]
+    for key in reference
+    if key.count("/") > 1
+  } >= {
+    f"{axes}/{strategy}"
+    for axes in ("Auto", "Explicit")
+    for strategy in ("COMM_OPT", "HYBRID_OPT", "MEM_OPT")
+  }
   for i in range(2):
     run = np.load(tmp_path / f"distributed_{i}.npz")
     assert set(run) == set(reference)
     for key in reference:
-      np.testing.assert_allclose(run[key], reference[key], **TOLERANCE,
-                                 err_msg=f"process {i}: {key}")
+      np.testing.assert_allclose(
+        run[key], reference[key], **TOLERANCE, err_msg=f"process {i}: {key}"
+      )

@@ -58,16 +58,20 @@ def test_gradients_stats_and_batch_statistics_match_nnx_value_and_grad():
   x, target = _data()
   model = NnxModel(nnx.Rngs(0))
   twin = nnx.clone(model)
-  loss, grads, stats = kfac_jax.value_grad_and_stats(nnx_loss)(model, x,
-                                                                target)
+  loss, grads, stats = kfac_jax.value_grad_and_stats(nnx_loss)(model, x, target)
   expected_loss, expected_grads = nnx.value_and_grad(nnx_loss)(twin, x, target)
   close(loss, expected_loss, terms=NNX_FORWARD)
-  jax.tree.map(lambda a, b: close(a, b, terms=NNX_GRADIENT), grads,
-               expected_grads)
+  jax.tree.map(
+    lambda a, b: close(a, b, terms=NNX_GRADIENT), grads, expected_grads
+  )
   # State the loss updates (BatchNorm running statistics) reaches the model.
   # (1 − momentum)·the batch mean of tanh values (|h| ≤ 1), which cancel.
-  close(model.norm.mean[...], twin.norm.mean[...], terms=NNX_FORWARD,
-        scale=1 - model.norm.momentum)
+  close(
+    model.norm.mean[...],
+    twin.norm.mean[...],
+    terms=NNX_FORWARD,
+    scale=1 - model.norm.momentum,
+  )
   assert not np.allclose(model.norm.mean[...], 0)
   assert sorted(stats) == ["blocks/0", "blocks/1", "conv", "heads", "hidden"]
   np.testing.assert_array_equal(stats["conv"].inputs[0], x)
@@ -87,8 +91,12 @@ def _linen_params(model: NnxModel) -> dict:
   return jax.tree.map(jnp.asarray, params)
 
 
-def _train_nnx_and_linen(make_tx, nnx_extra=lambda model, x: {},
-                         linen_extra=lambda linen, x: {}, damping=0.01):
+def _train_nnx_and_linen(
+  make_tx,
+  nnx_extra=lambda model, x: {},
+  linen_extra=lambda linen, x: {},
+  damping=0.01,
+):
   """Three K-FAC steps through nnx.Optimizer and the same steps in Linen.
 
   ``make_tx(layer_table)`` builds the transformation; ``nnx_extra(model, x)``
@@ -101,27 +109,34 @@ def _train_nnx_and_linen(make_tx, nnx_extra=lambda model, x: {},
   model = NnxModel(nnx.Rngs(0))
   params = _linen_params(model)
   optimizer = nnx.Optimizer(
-      model, make_tx(kfac_jax.trace_layers(nnx_loss, model, x, target)),
-      wrt=nnx.Param)
+    model,
+    make_tx(kfac_jax.trace_layers(nnx_loss, model, x, target)),
+    wrt=nnx.Param,
+  )
 
   @nnx.jit
   def nnx_step(model, optimizer, x, target):
-    loss, grads, stats = kfac_jax.value_grad_and_stats(nnx_loss)(model, x,
-                                                                  target)
+    loss, grads, stats = kfac_jax.value_grad_and_stats(nnx_loss)(
+      model, x, target
+    )
     optimizer.update(model, grads, kfac_stats=stats, **nnx_extra(model, x))
     return loss
 
   linen = LinenModel()
-  linen_loss = lambda p, x, t: jnp.mean((linen.apply({"params": p}, x) - t)**2)
+  linen_loss = lambda p, x, t: jnp.mean(
+    (linen.apply({"params": p}, x) - t) ** 2
+  )
   tx = make_tx(kfac_jax.trace_layers(linen_loss, params, x, target))
   state = tx.init(params)
 
   @jax.jit
   def linen_step(params, state, x, target):
-    loss, grads, stats = kfac_jax.value_grad_and_stats(linen_loss)(params, x,
-                                                                   target)
-    updates, state = tx.update(grads, state, params, kfac_stats=stats,
-                               **linen_extra(linen, x))
+    loss, grads, stats = kfac_jax.value_grad_and_stats(linen_loss)(
+      params, x, target
+    )
+    updates, state = tx.update(
+      grads, state, params, kfac_stats=stats, **linen_extra(linen, x)
+    )
     return optax.apply_updates(params, updates), state, loss
 
   terms = 0
@@ -129,23 +144,36 @@ def _train_nnx_and_linen(make_tx, nnx_extra=lambda model, x: {},
     model_loss = nnx_step(model, optimizer, x, target)
     params, state, loss = linen_step(params, state, x, target)
     condition = reference.kfac_condition(
-        reference.kfac_state(state).factors, damping)
+      reference.kfac_state(state).factors, damping
+    )
     # The previous steps' updates, each through K-FAC, then this loss.
     close(model_loss, loss, terms=terms * condition + NNX_FORWARD)
     terms += NNX_GRADIENT
   scale = reference.largest(jax.tree.leaves(params))
-  jax.tree.map(lambda a, b: close(a, b, terms=terms, condition=condition,
-                                  scale=scale), _linen_params(model), params)
+  jax.tree.map(
+    lambda a, b: close(a, b, terms=terms, condition=condition, scale=scale),
+    _linen_params(model),
+    params,
+  )
   return optimizer, state
 
 
 def test_nnx_optimizer_matches_the_linen_path():
   """Three K-FAC steps through nnx.Optimizer equal the same steps in Linen."""
-  optimizer, _ = _train_nnx_and_linen(lambda table: optax.chain(
+  optimizer, _ = _train_nnx_and_linen(
+    lambda table: optax.chain(
       kfac_jax.scale_by_kfac(damping=0.01, kl_clip=0.01, layers=table),
-      optax.sgd(0.1, momentum=0.9)))
+      optax.sgd(0.1, momentum=0.9),
+    )
+  )
   assert sorted(optimizer.opt_state[0].factors) == [
-      "blocks/0", "blocks/1", "conv[0]", "conv[1]", "heads", "hidden"]
+    "blocks/0",
+    "blocks/1",
+    "conv[0]",
+    "conv[1]",
+    "heads",
+    "hidden",
+  ]
 
 
 def test_a_list_layer_withheld_by_multi_transform_goes_to_adam():
@@ -155,25 +183,39 @@ def test_a_list_layer_withheld_by_multi_transform_goes_to_adam():
   x, target = _data()
   model = NnxModel(nnx.Rngs(0))
   table = kfac_jax.trace_layers(nnx_loss, model, x, target)
-  withheld = lambda path: [getattr(k, "key", None) for k in path[:2]] == [
-      "blocks", 1]
+  withheld = lambda path: (
+    [getattr(k, "key", None) for k in path[:2]] == ["blocks", 1]
+  )
   labels = lambda params: jax.tree_util.tree_map_with_path(
-      lambda path, _: "adam" if withheld(path) else "kfac", params)
-  optimizer = nnx.Optimizer(model, optax.multi_transform(
-      {"kfac": kfac_jax.kfac(0.1, damping=0.01, layers=table),
-       "adam": optax.adam(1e-3)}, labels), wrt=nnx.Param)
+    lambda path, _: "adam" if withheld(path) else "kfac", params
+  )
+  optimizer = nnx.Optimizer(
+    model,
+    optax.multi_transform(
+      {
+        "kfac": kfac_jax.kfac(0.1, damping=0.01, layers=table),
+        "adam": optax.adam(1e-3),
+      },
+      labels,
+    ),
+    wrt=nnx.Param,
+  )
   before = jax.tree.map(jnp.copy, nnx.state(model.blocks[1], nnx.Param))
   _, grads, stats = kfac_jax.value_grad_and_stats(nnx_loss)(model, x, target)
   optimizer.update(model, grads, kfac_stats=stats)
-  assert "blocks/1" not in optimizer.opt_state.inner_states["kfac"][0][
-      0].factors
-  adam_step, _ = optax.adam(1e-3).update(grads["blocks"][1],
-                                         optax.adam(1e-3).init(before))
+  assert (
+    "blocks/1" not in optimizer.opt_state.inner_states["kfac"][0][0].factors
+  )
+  adam_step, _ = optax.adam(1e-3).update(
+    grads["blocks"][1], optax.adam(1e-3).init(before)
+  )
   # Adam's elementwise chain (moments, bias corrections, sqrt, divide,
   # scale: 10 roundings) on steps of 1e-3, then the add to the param.
-  jax.tree.map(lambda a, b: close(a, b, terms=10),
-               nnx.state(model.blocks[1], nnx.Param),
-               optax.apply_updates(before, adam_step))
+  jax.tree.map(
+    lambda a, b: close(a, b, terms=10),
+    nnx.state(model.blocks[1], nnx.Param),
+    optax.apply_updates(before, adam_step),
+  )
 
 
 def test_full_params_specs_inside_multi_transform_under_nnx_optimizer():
@@ -182,69 +224,112 @@ def test_full_params_specs_inside_multi_transform_under_nnx_optimizer():
   # of the params").
   x, target = _data()
   labels = lambda params: jax.tree_util.tree_map_with_path(
-      lambda path, _: "adam" if path[0].key == "heads" else "kfac", params)
+    lambda path, _: "adam" if path[0].key == "heads" else "kfac", params
+  )
   params = as_pure(nnx.state(NnxModel(nnx.Rngs(0)), nnx.Param))
   specs = jax.tree.map(lambda p: PartitionSpec(), params)
-  mesh = jax.make_mesh((1,), ("data",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = jax.make_mesh(
+    (1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+  )
   updated = []
   for kwargs in ({}, dict(params_partition_specs=specs)):
     with jax.set_mesh(mesh):
       model = NnxModel(nnx.Rngs(0))
-      table = kfac_jax.trace_layers(nnx_loss, model, x, target,
-                                    skip_layers="^heads$")
-      optimizer = nnx.Optimizer(model, optax.multi_transform(
-          {"kfac": kfac_jax.scale_by_kfac(damping=0.01, skip_layers="^heads$",
-                                          layers=table, **kwargs),
-           "adam": optax.adam(1e-3)}, labels), wrt=nnx.Param)
+      table = kfac_jax.trace_layers(
+        nnx_loss, model, x, target, skip_layers="^heads$"
+      )
+      optimizer = nnx.Optimizer(
+        model,
+        optax.multi_transform(
+          {
+            "kfac": kfac_jax.scale_by_kfac(
+              damping=0.01, skip_layers="^heads$", layers=table, **kwargs
+            ),
+            "adam": optax.adam(1e-3),
+          },
+          labels,
+        ),
+        wrt=nnx.Param,
+      )
       _, grads, stats = kfac_jax.value_grad_and_stats(
-          nnx_loss, skip_layers="^heads$")(model, x, target)
+        nnx_loss, skip_layers="^heads$"
+      )(model, x, target)
       optimizer.update(model, grads, kfac_stats=stats)
       updated.append(nnx.state(model, nnx.Param))
   condition = reference.kfac_condition(
-      reference.kfac_state(as_pure(optimizer.opt_state)).factors, 0.01)
+    reference.kfac_state(as_pure(optimizer.opt_state)).factors, 0.01
+  )
   scale = reference.largest(jax.tree.leaves(updated[0]))
-  jax.tree.map(lambda a, b: close(a, b, terms=NNX_GRADIENT,
-                                  condition=condition, scale=scale), *updated)
+  jax.tree.map(
+    lambda a, b: close(
+      a, b, terms=NNX_GRADIENT, condition=condition, scale=scale
+    ),
+    *updated,
+  )
 
 
 def test_gradient_from_stats_through_nnx_matches_the_dense_linen_path():
   """NNX stats give the factored gradients (``hidden``, 25 × 8 at 6 rows,
   is cheaper so); the Linen twin preconditions every layer densely."""
   from_stats = iter([True, False])  # The harness builds NNX's first.
-  _train_nnx_and_linen(lambda table: optax.chain(
-      kfac_jax.scale_by_kfac(damping=0.01, kl_clip=0.01, layers=table,
-                             gradient_from_stats=next(from_stats)),
-      optax.sgd(0.1, momentum=0.9)))
+  _train_nnx_and_linen(
+    lambda table: optax.chain(
+      kfac_jax.scale_by_kfac(
+        damping=0.01,
+        kl_clip=0.01,
+        layers=table,
+        gradient_from_stats=next(from_stats),
+      ),
+      optax.sgd(0.1, momentum=0.9),
+    )
+  )
 
 
 def test_adaptive_mode_through_nnx_optimizer_matches_the_linen_path():
   """The adaptive mode's extra ``split_loss`` reaches it through
   ``nnx.Optimizer.update``; its ``outputs_fn`` gets the Param state."""
   _, target = _data()
-  squared_error = lambda outputs: jnp.mean((outputs - target)**2)
+  squared_error = lambda outputs: jnp.mean((outputs - target) ** 2)
 
   def nnx_split(model, x):
     graphdef, _, rest = nnx.split(model, nnx.Param, ...)
     # A copy: its BatchNorm statistics update the copy inside the
     # linearisation's trace, not the model's variables.
-    return dict(split_loss=kfac_jax.SplitLoss(
-        lambda param_state: nnx.merge(graphdef, param_state, rest,
-                                      copy=True)(x), squared_error))
+    return dict(
+      split_loss=kfac_jax.SplitLoss(
+        lambda param_state: nnx.merge(graphdef, param_state, rest, copy=True)(
+          x
+        ),
+        squared_error,
+      )
+    )
 
   def linen_split(linen, x):
-    return dict(split_loss=kfac_jax.SplitLoss(
-        lambda p: linen.apply({"params": p}, x), squared_error))
+    return dict(
+      split_loss=kfac_jax.SplitLoss(
+        lambda p: linen.apply({"params": p}, x), squared_error
+      )
+    )
 
   optimizer, state = _train_nnx_and_linen(
-      lambda table: kfac_jax.scale_by_kfac(
-          damping=1.0, kl_clip=None, compute_method="inverse", layers=table,
-          adaptive=kfac_jax.AdaptiveConfig(damping_adaptation_interval=2)),
-      # λ from 1 moves once (interval 2, 3 steps): ω = 0.95² at the least.
-      nnx_split, linen_split, damping=0.95**2)
+    lambda table: kfac_jax.scale_by_kfac(
+      damping=1.0,
+      kl_clip=None,
+      compute_method="inverse",
+      layers=table,
+      adaptive=kfac_jax.AdaptiveConfig(damping_adaptation_interval=2),
+    ),
+    # λ from 1 moves once (interval 2, 3 steps): ω = 0.95² at the least.
+    nnx_split,
+    linen_split,
+    damping=0.95**2,
+  )
   # λ ← λ·ω or λ/ω at most once a step: 3 roundings.
-  close(optimizer.opt_state.quadratic_model.damping[...],
-        state.quadratic_model.damping, terms=3)
+  close(
+    optimizer.opt_state.quadratic_model.damping[...],
+    state.quadratic_model.damping,
+    terms=3,
+  )
   assert float(state.quadratic_model.damping) != 1.0
 
 
@@ -254,8 +339,9 @@ def test_trace_layers_takes_abstract_arguments():
   x, target = _data()
   abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, target)]
   model = NnxModel(nnx.Rngs(0))
-  assert (kfac_jax.trace_layers(nnx_loss, model, *abstract) ==
-          kfac_jax.trace_layers(nnx_loss, model, x, target))
+  assert kfac_jax.trace_layers(
+    nnx_loss, model, *abstract
+  ) == kfac_jax.trace_layers(nnx_loss, model, x, target)
   linen = LinenModel()
 
   def linen_loss(params, x, target, squared=True):
@@ -265,8 +351,9 @@ def test_trace_layers_takes_abstract_arguments():
   params = _linen_params(model)
   table = kfac_jax.trace_layers(linen_loss, params, x, target)
   assert kfac_jax.trace_layers(linen_loss, params, *abstract) == table
-  assert kfac_jax.trace_layers(linen_loss, params, *abstract,
-                               squared=False) == table
+  assert (
+    kfac_jax.trace_layers(linen_loss, params, *abstract, squared=False) == table
+  )
 
 
 def test_params_partition_specs_through_nnx_optimizer():
@@ -274,33 +361,45 @@ def test_params_partition_specs_through_nnx_optimizer():
   # arrays: no spec tree passed both checks (one failed at init, the other
   # at update).
   x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)
-  loss_fn = lambda model, x: jnp.mean(model(x)**2)
-  mesh = jax.make_mesh((1,), ("data",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  loss_fn = lambda model, x: jnp.mean(model(x) ** 2)
+  mesh = jax.make_mesh(
+    (1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+  )
   updated = []
   for with_specs in (False, True):
     model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
     kw = {}
     if with_specs:
-      kw = dict(mesh_axes="data", params_partition_specs=jax.tree.map(
-          lambda p: jax.sharding.PartitionSpec(None, "data") if p.ndim == 2
-          else jax.sharding.PartitionSpec(),
-          as_pure(nnx.state(model, nnx.Param))))
+      kw = dict(
+        mesh_axes="data",
+        params_partition_specs=jax.tree.map(
+          lambda p: (
+            jax.sharding.PartitionSpec(None, "data")
+            if p.ndim == 2
+            else jax.sharding.PartitionSpec()
+          ),
+          as_pure(nnx.state(model, nnx.Param)),
+        ),
+      )
     with jax.set_mesh(mesh):
       optimizer = nnx.Optimizer(
-          model, optax.chain(kfac_jax.scale_by_kfac(**kw), optax.sgd(0.1)),
-          wrt=nnx.Param)
+        model,
+        optax.chain(kfac_jax.scale_by_kfac(**kw), optax.sgd(0.1)),
+        wrt=nnx.Param,
+      )
       _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(model, x)
       optimizer.update(model, grads, kfac_stats=stats)
     updated.append(as_pure(nnx.state(model, nnx.Param)))
   # mean(model(x)**2) over 8 × 8 outputs, the dot of 4, backward; the
   # factors' sums over 8 rows.
   condition = reference.kfac_condition(
-      reference.kfac_state(as_pure(optimizer.opt_state)).factors, 0.001)
+    reference.kfac_state(as_pure(optimizer.opt_state)).factors, 0.001
+  )
   scale = reference.largest(jax.tree.leaves(updated[0]))
   for plain, sharded in zip(*map(jax.tree.leaves, updated)):
-    close(sharded, plain, terms=2 * (4 + 64) + 8, condition=condition,
-          scale=scale)
+    close(
+      sharded, plain, terms=2 * (4 + 64) + 8, condition=condition, scale=scale
+    )
 
 
 def test_repeated_capture_makes_no_new_module_classes():
@@ -308,6 +407,7 @@ def test_repeated_capture_makes_no_new_module_classes():
   registry keeps for good: an eager (or retracing) loop leaked ~14 KiB per
   layer and step."""
   import gc  # pylint: disable=g-import-not-at-top
+
   model, (x, target) = NnxModel(nnx.Rngs(0)), _data()
   capture = kfac_jax.value_grad_and_stats(nnx_loss)
 
@@ -331,11 +431,12 @@ def test_layers_frozen_by_the_optimizers_wrt_filter_go_in_skip_layers():
   trainable = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("hidden")))
 
   def optimizer_of(model, skip):
-    table = kfac_jax.trace_layers(nnx_loss, model, x, target,
-                                  skip_layers=skip)
+    table = kfac_jax.trace_layers(nnx_loss, model, x, target, skip_layers=skip)
     return nnx.Optimizer(
-        model, kfac_jax.scale_by_kfac(damping=0.01, layers=table,
-                                      skip_layers=skip), wrt=trainable)
+      model,
+      kfac_jax.scale_by_kfac(damping=0.01, layers=table, skip_layers=skip),
+      wrt=trainable,
+    )
 
   with pytest.raises(ValueError, match=r"\['hidden'\].*skip_layers"):
     optimizer_of(NnxModel(nnx.Rngs(0)), None)
@@ -346,12 +447,21 @@ def test_layers_frozen_by_the_optimizers_wrt_filter_go_in_skip_layers():
     optimizer = optimizer_of(model, ["^hidden$"])
   frozen = nnx.state(model, nnx.PathContains("hidden"))
   _, grads, stats = kfac_jax.value_grad_and_stats(
-      nnx_loss, skip_layers=["^hidden$"])(model, x, target)
+    nnx_loss, skip_layers=["^hidden$"]
+  )(model, x, target)
   optimizer.update(model, nnx.state(grads, trainable), kfac_stats=stats)
   assert sorted(optimizer.opt_state.factors) == [
-      "blocks/0", "blocks/1", "conv[0]", "conv[1]", "heads"]
-  jax.tree.map(np.testing.assert_array_equal, nnx.state(
-      model, nnx.PathContains("hidden")), frozen)
+    "blocks/0",
+    "blocks/1",
+    "conv[0]",
+    "conv[1]",
+    "heads",
+  ]
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    nnx.state(model, nnx.PathContains("hidden")),
+    frozen,
+  )
 
 
 def test_variable_gradients_passed_to_update_directly_are_their_arrays():
@@ -359,15 +469,18 @@ def test_variable_gradients_passed_to_update_directly_are_their_arrays():
   Flax's functional API passes it: the same update as on the arrays, in
   the Variables (tests/test_nnx_functional.py has the whole loop)."""
   model, (x, target) = NnxModel(nnx.Rngs(0)), _data()
-  tx = kfac_jax.scale_by_kfac(damping=0.01, layers=kfac_jax.trace_layers(
-      nnx_loss, model, x, target))
+  tx = kfac_jax.scale_by_kfac(
+    damping=0.01, layers=kfac_jax.trace_layers(nnx_loss, model, x, target)
+  )
   params = nnx.state(model, nnx.Param)
   state = tx.init(params)  # as nnx.Optimizer's init gets them
   _, grads, stats = kfac_jax.value_grad_and_stats(nnx_loss)(model, x, target)
   updates, _ = tx.update(grads, state, params, kfac_stats=stats)
-  expected, _ = tx.update(as_pure(grads), state, as_pure(params),
-                          kfac_stats=stats)
+  expected, _ = tx.update(
+    as_pure(grads), state, as_pure(params), kfac_stats=stats
+  )
   assert isinstance(updates["hidden"]["kernel"], nnx.Param)
   jax.tree.map(np.testing.assert_array_equal, as_pure(updates), expected)
-  assert not np.allclose(expected["hidden"]["kernel"],
-                         as_pure(grads)["hidden"]["kernel"])
+  assert not np.allclose(
+    expected["hidden"]["kernel"], as_pure(grads)["hidden"]["kernel"]
+  )

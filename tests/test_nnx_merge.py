@@ -84,8 +84,11 @@ def problem(kind):
 
 
 def assert_close(got, want):
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL,
-                                                       atol=RTOL), got, want)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=RTOL),
+    got,
+    want,
+  )
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -94,10 +97,12 @@ def test_the_merged_state_gives_the_model_forms_stats(kind):
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # no "captured no layer"
     loss, grads, stats = kfac_jax.value_grad_and_stats(merged_loss)(
-        params, x, y)
+      params, x, y
+    )
   want_loss, want_grads = jax.value_and_grad(merged_loss)(params, x, y)
   _, _, model_stats = kfac_jax.value_grad_and_stats(model_loss)(
-      nnx.merge(graphdef, params), x, y)
+    nnx.merge(graphdef, params), x, y
+  )
 
   assert isinstance(grads, nnx.State)
   assert set(stats) == set(model_stats) and len(stats) >= 2
@@ -120,16 +125,15 @@ def test_steps_on_the_merged_state_equal_the_model_forms(kind):
   @jax.jit
   def merged_step(params, opt_state):
     _, grads, stats = kfac_jax.value_grad_and_stats(merged_loss)(params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params,
-                                   kfac_stats=stats)
+    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
     return optax.apply_updates(params, updates), opt_state
 
   @jax.jit
   def model_step(params, opt_state):
     _, grads, stats = kfac_jax.value_grad_and_stats(model_loss)(
-        nnx.merge(graphdef, params), x, y)
-    updates, opt_state = tx.update(grads, opt_state, params,
-                                   kfac_stats=stats)
+      nnx.merge(graphdef, params), x, y
+    )
+    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
     return optax.apply_updates(params, updates), opt_state
 
   runs = []
@@ -141,7 +145,8 @@ def test_steps_on_the_merged_state_equal_the_model_forms(kind):
   assert_close(nnx.to_pure_dict(runs[0][0]), nnx.to_pure_dict(runs[1][0]))
   assert_close(runs[0][1][0].factors, runs[1][1][0].factors)
   assert len(runs[0][1][0].factors) == sum(
-      layer.num_blocks for layer in table.values())
+    layer.num_blocks for layer in table.values()
+  )
 
 
 def test_trace_layers_of_the_state_equals_the_models():
@@ -150,10 +155,12 @@ def test_trace_layers_of_the_state_equals_the_models():
   for skip in (None, ["^blocks"], ["Linear"]):
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")  # ["Linear"] leaves no layer
-      merged = kfac_jax.trace_layers(merged_loss, params, x, y,
-                                     skip_layers=skip)
-      from_model = kfac_jax.trace_layers(model_loss, model, x, y,
-                                         skip_layers=skip)
+      merged = kfac_jax.trace_layers(
+        merged_loss, params, x, y, skip_layers=skip
+      )
+      from_model = kfac_jax.trace_layers(
+        model_loss, model, x, y, skip_layers=skip
+      )
     assert merged == from_model, skip
     assert merged.skipped_classes == from_model.skipped_classes, skip
   assert set(merged.skipped_classes) == {"l1", "blocks/0", "blocks/1", "l2"}
@@ -165,10 +172,11 @@ def test_layers_under_nnx_transforms_inside_the_loss(transform):
   graphdef, params, x, y, merged_loss = problem("linear")
   forward = transform(lambda model, x: model(x))
   _, grads, stats = kfac_jax.value_grad_and_stats(
-      lambda p, x, y: cross_entropy(forward(nnx.merge(graphdef, p), x), y))(
-          params, x, y)
+    lambda p, x, y: cross_entropy(forward(nnx.merge(graphdef, p), x), y)
+  )(params, x, y)
   _, want_grads, want_stats = kfac_jax.value_grad_and_stats(merged_loss)(
-      params, x, y)
+    params, x, y
+  )
   assert set(stats) == set(want_stats)
   assert_close(stats, want_stats)
   assert_close(grads, want_grads)
@@ -178,14 +186,17 @@ def test_an_rngs_argument_is_updated_as_in_the_model_form():
   graphdef, params, x, y, _ = problem("linear")
   rngs, model_rngs = nnx.Rngs(dropout=3), nnx.Rngs(dropout=3)
   _, _, stats = kfac_jax.value_grad_and_stats(
-      lambda p, rngs, x, y: cross_entropy(
-          nnx.merge(graphdef, p)(x, rngs=rngs), y))(params, rngs, x, y)
+    lambda p, rngs, x, y: cross_entropy(nnx.merge(graphdef, p)(x, rngs=rngs), y)
+  )(params, rngs, x, y)
   _, _, want = kfac_jax.value_grad_and_stats(
-      lambda model, rngs, x, y: cross_entropy(model(x, rngs=rngs), y))(
-          nnx.merge(graphdef, params), model_rngs, x, y)
+    lambda model, rngs, x, y: cross_entropy(model(x, rngs=rngs), y)
+  )(nnx.merge(graphdef, params), model_rngs, x, y)
   jax.tree.map(np.testing.assert_array_equal, stats, want)
-  assert int(rngs.dropout.count.get_value()) == int(
-      model_rngs.dropout.count.get_value()) == 1
+  assert (
+    int(rngs.dropout.count.get_value())
+    == int(model_rngs.dropout.count.get_value())
+    == 1
+  )
 
 
 class TiedLm(nnx.Module):
@@ -209,14 +220,13 @@ def test_attend_and_linear_general_as_in_the_model_form():
 
   _, _, stats = kfac_jax.value_grad_and_stats(merged)(params, tokens)
   _, _, want = kfac_jax.value_grad_and_stats(
-      lambda model, tokens: cross_entropy(model(tokens), tokens))(
-          nnx.merge(graphdef, params), tokens)
+    lambda model, tokens: cross_entropy(model(tokens), tokens)
+  )(nnx.merge(graphdef, params), tokens)
   assert set(stats) == set(want) == {"mix"}
   jax.tree.map(np.testing.assert_array_equal, stats, want)
 
 
 class Block(nnx.Module):
-
   def __init__(self, rngs: nnx.Rngs):
     self.linear = nnx.Linear(4, 4, rngs=rngs)
 
@@ -250,13 +260,15 @@ def test_stacked_layers_are_refused_naming_the_model_form():
   the model; the model-passing form slices them (tests/test_nnx_stacked.py)."""
   graphdef, params = nnx.split(Stacked(nnx.Rngs(0)), nnx.Param)
   loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p)(x) ** 2)
-  with pytest.raises(ValueError,
-                     match=r"'blocks/linear'.*\(3, 4, 4\).*Give "
-                     r"value_grad_and_stats the model.*skip_layers"):
+  with pytest.raises(
+    ValueError,
+    match=r"'blocks/linear'.*\(3, 4, 4\).*Give "
+    r"value_grad_and_stats the model.*skip_layers",
+  ):
     kfac_jax.value_grad_and_stats(loss)(params, jnp.ones((2, 4)))
   _, _, stats = kfac_jax.value_grad_and_stats(
-      lambda model, x: jnp.sum(model(x) ** 2))(
-          nnx.merge(graphdef, params), jnp.ones((2, 4)))
+    lambda model, x: jnp.sum(model(x) ** 2)
+  )(nnx.merge(graphdef, params), jnp.ones((2, 4)))
   assert set(stats) == {"blocks/linear"}
 
 
@@ -268,10 +280,12 @@ def test_the_callers_state_and_flax_classes_are_left_as_they_were():
   for cls, before in methods.items():
     for method in nnx_merge.ROUTED_METHODS[cls]:
       assert vars(cls)[method] is before[method], (cls, method)
-  variables = jax.tree.leaves(params,
-                              is_leaf=lambda v: isinstance(v, nnx.Variable))
+  variables = jax.tree.leaves(
+    params, is_leaf=lambda v: isinstance(v, nnx.Variable)
+  )
   assert variables and all(
-      nnx_merge.TAG not in v.get_metadata() for v in variables)
+    nnx_merge.TAG not in v.get_metadata() for v in variables
+  )
   # A tagged kernel reaches its route only while a capture routes calls.
   tagged = nnx_merge.tagged(params, lambda *args, **kwargs: 1 / 0)
   logits = nnx.merge(graphdef, tagged)(x)

@@ -22,8 +22,9 @@ SCAN_FORWARD = 4 * 4 + 10
 SCAN_GRADIENT = 2 * SCAN_FORWARD + 5
 
 
-def two_stacked_linears(rngs: nnx.Rngs, features_in: int,
-                        features_out: int) -> nnx.Linear:
+def two_stacked_linears(
+  rngs: nnx.Rngs, features_in: int, features_out: int
+) -> nnx.Linear:
   """Two ``nnx.Linear`` members stacked on axis 0 by ``nnx.vmap``."""
 
   @nnx.split_rngs(splits=2)
@@ -43,13 +44,13 @@ class Ensemble(nnx.Module):
     self.members = two_stacked_linears(rngs, 4, 3)
 
   def __call__(self, x):
-    apply = ((lambda m, x: jax.vmap(m)(x)) if self.per_example else
-             (lambda m, x: m(x)))
+    apply = (
+      (lambda m, x: jax.vmap(m)(x)) if self.per_example else (lambda m, x: m(x))
+    )
     return nnx.vmap(apply, in_axes=(0, None))(self.members, x)
 
 
 class ScanBlock(nnx.Module):
-
   def __init__(self, rngs: nnx.Rngs):
     self.lin = nnx.Linear(4, 4, rngs=rngs)
 
@@ -70,8 +71,11 @@ class ScannedBlocks(nnx.Module):
     def create(rngs):
       return ScanBlock(rngs)
 
-    self.blocks = (nnx.List([ScanBlock(rngs) for _ in range(3)])
-                   if unrolled else create(rngs))
+    self.blocks = (
+      nnx.List([ScanBlock(rngs) for _ in range(3)])
+      if unrolled
+      else create(rngs)
+    )
     self.head = nnx.Linear(4, 2, rngs=rngs)
 
   def __call__(self, x, block_axes=None, per_example=False):
@@ -83,8 +87,10 @@ class ScannedBlocks(nnx.Module):
         x = block(x)
       return self.head(x)
 
-    @nnx.scan(in_axes=(nnx.Carry, self.axis if block_axes is None else
-                       block_axes), out_axes=nnx.Carry)
+    @nnx.scan(
+      in_axes=(nnx.Carry, self.axis if block_axes is None else block_axes),
+      out_axes=nnx.Carry,
+    )
     def body(x, block):
       return jax.vmap(block)(x) if per_example else block(x)
 
@@ -109,7 +115,7 @@ def test_nnx_scan_over_stacked_layers_matches_the_unrolled_layers():
   model = ScannedBlocks(nnx.Rngs(0))
   unrolled = _unroll(model)
   x = jnp.asarray(np.random.default_rng(3).normal(size=(5, 4)), jnp.float32)
-  loss_fn = lambda m, x: jnp.sum(m(x)**2)
+  loss_fn = lambda m, x: jnp.sum(m(x) ** 2)
   table = kfac_jax.trace_layers(loss_fn, model, x)
   assert table["blocks/lin"].kernel_shape == (3, 4, 4)
   assert table["blocks/lin"].stack_ndim == 1
@@ -118,40 +124,59 @@ def test_nnx_scan_over_stacked_layers_matches_the_unrolled_layers():
   # The scan and the loop accumulate in different orders (1.5e-7 apart on
   # O(1) values seen on an AVX2 machine).
   close(loss, expected_loss, terms=SCAN_FORWARD)
-  jax.tree.map(lambda a, b: close(a, b, terms=SCAN_GRADIENT),
-               nnx.to_pure_dict(grads), nnx.to_pure_dict(expected_grads))
-  unrolled_loss, unrolled_grads, unrolled_stats = (
-      kfac_jax.value_grad_and_stats(loss_fn)(unrolled, x))
+  jax.tree.map(
+    lambda a, b: close(a, b, terms=SCAN_GRADIENT),
+    nnx.to_pure_dict(grads),
+    nnx.to_pure_dict(expected_grads),
+  )
+  unrolled_loss, unrolled_grads, unrolled_stats = kfac_jax.value_grad_and_stats(
+    loss_fn
+  )(unrolled, x)
   close(unrolled_loss, loss, terms=SCAN_FORWARD)
   for i in range(3):
     for field in ("inputs", "output_cotangents"):
-      close(getattr(stats["blocks/lin"], field)[0][i],
-            getattr(unrolled_stats[f"blocks/{i}/lin"], field)[0],
-            terms=SCAN_GRADIENT)
+      close(
+        getattr(stats["blocks/lin"], field)[0][i],
+        getattr(unrolled_stats[f"blocks/{i}/lin"], field)[0],
+        terms=SCAN_GRADIENT,
+      )
 
   tx = lambda table: kfac_jax.scale_by_kfac(damping=0.01, layers=table)
   grads, unrolled_grads = as_pure(grads), as_pure(unrolled_grads)
-  updates, state = tx(table).update(grads, tx(table).init(grads),
-                                    kfac_stats=stats)
+  updates, state = tx(table).update(
+    grads, tx(table).init(grads), kfac_stats=stats
+  )
   unrolled_table = kfac_jax.trace_layers(loss_fn, unrolled, x)
   unrolled_updates, _ = tx(unrolled_table).update(
-      unrolled_grads, tx(unrolled_table).init(unrolled_grads),
-      kfac_stats=unrolled_stats)
-  updates, unrolled_updates = (nnx.to_pure_dict(updates),
-                               nnx.to_pure_dict(unrolled_updates))
+    unrolled_grads,
+    tx(unrolled_table).init(unrolled_grads),
+    kfac_stats=unrolled_stats,
+  )
+  updates, unrolled_updates = (
+    nnx.to_pure_dict(updates),
+    nnx.to_pure_dict(unrolled_updates),
+  )
   # The factors sum the 5 rows' products.
-  tolerance = dict(terms=SCAN_GRADIENT + 5,
-                   condition=reference.kfac_condition(state.factors, 0.01),
-                   scale=reference.largest(jax.tree.leaves(unrolled_updates)))
+  tolerance = dict(
+    terms=SCAN_GRADIENT + 5,
+    condition=reference.kfac_condition(state.factors, 0.01),
+    scale=reference.largest(jax.tree.leaves(unrolled_updates)),
+  )
   for i in range(3):
-    jax.tree.map(lambda a, b: close(a[i], b, **tolerance),
-                 updates["blocks"]["lin"],
-                 unrolled_updates["blocks"][i]["lin"])
-  jax.tree.map(lambda a, b: close(a, b, **tolerance), updates["head"],
-               unrolled_updates["head"])
+    jax.tree.map(
+      lambda a, b: close(a[i], b, **tolerance),
+      updates["blocks"]["lin"],
+      unrolled_updates["blocks"][i]["lin"],
+    )
+  jax.tree.map(
+    lambda a, b: close(a, b, **tolerance),
+    updates["head"],
+    unrolled_updates["head"],
+  )
   # Preconditioned (with Variable leaves the update was the gradient).
-  assert not np.allclose(updates["head"]["kernel"],
-                         nnx.to_pure_dict(grads)["head"]["kernel"])
+  assert not np.allclose(
+    updates["head"]["kernel"], nnx.to_pure_dict(grads)["head"]["kernel"]
+  )
 
 
 def test_nnx_scan_over_layers_applied_twice_records_two_calls():
@@ -160,9 +185,8 @@ def test_nnx_scan_over_layers_applied_twice_records_two_calls():
   model = ScannedBlocks(nnx.Rngs(0))
   unrolled = _unroll(model)
   rng = np.random.default_rng(6)
-  x1, x2 = (jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
-            for _ in range(2))
-  loss_fn = lambda m: jnp.sum(m(x1)**2) + jnp.sum(jnp.sin(m(x2)))
+  x1, x2 = (jnp.asarray(rng.normal(size=(5, 4)), jnp.float32) for _ in range(2))
+  loss_fn = lambda m: jnp.sum(m(x1) ** 2) + jnp.sum(jnp.sin(m(x2)))
   _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(model)
   _, _, unrolled_stats = kfac_jax.value_grad_and_stats(loss_fn)(unrolled)
   layer = stats["blocks/lin"]
@@ -171,9 +195,11 @@ def test_nnx_scan_over_layers_applied_twice_records_two_calls():
     for i in range(3):
       for field in ("inputs", "output_cotangents"):
         # Two calls' losses, each as SCAN_FORWARD, forward and backward.
-        close(getattr(layer, field)[call][i],
-              getattr(unrolled_stats[f"blocks/{i}/lin"], field)[call],
-              terms=SCAN_GRADIENT)
+        close(
+          getattr(layer, field)[call][i],
+          getattr(unrolled_stats[f"blocks/{i}/lin"], field)[call],
+          terms=SCAN_GRADIENT,
+        )
 
 
 def test_nnx_probes_are_one_param_per_array_and_follow_argument_objects():
@@ -185,23 +211,33 @@ def test_nnx_probes_are_one_param_per_array_and_follow_argument_objects():
   x = jnp.asarray(np.random.default_rng(7).normal(size=(5, 4)), jnp.float32)
 
   def loss_fn(m, head, x):
-    l2 = sum(jnp.sum(v[...]**2) for _, v in nnx.iter_graph(m)
-             if isinstance(v, nnx.Param))
-    return jnp.sum(m(x)**2) + jnp.sum(head(x)**2) + 1e-3 * l2
+    l2 = sum(
+      jnp.sum(v[...] ** 2)
+      for _, v in nnx.iter_graph(m)
+      if isinstance(v, nnx.Param)
+    )
+    return jnp.sum(m(x) ** 2) + jnp.sum(head(x) ** 2) + 1e-3 * l2
 
-  loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(model,
-                                                              model.head, x)
+  loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(
+    model, model.head, x
+  )
   # nnx.value_and_grad refuses the shared head; reach it through the model.
   expected_loss, expected_grads = nnx.value_and_grad(
-      lambda m, x: loss_fn(m, m.head, x))(model, x)
+    lambda m, x: loss_fn(m, m.head, x)
+  )(model, x)
   # SCAN_FORWARD, head(x)'s sum (4 + 10) and the L2 sum over 70 params.
   close(loss, expected_loss, terms=SCAN_FORWARD + 14 + 70)
-  jax.tree.map(lambda a, b: close(a, b, terms=SCAN_GRADIENT + 14 + 70),
-               nnx.to_pure_dict(grads), nnx.to_pure_dict(expected_grads))
+  jax.tree.map(
+    lambda a, b: close(a, b, terms=SCAN_GRADIENT + 14 + 70),
+    nnx.to_pure_dict(grads),
+    nnx.to_pure_dict(expected_grads),
+  )
   assert len(stats["head"].inputs) == 2
   np.testing.assert_array_equal(stats["head"].inputs[1], x)
   assert set(kfac_jax.trace_layers(loss_fn, model, model.head, x)) == {
-      "blocks/lin", "head"}
+    "blocks/lin",
+    "head",
+  }
 
 
 def test_nnx_scan_that_slices_the_kernel_but_not_the_probes_is_refused():
@@ -209,12 +245,18 @@ def test_nnx_scan_that_slices_the_kernel_but_not_the_probes_is_refused():
   # error about scan carries or custom_vjp shapes, naming no layer.
   model = ScannedBlocks(nnx.Rngs(0))
   x = jnp.ones((5, 4))
-  by_path = nnx.StateAxes({nnx.Any(nnx.PathContains("kernel"),
-                                   nnx.PathContains("bias")): 0, ...: None})
-  with pytest.raises(ValueError, match="'blocks/lin'.*probes.*Probes.*"
-                     "skip_layers"):
+  by_path = nnx.StateAxes(
+    {
+      nnx.Any(nnx.PathContains("kernel"), nnx.PathContains("bias")): 0,
+      ...: None,
+    }
+  )
+  with pytest.raises(
+    ValueError, match="'blocks/lin'.*probes.*Probes.*skip_layers"
+  ):
     kfac_jax.value_grad_and_stats(
-        lambda m: jnp.sum(m(x, block_axes=by_path)**2))(model)
+      lambda m: jnp.sum(m(x, block_axes=by_path) ** 2)
+    )(model)
 
 
 def test_nnx_scan_over_layers_inside_a_further_loop_is_refused():
@@ -224,16 +266,19 @@ def test_nnx_scan_over_layers_inside_a_further_loop_is_refused():
   x = jnp.ones((5, 4))
 
   def blocks(m, h):
-    return nnx.scan(lambda h, block: block(h), in_axes=(nnx.Carry, 0),
-                    out_axes=nnx.Carry)(h, m.blocks)
+    return nnx.scan(
+      lambda h, block: block(h), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry
+    )(h, m.blocks)
 
   def loss_fn(m):
     _, h = nnx.fori_loop(0, 2, lambda i, c: (c[0], blocks(*c)), (m, x))
     return jnp.sum(h**2)
 
-  with pytest.raises(ValueError,
-                     match="'blocks/lin' runs inside a loop of 2 steps.*"
-                     r"stack axes \(3,\).*skip_layers"):
+  with pytest.raises(
+    ValueError,
+    match="'blocks/lin' runs inside a loop of 2 steps.*"
+    r"stack axes \(3,\).*skip_layers",
+  ):
     kfac_jax.value_grad_and_stats(loss_fn)(model)
 
 
@@ -243,8 +288,11 @@ class RecurrentCells(nnx.Module):
 
   def __init__(self, rngs: nnx.Rngs, ensemble: bool = False):
     self.ensemble = ensemble
-    self.cell = (two_stacked_linears(rngs, 4, 4) if ensemble else
-                 nnx.Linear(4, 4, rngs=rngs))
+    self.cell = (
+      two_stacked_linears(rngs, 4, 4)
+      if ensemble
+      else nnx.Linear(4, 4, rngs=rngs)
+    )
 
   def __call__(self, xs):
 
@@ -266,10 +314,10 @@ def test_a_cell_broadcast_over_scan_steps_is_read_per_step(ensemble):
   # each step's, stacked after the example axis ([members, B, T, 4]), as an
   # unrolled jax loop gives them; the ensemble's stack axis stays its vmap's.
   model = RecurrentCells(nnx.Rngs(0), ensemble)
-  xs = jnp.asarray(np.random.default_rng(2).normal(size=(5, 3, 4)),
-                   jnp.float32)
-  _, _, stats = kfac_jax.value_grad_and_stats(
-      lambda m: jnp.sum(m(xs)**2))(model)
+  xs = jnp.asarray(np.random.default_rng(2).normal(size=(5, 3, 4)), jnp.float32)
+  _, _, stats = kfac_jax.value_grad_and_stats(lambda m: jnp.sum(m(xs) ** 2))(
+    model
+  )
   kernel, bias = model.cell.kernel[...], model.cell.bias[...]
   if not ensemble:
     kernel, bias = kernel[None], bias[None]
@@ -280,13 +328,15 @@ def test_a_cell_broadcast_over_scan_steps_is_read_per_step(ensemble):
     h, inputs, total = jnp.zeros((kernel.shape[0], 3, 4)), [], 0.0
     for t in range(5):
       inputs.append(h)
-      h = jnp.tanh(jnp.einsum("ebi,eio->ebo", h, kernel) + bias[:, None] +
-                   shift[t] + xs[t])
+      h = jnp.tanh(
+        jnp.einsum("ebi,eio->ebo", h, kernel) + bias[:, None] + shift[t] + xs[t]
+      )
       total += jnp.sum(h**2)
     return total, jnp.stack(inputs)
 
   cotangents, inputs = jax.grad(unrolled, has_aux=True)(
-      jnp.zeros((5, kernel.shape[0], 3, 4)))
+    jnp.zeros((5, kernel.shape[0], 3, 4))
+  )
   layer = stats["cell"]
   assert layer.signature.stack_ndim == int(ensemble)
   expected = [jnp.moveaxis(v, 0, 2) for v in (inputs, cotangents)]
@@ -305,7 +355,8 @@ def test_nnx_stacked_layer_under_a_jax_vmap_over_its_inputs_is_refused():
   x = jnp.ones((5, 4))
   with pytest.raises(ValueError, match="'blocks/lin'.*jax.vmap.*skip_layers"):
     kfac_jax.value_grad_and_stats(
-        lambda m: jnp.sum(m(x, per_example=True)**2))(model)
+      lambda m: jnp.sum(m(x, per_example=True) ** 2)
+    )(model)
 
 
 def test_a_per_example_vmap_inside_the_loss_is_refused_in_an_ensemble_too():
@@ -319,30 +370,38 @@ def test_a_per_example_vmap_inside_the_loss_is_refused_in_an_ensemble_too():
   # A plain layer: the per-example message, not the lifted-transform one.
   with pytest.raises(ValueError, match="'hidden'.*maps its inputs"):
     kfac_jax.value_grad_and_stats(
-        lambda m: jnp.sum(jax.vmap(m.hidden)(jnp.ones((6, 24)))))(
-            NnxModel(nnx.Rngs(0)))
+      lambda m: jnp.sum(jax.vmap(m.hidden)(jnp.ones((6, 24))))
+    )(NnxModel(nnx.Rngs(0)))
   # A vmap around value_grad_and_stats, the params broadcast: each
   # micro-batch's stats, as without the vmap.
   model = ScannedBlocks(nnx.Rngs(0))
-  batches = jnp.asarray(np.random.default_rng(9).normal(size=(2, 5, 4)),
-                        jnp.float32)
-  scan_loss = lambda m, x: jnp.sum(m(x)**2)
-  _, _, stats = nnx.vmap(kfac_jax.value_grad_and_stats(scan_loss),
-                         in_axes=(None, 0))(model, batches)
+  batches = jnp.asarray(
+    np.random.default_rng(9).normal(size=(2, 5, 4)), jnp.float32
+  )
+  scan_loss = lambda m, x: jnp.sum(m(x) ** 2)
+  _, _, stats = nnx.vmap(
+    kfac_jax.value_grad_and_stats(scan_loss), in_axes=(None, 0)
+  )(model, batches)
   for i in range(2):
     _, _, alone = kfac_jax.value_grad_and_stats(scan_loss)(model, batches[i])
     # 2.35e-5 relative on a cotangent of 0.0165 (3.9e-7 absolute) was seen
     # on a fresh machine: the rounding of the largest entries.
-    close(stats["blocks/lin"].output_cotangents[0][i],
-          alone["blocks/lin"].output_cotangents[0], terms=SCAN_GRADIENT)
+    close(
+      stats["blocks/lin"].output_cotangents[0][i],
+      alone["blocks/lin"].output_cotangents[0],
+      terms=SCAN_GRADIENT,
+    )
 
 
 def test_nnx_scan_over_layers_stacked_on_another_axis_is_refused():
   model = ScannedBlocks(nnx.Rngs(0), axis=1)
   x = jnp.ones((5, 4))
-  with pytest.raises(ValueError, match=r"'blocks/lin'.*\(4, 3, 4\).*\(4, 4\)"
-                     ".*out_axes=0.*skip_layers"):
-    kfac_jax.value_grad_and_stats(lambda m: jnp.sum(m(x)**2))(model)
+  with pytest.raises(
+    ValueError,
+    match=r"'blocks/lin'.*\(4, 3, 4\).*\(4, 4\)"
+    ".*out_axes=0.*skip_layers",
+  ):
+    kfac_jax.value_grad_and_stats(lambda m: jnp.sum(m(x) ** 2))(model)
 
 
 def test_an_nnx_vmap_ensemble_is_captured_per_member():
@@ -359,6 +418,9 @@ def test_an_nnx_vmap_ensemble_is_captured_per_member():
   np.testing.assert_array_equal(layer.inputs[0], jnp.stack([x, x]))
   # The outputs' dot of 4 and the bias (5 roundings of |outputs|, moving
   # the cosine by as much), and cos's own.
-  close(layer.output_cotangents[0], jnp.cos(outputs), terms=5 + 1,
-        scale=max(1.0, float(jnp.abs(outputs).max())))
-
+  close(
+    layer.output_cotangents[0],
+    jnp.cos(outputs),
+    terms=5 + 1,
+    scale=max(1.0, float(jnp.abs(outputs).max())),
+  )

@@ -19,7 +19,6 @@ import kfac_jax
 
 
 class Mlp(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     return nn.Dense(2)(nn.tanh(nn.Dense(4)(x)))
@@ -56,12 +55,17 @@ def assert_one_no_layer_warning(records, caller, *fragments):
 
 @pytest.mark.parametrize("skip", [".*", ["Dense"], ["^Dense_0$", "^Dense_1$"]])
 def test_skip_layers_matching_every_layer_warn(skip):
-  records = caught(lambda: kfac_jax.value_grad_and_stats(
-      linen_loss, skip_layers=skip)(PARAMS, X))
-  assert_one_no_layer_warning(records, "value_grad_and_stats",
-                              "skip_layers", "chained optimizer")
-  records = caught(lambda: kfac_jax.trace_layers(linen_loss, PARAMS, X,
-                                                 skip_layers=skip))
+  records = caught(
+    lambda: kfac_jax.value_grad_and_stats(linen_loss, skip_layers=skip)(
+      PARAMS, X
+    )
+  )
+  assert_one_no_layer_warning(
+    records, "value_grad_and_stats", "skip_layers", "chained optimizer"
+  )
+  records = caught(
+    lambda: kfac_jax.trace_layers(linen_loss, PARAMS, X, skip_layers=skip)
+  )
   assert_one_no_layer_warning(records, "trace_layers", "skip_layers")
 
 
@@ -76,17 +80,29 @@ def test_a_loss_calling_no_known_layer_warns():
 
 
 def test_an_nnx_model_with_every_layer_skipped_warns():
-  model = nnx.Sequential(nnx.Linear(5, 4, rngs=nnx.Rngs(0)), jnp.tanh,
-                         nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
-  records = caught(lambda: kfac_jax.value_grad_and_stats(
-      nnx_loss, skip_layers=["Linear"])(model, X))
+  model = nnx.Sequential(
+    nnx.Linear(5, 4, rngs=nnx.Rngs(0)),
+    jnp.tanh,
+    nnx.Linear(4, 2, rngs=nnx.Rngs(1)),
+  )
+  records = caught(
+    lambda: kfac_jax.value_grad_and_stats(nnx_loss, skip_layers=["Linear"])(
+      model, X
+    )
+  )
   assert_one_no_layer_warning(records, "value_grad_and_stats", "'Linear'")
-  records = caught(lambda: kfac_jax.trace_layers(nnx_loss, model, X,
-                                                 skip_layers=["Linear"]))
+  records = caught(
+    lambda: kfac_jax.trace_layers(nnx_loss, model, X, skip_layers=["Linear"])
+  )
   assert_one_no_layer_warning(records, "trace_layers")
   # Under jit the warning comes once, when the step is traced.
-  records = caught(lambda: jax.jit(lambda m, x: kfac_jax.value_grad_and_stats(
-      nnx_loss, skip_layers=["Linear"])(m, x)[0])(model, X))
+  records = caught(
+    lambda: jax.jit(
+      lambda m, x: kfac_jax.value_grad_and_stats(
+        nnx_loss, skip_layers=["Linear"]
+      )(m, x)[0]
+    )(model, X)
+  )
   assert len(records) == 1
 
 
@@ -94,7 +110,8 @@ def test_a_capture_that_finds_a_layer_does_not_warn():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     _, _, stats = kfac_jax.value_grad_and_stats(
-        linen_loss, skip_layers=["^Dense_1$"])(PARAMS, X)
+      linen_loss, skip_layers=["^Dense_1$"]
+    )(PARAMS, X)
     table = kfac_jax.trace_layers(linen_loss, PARAMS, X)
   assert sorted(stats) == ["Dense_0"]
   assert sorted(table) == ["Dense_0", "Dense_1"]

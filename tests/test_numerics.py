@@ -14,7 +14,6 @@ from tests import reference
 
 
 class Regressor(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     x = jnp.tanh(nn.Dense(8)(x))
@@ -33,14 +32,17 @@ def _problem(seed=0, batch=32):
     return x, np.tanh(x @ true_w).astype(np.float32)
 
   def loss_fn(params, x, y):
-    return jnp.mean((model.apply({"params": params}, x) - y)**2)
+    return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
 
   return params, sample, loss_fn
 
 
 def _all_finite(tree):
-  return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree)
-             if jnp.issubdtype(x.dtype, jnp.inexact))
+  return all(
+    bool(jnp.all(jnp.isfinite(x)))
+    for x in jax.tree.leaves(tree)
+    if jnp.issubdtype(x.dtype, jnp.inexact)
+  )
 
 
 def _kfac_state(opt_state):
@@ -49,16 +51,18 @@ def _kfac_state(opt_state):
 
 @pytest.mark.parametrize("compute_method", ["eigen", "inverse"])
 @pytest.mark.parametrize("poison", ["inputs", "labels", "gradients"])
-def test_poisoned_batches_are_skipped_and_training_recovers(compute_method,
-                                                            poison):
+def test_poisoned_batches_are_skipped_and_training_recovers(
+  compute_method, poison
+):
   params, sample, loss_fn = _problem()
-  kfac = kfac_jax.scale_by_kfac(damping=1e-2, inv_update_steps=2,
-                                compute_method=compute_method)
+  kfac = kfac_jax.scale_by_kfac(
+    damping=1e-2, inv_update_steps=2, compute_method=compute_method
+  )
   # The whole chain under apply_if_finite skips the parameter update too (and
   # keeps its inner state, K-FAC's included, as it was).
   tx = optax.apply_if_finite(
-      optax.chain(kfac, optax.sgd(0.1, momentum=0.9)),
-      max_consecutive_errors=100)
+    optax.chain(kfac, optax.sgd(0.1, momentum=0.9)), max_consecutive_errors=100
+  )
   opt_state, bare_state = tx.init(params), kfac.init(params)
 
   @jax.jit
@@ -85,13 +89,16 @@ def test_poisoned_batches_are_skipped_and_training_recovers(compute_method,
       else:
         grad_poison = np.nan
     bare_before = bare_state
-    params, opt_state, bare_state = step(params, opt_state, bare_state, x, y,
-                                         grad_poison)
+    params, opt_state, bare_state = step(
+      params, opt_state, bare_state, x, y, grad_poison
+    )
     assert _all_finite(params), t
     assert _all_finite(_kfac_state(opt_state)) and _all_finite(bare_state), t
     if t in poisoned_steps and poison != "gradients":
-      for a, b in zip(jax.tree.leaves(bare_before.factors),
-                      jax.tree.leaves(bare_state.factors)):
+      for a, b in zip(
+        jax.tree.leaves(bare_before.factors),
+        jax.tree.leaves(bare_state.factors),
+      ):
         np.testing.assert_array_equal(a, b)
   # Poisoned gradients do not touch the statistics the factors come from, so
   # those factor updates go ahead.
@@ -116,8 +123,10 @@ def test_corrupted_factors_restart(compute_method):
   _, state = step(params, tx.init(params), *sample())
   corrupted = dict(state.factors)
   corrupted["Dense_0"] = corrupted["Dense_0"]._replace(
-      activation_factor=corrupted["Dense_0"].activation_factor.at[0, 0].set(
-          jnp.nan))
+    activation_factor=corrupted["Dense_0"]
+    .activation_factor.at[0, 0]
+    .set(jnp.nan)
+  )
   # The corrupted factor restarts from the identity at the next
   # decomposition (every step here): the decomposition, the update and the
   # state stay finite.
@@ -132,11 +141,15 @@ def test_corrupted_factors_restart(compute_method):
   # float32: the sum over 32 rows, / 32, the mix; each entry on its parts'
   # magnitudes (reference.assert_float32_close).
   reference.assert_float32_close(
-      state.factors["Dense_0"].activation_factor, expected, terms=32 + 1 + 2,
-      scale=reference.running_factor_scale(expected, 0.95))
+    state.factors["Dense_0"].activation_factor,
+    expected,
+    terms=32 + 1 + 2,
+    scale=reference.running_factor_scale(expected, 0.95),
+  )
   # Its uncorrupted partner G averages on as before.
-  assert not np.allclose(state.factors["Dense_0"].gradient_factor,
-                         0.95 * np.eye(8), atol=1e-3)
+  assert not np.allclose(
+    state.factors["Dense_0"].gradient_factor, 0.95 * np.eye(8), atol=1e-3
+  )
 
 
 def test_bad_batches_off_factor_steps_are_not_counted_as_skipped():
@@ -158,8 +171,8 @@ def test_bad_batches_off_factor_steps_are_not_counted_as_skipped():
     if t == 3:  # A corrupted factor makes step 3 restart it off a factor step.
       factors = dict(state.factors)
       factors["Dense_1"] = factors["Dense_1"]._replace(
-          gradient_factor=factors["Dense_1"].gradient_factor.at[0, 0].set(
-              np.inf))
+        gradient_factor=factors["Dense_1"].gradient_factor.at[0, 0].set(np.inf)
+      )
       state = state._replace(factors=factors)
     state = step(params, state, x, y)
   # Steps 1 and 3 are off factor steps; step 4 is a factor step.
@@ -168,7 +181,6 @@ def test_bad_batches_off_factor_steps_are_not_counted_as_skipped():
 
 
 class WideRegressor(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     hidden = jnp.tanh(nn.Dense(300)(x))
@@ -186,11 +198,12 @@ def test_one_bad_entry_of_a_wide_factor_restarts_it(compute_method, bad):
   x = rng.normal(size=(16, 4)).astype(np.float32)
   y = rng.normal(size=(16, 2)).astype(np.float32)
   params = model.init(jax.random.PRNGKey(0), x)["params"]
-  tx = kfac_jax.scale_by_kfac(damping=1e-2, compute_method=compute_method,
-                              factor_decay=0.9)
+  tx = kfac_jax.scale_by_kfac(
+    damping=1e-2, compute_method=compute_method, factor_decay=0.9
+  )
 
   def loss_fn(params, x, y):
-    return jnp.mean((model.apply({"params": params}, x) - y)**2)
+    return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
 
   @jax.jit
   def step(state):
@@ -201,35 +214,48 @@ def test_one_bad_entry_of_a_wide_factor_restarts_it(compute_method, bad):
   _, clean = step(state)
   factors = dict(state.factors)
   factors["Dense_1"] = factors["Dense_1"]._replace(
-      activation_factor=factors["Dense_1"].activation_factor.at[5, 200].set(
-          bad))
+    activation_factor=factors["Dense_1"].activation_factor.at[5, 200].set(bad)
+  )
   updates, restarted = step(state._replace(factors=factors))
   assert _all_finite(updates) and _all_finite(restarted)
   assert int(restarted.rejected_decompositions) == 0
   # Restarted from the identity, then averaged with the same batch: 0.9·I +
   # 0.1·A_batch, where the clean run has 0.9·A + 0.1·A_batch.
-  batch_part = (clean.factors["Dense_1"].activation_factor -
-                0.9 * state.factors["Dense_1"].activation_factor)
+  batch_part = (
+    clean.factors["Dense_1"].activation_factor
+    - 0.9 * state.factors["Dense_1"].activation_factor
+  )
   # The same program computes the same batch factor in both; the roundings
   # of the two mixes (0.9·F and the sum, in each) are of the factors'
   # magnitude.
   reference.assert_float32_close(
-      restarted.factors["Dense_1"].activation_factor,
-      0.9 * np.eye(301) + batch_part, terms=3, scale=reference.largest(
-          [clean.factors["Dense_1"].activation_factor,
-           state.factors["Dense_1"].activation_factor]))
+    restarted.factors["Dense_1"].activation_factor,
+    0.9 * np.eye(301) + batch_part,
+    terms=3,
+    scale=reference.largest(
+      [
+        clean.factors["Dense_1"].activation_factor,
+        state.factors["Dense_1"].activation_factor,
+      ]
+    ),
+  )
   # The other factors: the same program on the same values, bit for bit.
-  for a, b in zip(clean.factors["Dense_1"][1:] + tuple(clean.factors["Dense_0"]),
-                  restarted.factors["Dense_1"][1:] +
-                  tuple(restarted.factors["Dense_0"])):
+  for a, b in zip(
+    clean.factors["Dense_1"][1:] + tuple(clean.factors["Dense_0"]),
+    restarted.factors["Dense_1"][1:] + tuple(restarted.factors["Dense_0"]),
+  ):
     np.testing.assert_array_equal(a, b)
 
 
 def test_corrupted_factor_restarts_at_the_next_decomposition_step():
   params, sample, loss_fn = _problem()
   # Factor steps at 0, 3, ...; decompositions at 0, 2, ...
-  tx = kfac_jax.scale_by_kfac(damping=1e-2, compute_method="inverse",
-                              factor_update_steps=3, inv_update_steps=2)
+  tx = kfac_jax.scale_by_kfac(
+    damping=1e-2,
+    compute_method="inverse",
+    factor_update_steps=3,
+    inv_update_steps=2,
+  )
 
   @jax.jit
   def step(params, state, x, y):
@@ -240,24 +266,28 @@ def test_corrupted_factor_restarts_at_the_next_decomposition_step():
   previous = state.preconditioners
   corrupted = dict(state.factors)
   corrupted["Dense_0"] = corrupted["Dense_0"]._replace(
-      gradient_factor=corrupted["Dense_0"].gradient_factor.at[1, 0].set(
-          jnp.inf))
+    gradient_factor=corrupted["Dense_0"].gradient_factor.at[1, 0].set(jnp.inf)
+  )
   # Step 1 neither updates factors nor decomposes: the last decomposition
   # stays in use and the update is finite.
   updates, state = step(params, state._replace(factors=corrupted), *sample())
   assert _all_finite(updates)
-  for a, b in zip(jax.tree.leaves(previous), jax.tree.leaves(
-      state.preconditioners)):
+  for a, b in zip(
+    jax.tree.leaves(previous), jax.tree.leaves(state.preconditioners)
+  ):
     np.testing.assert_array_equal(a, b)
   # Step 2 decomposes (no factor update is due): the corrupted factor
   # restarts as the identity, the others are untouched.
   before = state.factors
   updates, state = step(params, state, *sample())
   np.testing.assert_array_equal(
-      state.factors["Dense_0"].gradient_factor,
-      np.eye(before["Dense_0"].gradient_factor.shape[0]))
-  np.testing.assert_array_equal(state.factors["Dense_0"].activation_factor,
-                                before["Dense_0"].activation_factor)
+    state.factors["Dense_0"].gradient_factor,
+    np.eye(before["Dense_0"].gradient_factor.shape[0]),
+  )
+  np.testing.assert_array_equal(
+    state.factors["Dense_0"].activation_factor,
+    before["Dense_0"].activation_factor,
+  )
   for name in before:
     if name != "Dense_0":
       for a, b in zip(before[name], state.factors[name]):
@@ -271,8 +301,9 @@ def test_non_finite_decomposition_keeps_the_previous_one():
   params, sample, loss_fn = _problem()
   # Inverse method with a factor whose damped Cholesky must fail: inject -inf
   # scale via an overflowing batch at step 1 but finite gradients.
-  tx = kfac_jax.scale_by_kfac(damping=1e-2, compute_method="inverse",
-                              kl_clip=None)
+  tx = kfac_jax.scale_by_kfac(
+    damping=1e-2, compute_method="inverse", kl_clip=None
+  )
   state = tx.init(params)
   x, y = sample()
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
@@ -281,14 +312,19 @@ def test_non_finite_decomposition_keeps_the_previous_one():
   # Make A indefinite beyond the damping: Cholesky yields NaN.
   broken = dict(state.factors)
   broken["Dense_0"] = broken["Dense_0"]._replace(
-      activation_factor=-1e3 * jnp.eye(5, dtype=jnp.float32))
+    activation_factor=-1e3 * jnp.eye(5, dtype=jnp.float32)
+  )
   state = state._replace(factors=broken)
   tx_no_factor_update = kfac_jax.scale_by_kfac(
-      damping=1e-2, compute_method="inverse", kl_clip=None,
-      factor_update_steps=1000)
+    damping=1e-2,
+    compute_method="inverse",
+    kl_clip=None,
+    factor_update_steps=1000,
+  )
   state = state._replace(count=jnp.ones([], jnp.int32))
-  updates, state = tx_no_factor_update.update(grads, state, params,
-                                              kfac_stats=stats)
+  updates, state = tx_no_factor_update.update(
+    grads, state, params, kfac_stats=stats
+  )
   assert int(state.rejected_decompositions) == 1
   for a, b in zip(previous, state.preconditioners["Dense_0"]):
     np.testing.assert_array_equal(a, b)
@@ -304,6 +340,7 @@ def test_extreme_scales_and_batch_of_one_stay_finite(scale, compute_method):
   for _ in range(3):
     x, y = sample()
     _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(
-        params, x * scale, y)
+      params, x * scale, y
+    )
     updates, state = tx.update(grads, state, params, kfac_stats=stats)
     assert _all_finite(updates) and _all_finite(state)

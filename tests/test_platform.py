@@ -46,7 +46,11 @@ PROGRAM = textwrap.dedent("""
 
 
 def test_batched_lapack_program_does_not_hang():
-  result = subprocess.run([sys.executable, "-c", PROGRAM.format(calls=600)],
-                          capture_output=True, text=True, timeout=200)
+  result = subprocess.run(
+    [sys.executable, "-c", PROGRAM.format(calls=600)],
+    capture_output=True,
+    text=True,
+    timeout=200,
+  )
   assert result.returncode == 0, result.stderr
   assert result.stdout.strip() == "ok"

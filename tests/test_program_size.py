@@ -54,25 +54,37 @@ def _step(variant: str):
 
     return step, tx
   if variant == "adaptive":
-    tx = kfac_jax.scale_by_kfac(damping=1.0, kl_clip=None, inv_update_steps=5,
-                                adaptive=kfac_jax.AdaptiveConfig(),
-                                compute_method="eigen")
+    tx = kfac_jax.scale_by_kfac(
+      damping=1.0,
+      kl_clip=None,
+      inv_update_steps=5,
+      adaptive=kfac_jax.AdaptiveConfig(),
+      compute_method="eigen",
+    )
   else:
     tx = optax.chain(
-        kfac_jax.scale_by_kfac(learning_rate=1e-3, damping=1e-3,
-                               inv_update_steps=10, compute_method=variant),
-        optax.sgd(1e-3, momentum=0.9))
+      kfac_jax.scale_by_kfac(
+        learning_rate=1e-3,
+        damping=1e-3,
+        inv_update_steps=10,
+        compute_method=variant,
+      ),
+      optax.sgd(1e-3, momentum=0.9),
+    )
 
   def kfac_step(params, opt_state, x):
     loss, grads, stats = kfac_jax.value_grad_and_stats(_loss)(params, x)
     extra = {}
     if variant == "adaptive":
       extra["split_loss"] = kfac_jax.SplitLoss(
-          lambda p: models.Autoencoder().apply({"params": p}, x),
-          lambda logits: optax.sigmoid_binary_cross_entropy(
-              logits, x).sum(-1).mean())
-    updates, opt_state = tx.update(grads, opt_state, params,
-                                   kfac_stats=stats, **extra)
+        lambda p: models.Autoencoder().apply({"params": p}, x),
+        lambda logits: (
+          optax.sigmoid_binary_cross_entropy(logits, x).sum(-1).mean()
+        ),
+      )
+    updates, opt_state = tx.update(
+      grads, opt_state, params, kfac_stats=stats, **extra
+    )
     return optax.apply_updates(params, updates), opt_state, loss
 
   return kfac_step, tx
@@ -84,8 +96,11 @@ def operations(variant: str, platform: str) -> collections.Counter[str]:
   params = models.Autoencoder().init(jax.random.PRNGKey(1), x[:1])["params"]
   step, tx = _step(variant)
   opt_state = jax.eval_shape(tx.init, params)
-  lowered = jax.jit(step).trace(params, opt_state, x).lower(
-      lowering_platforms=(platform,))
+  lowered = (
+    jax.jit(step)
+    .trace(params, opt_state, x)
+    .lower(lowering_platforms=(platform,))
+  )
   return collections.Counter(_OPERATION.findall(lowered.as_text()))
 
 
@@ -105,7 +120,10 @@ def test_the_cuda_lowering_decomposes_on_cusolver():
   x = jax.random.uniform(jax.random.PRNGKey(0), (BATCH, PIXELS))
   params = models.Autoencoder().init(jax.random.PRNGKey(1), x[:1])["params"]
   step, tx = _step("eigen")
-  lowered = jax.jit(step).trace(params, jax.eval_shape(tx.init, params),
-                                x).lower(lowering_platforms=("cuda",))
+  lowered = (
+    jax.jit(step)
+    .trace(params, jax.eval_shape(tx.init, params), x)
+    .lower(lowering_platforms=("cuda",))
+  )
   assert "cusolver" in lowered.as_text()
   assert "lapack" not in lowered.as_text()

@@ -60,8 +60,8 @@ class ParallelDense(nn.Module):
   @nn.compact
   def __call__(self, inputs):
     return [
-        nn.Dense(out, use_bias=bias, name=f"layer{k}")(x)
-        for k, ((_, out, bias), x) in enumerate(zip(self.specs, inputs))
+      nn.Dense(out, use_bias=bias, name=f"layer{k}")(x)
+      for k, ((_, out, bias), x) in enumerate(zip(self.specs, inputs))
     ]
 
 
@@ -70,7 +70,8 @@ def as_matrix(layer_tree) -> np.ndarray:
   matrix = np.asarray(layer_tree["kernel"], np.float64)
   if "bias" in layer_tree:
     matrix = np.concatenate(
-        [matrix, np.asarray(layer_tree["bias"], np.float64)[None]])
+      [matrix, np.asarray(layer_tree["bias"], np.float64)[None]]
+    )
   return matrix
 
 
@@ -88,13 +89,15 @@ def check_eigen(a, g, grad, p, damping, where):
   residual = np.linalg.norm(m @ p.reshape(-1) - grad.reshape(-1))
   scale = np.linalg.norm(m, 2) * np.linalg.norm(p) + np.linalg.norm(grad)
   assert residual <= C * UNIT_ROUNDOFF * scale, (
-      f"{where}: backward error {residual / scale / UNIT_ROUNDOFF:.1f} ε")
+    f"{where}: backward error {residual / scale / UNIT_ROUNDOFF:.1f} ε"
+  )
   error = np.linalg.norm(p - expected)
   bound = C * UNIT_ROUNDOFF * kappa * np.linalg.norm(expected)
   assert error <= bound, (
-      f"{where}: forward error "
-      f"{error / np.linalg.norm(expected) / UNIT_ROUNDOFF:.1f} ε"
-      f" with κ = {kappa:.3g}")
+    f"{where}: forward error "
+    f"{error / np.linalg.norm(expected) / UNIT_ROUNDOFF:.1f} ε"
+    f" with κ = {kappa:.3g}"
+  )
 
 
 def check_inverse(a, g, grad, p, damping, where):
@@ -103,83 +106,113 @@ def check_inverse(a, g, grad, p, damping, where):
   a_inverse, g_inverse = np.linalg.inv(a_damped), np.linalg.inv(g_damped)
   expected = a_inverse @ grad @ g_inverse
   kappa = np.linalg.cond(a_damped) + np.linalg.cond(g_damped)
-  scale = (np.linalg.norm(a_inverse, 2) * np.linalg.norm(grad) *
-           np.linalg.norm(g_inverse, 2))
+  scale = (
+    np.linalg.norm(a_inverse, 2)
+    * np.linalg.norm(grad)
+    * np.linalg.norm(g_inverse, 2)
+  )
   error = np.linalg.norm(p - expected)
   assert error <= C * UNIT_ROUNDOFF * kappa * scale, (
-      f"{where}: forward error {error / scale / UNIT_ROUNDOFF:.1f} "
-      "ε·‖(A+λI)⁻¹‖‖∇‖"
-      f"‖(G+λI)⁻¹‖ with κ = {kappa:.3g}")
+    f"{where}: forward error {error / scale / UNIT_ROUNDOFF:.1f} "
+    "ε·‖(A+λI)⁻¹‖‖∇‖"
+    f"‖(G+λI)⁻¹‖ with κ = {kappa:.3g}"
+  )
 
 
 @settings(max_examples=18, deadline=None, print_blob=True)
 @given(
-    specs=st.lists(LAYER, min_size=1, max_size=2).map(tuple),
-    batch=st.integers(1, 24),
-    damping=st.floats(-6, 0).map(lambda e: 10.0**e),
-    # float32-representable decays: smaller ones round to 0 and are rejected.
-    factor_decay=st.floats(1e-30, 1),
-    outer_product=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
+  specs=st.lists(LAYER, min_size=1, max_size=2).map(tuple),
+  batch=st.integers(1, 24),
+  damping=st.floats(-6, 0).map(lambda e: 10.0**e),
+  # float32-representable decays: smaller ones round to 0 and are rejected.
+  factor_decay=st.floats(1e-30, 1),
+  outer_product=st.booleans(),
+  seed=st.integers(0, 2**31 - 1),
 )
-@example(specs=((1, 1, False), (12, 12, True)), batch=1, damping=1e-6,
-         factor_decay=1e-3, outer_product=True, seed=0)
-@example(specs=((12, 1, True), (1, 12, True)), batch=1, damping=1.0,
-         factor_decay=1.0, outer_product=False, seed=1)
-def test_update_is_the_damped_kronecker_solve(specs, batch, damping,
-                                              factor_decay, outer_product,
-                                              seed):
+@example(
+  specs=((1, 1, False), (12, 12, True)),
+  batch=1,
+  damping=1e-6,
+  factor_decay=1e-3,
+  outer_product=True,
+  seed=0,
+)
+@example(
+  specs=((12, 1, True), (1, 12, True)),
+  batch=1,
+  damping=1.0,
+  factor_decay=1.0,
+  outer_product=False,
+  seed=1,
+)
+def test_update_is_the_damped_kronecker_solve(
+  specs, batch, damping, factor_decay, outer_product, seed
+):
   rng = np.random.default_rng(seed)
   model = ParallelDense(specs)
 
-  inputs = [rng.normal(size=(batch, i)).astype(np.float32)
-            for i, _, _ in specs]
-  targets = [rng.normal(size=(batch, o)).astype(np.float32)
-             for _, o, _ in specs]
+  inputs = [rng.normal(size=(batch, i)).astype(np.float32) for i, _, _ in specs]
+  targets = [
+    rng.normal(size=(batch, o)).astype(np.float32) for _, o, _ in specs
+  ]
   # Drawn directly (model.init would compile eagerly for every new shape);
   # non-zero biases, so the bias rows carry signal.
   params = {
-      f"layer{k}": {
-          "kernel": (rng.normal(size=(i, out)) / np.sqrt(i)).astype(np.float32),
-          **({"bias": 0.1 * rng.normal(size=out).astype(np.float32)}
-             if bias else {})
-      } for k, (i, out, bias) in enumerate(specs)
+    f"layer{k}": {
+      "kernel": (rng.normal(size=(i, out)) / np.sqrt(i)).astype(np.float32),
+      **(
+        {"bias": 0.1 * rng.normal(size=out).astype(np.float32)} if bias else {}
+      ),
+    }
+    for k, (i, out, bias) in enumerate(specs)
   }
-  config = dict(damping=damping, factor_decay=factor_decay, kl_clip=None,
-                damping_mode="absolute")
+  config = dict(
+    damping=damping,
+    factor_decay=factor_decay,
+    kl_clip=None,
+    damping_mode="absolute",
+  )
   transforms = {
-      "eigen": kfac_jax.scale_by_kfac(
-          compute_method="eigen",
-          compute_eigenvalue_outer_product=outer_product, **config),
-      "inverse": kfac_jax.scale_by_kfac(compute_method="inverse", **config),
+    "eigen": kfac_jax.scale_by_kfac(
+      compute_method="eigen",
+      compute_eigenvalue_outer_product=outer_product,
+      **config,
+    ),
+    "inverse": kfac_jax.scale_by_kfac(compute_method="inverse", **config),
   }
 
   def loss_fn(params, inputs, targets):
     outputs = model.apply({"params": params}, inputs)
-    return sum(jnp.mean((y - t)**2) for y, t in zip(outputs, targets))
+    return sum(jnp.mean((y - t) ** 2) for y, t in zip(outputs, targets))
 
   @jax.jit
   def step(params, old_factors, inputs, targets):
     """One step of each method from ``old_factors``, on the same batch."""
-    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, inputs,
-                                                             targets)
+    _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(
+      params, inputs, targets
+    )
     return grads, {
-        method: tx.update(grads,
-                          tx.init(params)._replace(factors=old_factors),
-                          params, kfac_stats=stats)
-        for method, tx in transforms.items()
+      method: tx.update(
+        grads,
+        tx.init(params)._replace(factors=old_factors),
+        params,
+        kfac_stats=stats,
+      )
+      for method, tx in transforms.items()
     }
 
   # Running factors that are not the identity, so the step mixes two general
   # PSD matrices.
   def random_factor(dim):
     return (np.eye(dim) + covariance(rng.normal(size=(3, dim)))).astype(
-        np.float32)
+      np.float32
+    )
 
   old_factors = {
-      f"layer{k}": kfac_jax.LayerFactors(random_factor(i + bias),
-                                         random_factor(out))
-      for k, (i, out, bias) in enumerate(specs)
+    f"layer{k}": kfac_jax.LayerFactors(
+      random_factor(i + bias), random_factor(out)
+    )
+    for k, (i, out, bias) in enumerate(specs)
   }
   grads, results = step(params, old_factors, inputs, targets)
 
@@ -205,14 +238,22 @@ def test_update_is_the_damped_kronecker_solve(specs, batch, damping,
       # twice in each product. Each entry on its two parts' magnitudes.
       inputs_dim = specs[k][0]
       for got, old_factor, batch_factor, terms in (
-          (a, old.activation_factor, covariance(rows), batch + 3),
-          (g, old.gradient_factor, covariance(cotangents),
-           2 * (inputs_dim + 4) + batch + 3)):
+        (a, old.activation_factor, covariance(rows), batch + 3),
+        (
+          g,
+          old.gradient_factor,
+          covariance(cotangents),
+          2 * (inputs_dim + 4) + batch + 3,
+        ),
+      ):
         old_factor = np.asarray(old_factor, np.float64)
         reference.assert_float32_close(
-            got, d * old_factor + (1 - d) * batch_factor, terms=terms,
-            scale=d * np.abs(old_factor) +
-            (1 - d) * np.abs(batch_factor).max(), err_msg=where)
+          got,
+          d * old_factor + (1 - d) * batch_factor,
+          terms=terms,
+          scale=d * np.abs(old_factor) + (1 - d) * np.abs(batch_factor).max(),
+          err_msg=where,
+        )
       p = as_matrix(updates[name])
       assert np.all(np.isfinite(p)), where
       check = check_eigen if method == "eigen" else check_inverse

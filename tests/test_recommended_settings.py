@@ -47,32 +47,34 @@ def readme_transformation() -> optax.GradientTransformationExtraArgs:
 
 def train_losses(tx: optax.GradientTransformationExtraArgs) -> np.ndarray:
   mnist = datasets.load_mnist()
-  images = mnist.x_train[:BATCH * STEPS].reshape(-1, 28, 28, 1)
-  labels = mnist.y_train[:BATCH * STEPS]
+  images = mnist.x_train[: BATCH * STEPS].reshape(-1, 28, 28, 1)
+  labels = mnist.y_train[: BATCH * STEPS]
   model = BatchNormCNN()
   variables = model.init(jax.random.key(0), jnp.asarray(images[:BATCH]))
   params, batch_stats = variables["params"], variables["batch_stats"]
 
   def loss_fn(params, batch_stats, x, y):
-    logits, updates = model.apply({"params": params,
-                                   "batch_stats": batch_stats}, x,
-                                  mutable=["batch_stats"])
+    logits, updates = model.apply(
+      {"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"]
+    )
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return loss, updates["batch_stats"]
 
   @jax.jit
   def step(params, batch_stats, opt_state, x, y):
     (loss, batch_stats), grads, stats = kfac_jax.value_grad_and_stats(
-        loss_fn, has_aux=True)(params, batch_stats, x, y)
+      loss_fn, has_aux=True
+    )(params, batch_stats, x, y)
     updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
     return optax.apply_updates(params, updates), batch_stats, opt_state, loss
 
   opt_state, losses = tx.init(params), []
   for i in range(STEPS):
-    x = jnp.asarray(images[i * BATCH:(i + 1) * BATCH])
-    y = jnp.asarray(labels[i * BATCH:(i + 1) * BATCH])
-    params, batch_stats, opt_state, loss = step(params, batch_stats,
-                                                opt_state, x, y)
+    x = jnp.asarray(images[i * BATCH : (i + 1) * BATCH])
+    y = jnp.asarray(labels[i * BATCH : (i + 1) * BATCH])
+    params, batch_stats, opt_state, loss = step(
+      params, batch_stats, opt_state, x, y
+    )
     losses.append(float(loss))
   return np.array(losses)
 
@@ -84,5 +86,6 @@ def test_the_readme_settings_train_a_batch_norm_cnn_without_diverging():
   # Means of 10 steps: one batch's loss varies by ~±30 % around its trend.
   at_50, at_end = losses[45:55].mean(), losses[-10:].mean()
   assert at_end <= at_50, (
-      f"the loss rose from {at_50:.3f} at step 50 to {at_end:.3f} at step "
-      f"{STEPS}: {np.round(losses[::10], 3)}")
+    f"the loss rose from {at_50:.3f} at step 50 to {at_end:.3f} at step "
+    f"{STEPS}: {np.round(losses[::10], 3)}"
+  )

@@ -16,17 +16,22 @@ from tests import reference
 KEYS = 20_000
 RNG = np.random.default_rng(0)
 LOGITS = jnp.asarray(RNG.normal(size=(3, 4)) * 1.5, jnp.float32)
-SOFT_TARGETS = jax.nn.softmax(jnp.asarray(RNG.normal(size=(3, 4)),
-                                          jnp.float32))
+SOFT_TARGETS = jax.nn.softmax(jnp.asarray(RNG.normal(size=(3, 4)), jnp.float32))
 
 # (sampled surrogate, the per-example loss whose Hessian it samples)
 CASES = {
-    "sigmoid": (kfac_jax.sampled_curvature.sigmoid_cross_entropy,
-                lambda f, y: optax.sigmoid_binary_cross_entropy(f, y).sum()),
-    "softmax": (kfac_jax.sampled_curvature.softmax_cross_entropy,
-                optax.softmax_cross_entropy),
-    "squared": (kfac_jax.sampled_curvature.squared_error,
-                lambda f, y: 0.5 * jnp.sum((f - y)**2)),
+  "sigmoid": (
+    kfac_jax.sampled_curvature.sigmoid_cross_entropy,
+    lambda f, y: optax.sigmoid_binary_cross_entropy(f, y).sum(),
+  ),
+  "softmax": (
+    kfac_jax.sampled_curvature.softmax_cross_entropy,
+    optax.softmax_cross_entropy,
+  ),
+  "squared": (
+    kfac_jax.sampled_curvature.squared_error,
+    lambda f, y: 0.5 * jnp.sum((f - y) ** 2),
+  ),
 }
 
 
@@ -52,10 +57,12 @@ def test_sequence_outputs_average_over_every_leading_axis():
   # Outputs [batch, time, vocab] are batch·time examples, as a loss that
   # means over both axes counts them: each Rademacher cotangent is ±1/(B·T).
   gradient = jax.grad(kfac_jax.sampled_curvature.squared_error)(
-      jnp.zeros((2, 3, 4), jnp.float32), jax.random.key(0))
+    jnp.zeros((2, 3, 4), jnp.float32), jax.random.key(0)
+  )
   # ±1, / 6: one rounding (reference.assert_float32_close).
-  reference.assert_float32_close(np.abs(np.asarray(gradient)),
-                                 np.full(gradient.shape, 1 / 6), terms=1)
+  reference.assert_float32_close(
+    np.abs(np.asarray(gradient)), np.full(gradient.shape, 1 / 6), terms=1
+  )
 
 
 def test_sigmoid_curvature_propagation_diagonal_is_exact():
@@ -64,11 +71,11 @@ def test_sigmoid_curvature_propagation_diagonal_is_exact():
   # Both sides in float32: the sigmoid (3 roundings), 1 − p and the product
   # (2), the square root squared again (2) and the scale by N (1).
   reference.assert_float32_close(
-      u**2, jnp.broadcast_to(p * (1 - p), u.shape), terms=2 * (3 + 2) + 2 + 1)
+    u**2, jnp.broadcast_to(p * (1 - p), u.shape), terms=2 * (3 + 2) + 2 + 1
+  )
 
 
 class MLP(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     hidden = jnp.tanh(nn.Dense(5, name="hidden")(x))
@@ -87,12 +94,15 @@ def test_stats_sample_the_gauss_newton_factors_of_every_layer():
 
   def gradient_factors(key):
     _, _, stats = kfac_jax.value_grad_and_stats(curvature_fn)(params, key)
-    return {name: batch_lib.batch_factors(s, fisher_scaled=True)[1][0]
-            for name, s in stats.items()}
+    return {
+      name: batch_lib.batch_factors(s, fisher_scaled=True)[1][0]
+      for name, s in stats.items()
+    }
 
   keys = jax.random.split(jax.random.key(2), 8_000)
-  sampled = jax.tree.map(lambda g: np.asarray(g.mean(0)),
-                         jax.jit(jax.vmap(gradient_factors))(keys))
+  sampled = jax.tree.map(
+    lambda g: np.asarray(g.mean(0)), jax.jit(jax.vmap(gradient_factors))(keys)
+  )
 
   f64 = lambda a: np.asarray(a, np.float64)
   w0, b0 = f64(params["hidden"]["kernel"]), f64(params["hidden"]["bias"])
@@ -101,13 +111,17 @@ def test_stats_sample_the_gauss_newton_factors_of_every_layer():
   p = 1 / (1 + np.exp(-(hidden @ w1 + b1)))
   hessians = [np.diag(h) for h in p * (1 - p)]  # [N] of [3, 3]
   # Jacobians of the logits w.r.t. each layer's output (pre-activation).
-  jacobians = {"output": [np.eye(3)] * len(x),
-               "hidden": [w1.T * (1 - h**2) for h in hidden]}
+  jacobians = {
+    "output": [np.eye(3)] * len(x),
+    "hidden": [w1.T * (1 - h**2) for h in hidden],
+  }
   for name, per_example in jacobians.items():
-    expected = np.mean([j.T @ h @ j for j, h in zip(per_example, hessians)],
-                       axis=0)
-    np.testing.assert_allclose(sampled[name], expected,
-                               atol=0.03 * np.abs(expected).max())
+    expected = np.mean(
+      [j.T @ h @ j for j, h in zip(per_example, hessians)], axis=0
+    )
+    np.testing.assert_allclose(
+      sampled[name], expected, atol=0.03 * np.abs(expected).max()
+    )
 
 
 def test_activation_factors_do_not_depend_on_the_surrogate():
@@ -115,16 +129,21 @@ def test_activation_factors_do_not_depend_on_the_surrogate():
   x = jnp.asarray(RNG.normal(size=(6, 4)), jnp.float32)
   params = model.init(jax.random.PRNGKey(0), x)["params"]
   _, _, probe_stats = kfac_jax.value_grad_and_stats(
-      lambda p: kfac_jax.sampled_curvature.softmax_cross_entropy(
-          model.apply({"params": p}, x), jax.random.key(0)))(params)
+    lambda p: kfac_jax.sampled_curvature.softmax_cross_entropy(
+      model.apply({"params": p}, x), jax.random.key(0)
+    )
+  )(params)
   targets = jax.nn.softmax(jnp.asarray(RNG.normal(size=(6, 3)), jnp.float32))
   _, _, loss_stats = kfac_jax.value_grad_and_stats(
-      lambda p: optax.softmax_cross_entropy(
-          model.apply({"params": p}, x), targets).mean())(params)
+    lambda p: optax.softmax_cross_entropy(
+      model.apply({"params": p}, x), targets
+    ).mean()
+  )(params)
   for name in loss_stats:
     np.testing.assert_array_equal(
-        batch_lib.batch_factors(probe_stats[name])[0],
-        batch_lib.batch_factors(loss_stats[name])[0])
+      batch_lib.batch_factors(probe_stats[name])[0],
+      batch_lib.batch_factors(loss_stats[name])[0],
+    )
 
 
 def test_outputs_without_an_output_axis_are_rejected():
@@ -132,8 +151,9 @@ def test_outputs_without_an_output_axis_are_rejected():
     kfac_jax.sampled_curvature.squared_error(jnp.zeros([]), jax.random.key(0))
 
 
-@pytest.mark.parametrize("fn", ["sigmoid_cross_entropy",
-                                "softmax_cross_entropy", "squared_error"])
+@pytest.mark.parametrize(
+  "fn", ["sigmoid_cross_entropy", "softmax_cross_entropy", "squared_error"]
+)
 def test_integer_outputs_and_a_key_that_is_not_one_are_named(fn):
   # Integer logits gave a surrogate of 0 (no statistics); an int seed or a
   # batch of keys failed inside jax.random, naming no argument.
@@ -145,8 +165,8 @@ def test_integer_outputs_and_a_key_that_is_not_one_are_named(fn):
     with pytest.raises(TypeError, match=f"{fn}: key must be one JAX PRNG key"):
       curvature(jnp.ones((4, 3)), bad_key)
   # Raw uint32 keys (jax.random.PRNGKey) are keys too, [4] ones for rbg.
-  assert np.isfinite(float(curvature(jnp.ones((4, 3)),
-                                     jax.random.PRNGKey(0))))
+  assert np.isfinite(float(curvature(jnp.ones((4, 3)), jax.random.PRNGKey(0))))
   with jax.default_prng_impl("unsafe_rbg"):
-    assert np.isfinite(float(curvature(jnp.ones((4, 3)),
-                                       jax.random.PRNGKey(0))))
+    assert np.isfinite(
+      float(curvature(jnp.ones((4, 3)), jax.random.PRNGKey(0)))
+    )

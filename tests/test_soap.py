@@ -27,8 +27,9 @@ def eigenbasis(factor: np.ndarray) -> np.ndarray:
   return np.linalg.eigh(factor)[1][:, ::-1]
 
 
-def reference_soap(grads: list[np.ndarray], refresh: str
-                   ) -> tuple[list[np.ndarray], float]:
+def reference_soap(
+  grads: list[np.ndarray], refresh: str
+) -> tuple[list[np.ndarray], float]:
   """The paper's updates ``N`` for a matrix (or vector) parameter, and the
   condition of the float32 computation of them: the largest ``‖F‖/gap``
   of the factors (an eigenbasis's sensitivity) times the largest
@@ -56,20 +57,23 @@ def reference_soap(grads: list[np.ndarray], refresh: str
   for step, g in enumerate(grads):
     if step == 0:
       factors = [(1 - B2) * gram[i](g) for i in range(len(shape))]
-      gaps = max([gaps] + [gap_condition(f)
-                           for f, side in zip(factors, sides) if side])
-      bases = [eigenbasis(f) if side else q
-               for f, q, side in zip(factors, bases, sides)]
+      gaps = max(
+        [gaps] + [gap_condition(f) for f, side in zip(factors, sides) if side]
+      )
+      bases = [
+        eigenbasis(f) if side else q
+        for f, q, side in zip(factors, bases, sides)
+      ]
       updates.append(np.zeros(shape))
       continue
     rotated = project(g)
     first = B1 * first + (1 - B1) * g
     second = B2 * second + (1 - B2) * rotated**2
-    quotients = max(quotients,
-                    np.abs(rotated).max() / np.sqrt(second).min())
+    quotients = max(quotients, np.abs(rotated).max() / np.sqrt(second).min())
     scale = np.sqrt(1 - B2**step) / (1 - B1**step)
-    updates.append(scale * project(project(first) / (np.sqrt(second) + EPS),
-                                   back=True))
+    updates.append(
+      scale * project(project(first) / (np.sqrt(second) + EPS), back=True)
+    )
     factors = [B2 * f + (1 - B2) * gram[i](g) for i, f in enumerate(factors)]
     if step % FREQUENCY:
       continue
@@ -86,8 +90,9 @@ def reference_soap(grads: list[np.ndarray], refresh: str
   return updates, gaps * quotients
 
 
-def gradients(rng: np.random.Generator, shape: tuple[int, ...]
-              ) -> list[np.ndarray]:
+def gradients(
+  rng: np.random.Generator, shape: tuple[int, ...]
+) -> list[np.ndarray]:
   """A fixed matrix with distinct singular values plus noise, so that the
   factors' eigenvalues are apart (an eigenbasis of close ones is not
   determined, in float32 or float64). After the first step the singular
@@ -100,9 +105,12 @@ def gradients(rng: np.random.Generator, shape: tuple[int, ...]
     values = np.arange(len(vt), 0, -1.0)
     base = u @ np.diag(values) @ vt
     later = u @ np.diag(3 * values[::-1]) @ vt
-  return [((base if step == 0 else later) +
-           0.3 * rng.normal(size=shape)).astype(np.float32)
-          for step in range(STEPS)]
+  return [
+    ((base if step == 0 else later) + 0.3 * rng.normal(size=shape)).astype(
+      np.float32
+    )
+    for step in range(STEPS)
+  ]
 
 
 @pytest.mark.parametrize("refresh", ["qr", "eigh"])
@@ -110,9 +118,14 @@ def test_soap_matches_the_papers_algorithm(refresh):
   rng = np.random.default_rng(0)
   shapes = {"square": (4, 4), "wide": (3, 6), "bias": (5,)}
   grads = {name: gradients(rng, shape) for name, shape in shapes.items()}
-  tx = soap.scale_by_soap(b1=B1, b2=B2, eps=EPS,
-                          precondition_frequency=FREQUENCY,
-                          max_precond_dim=MAX_DIM, refresh=refresh)
+  tx = soap.scale_by_soap(
+    b1=B1,
+    b2=B2,
+    eps=EPS,
+    precondition_frequency=FREQUENCY,
+    max_precond_dim=MAX_DIM,
+    refresh=refresh,
+  )
   params = {name: jnp.zeros(shape) for name, shape in shapes.items()}
   state = tx.init(params)
   update = jax.jit(tx.update)
@@ -128,7 +141,8 @@ def test_soap_matches_the_papers_algorithm(refresh):
   assert state.factors["bias"] == (None,)
   for name in shapes:
     expected, condition = reference_soap(
-        [g.astype(np.float64) for g in grads[name]], refresh)
+      [g.astype(np.float64) for g in grads[name]], refresh
+    )
     for step, (a, e) in enumerate(zip(actual[name], expected)):
       if step == 0:
         np.testing.assert_array_equal(a, 0.0)
@@ -137,8 +151,9 @@ def test_soap_matches_the_papers_algorithm(refresh):
       # 4 rows), the projection in and out (4 products each), the moments'
       # sums over the steps and the quotient; through the condition above.
       terms = 6 + 4 + 2 * 4 + 2 * STEPS + 2
-      reference.assert_float32_close(a, e, terms=terms, condition=condition,
-                                     err_msg=f"{name}, step {step}")
+      reference.assert_float32_close(
+        a, e, terms=terms, condition=condition, err_msg=f"{name}, step {step}"
+      )
 
 
 def test_soap_moves_against_the_gradient_and_refuses_bad_settings():
@@ -156,9 +171,11 @@ def test_soap_moves_against_the_gradient_and_refuses_bad_settings():
     losses.append(float(loss(params)))
   assert losses[0] == float(loss(jnp.zeros((3, 4))))  # the first: no step
   assert all(b < a for a, b in zip(losses, losses[1:]))
-  for kwargs, name in ((dict(b1=1.0), "b1"), (dict(eps=0.0), "eps"),
-                       (dict(precondition_frequency=0),
-                        "precondition_frequency"),
-                       (dict(refresh="svd"), "refresh")):
+  for kwargs, name in (
+    (dict(b1=1.0), "b1"),
+    (dict(eps=0.0), "eps"),
+    (dict(precondition_frequency=0), "precondition_frequency"),
+    (dict(refresh="svd"), "refresh"),
+  ):
     with pytest.raises(ValueError, match=name):
       soap.scale_by_soap(**kwargs)

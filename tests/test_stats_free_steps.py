@@ -59,17 +59,21 @@ def _steps(tx, loss_fn):
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_a_step_without_statistics_computes_no_factor_products(method):
   params, batches, loss_fn, _ = make_problem("mlp", use_bias=True)
-  tx = kfac_jax.scale_by_kfac(compute_method=method, factor_update_steps=4,
-                              inv_update_steps=4)
+  tx = kfac_jax.scale_by_kfac(
+    compute_method=method, factor_update_steps=4, inv_update_steps=4
+  )
   state = tx.init(params)
   x, y = next(batches)
   with_stats, without_stats = _steps(tx, loss_fn)
   # A [6, 6], [8, 8] (the bias column) and G [7, 7], [4, 4] of the two layers.
   products = _factor_products(
-      jax.make_jaxpr(with_stats)(params, state, x, y).jaxpr)
+    jax.make_jaxpr(with_stats)(params, state, x, y).jaxpr
+  )
   assert sorted(products) == [(4, 4), (6, 6), (7, 7), (8, 8)]
-  assert _factor_products(
-      jax.make_jaxpr(without_stats)(params, state, x, y).jaxpr) == []
+  assert (
+    _factor_products(jax.make_jaxpr(without_stats)(params, state, x, y).jaxpr)
+    == []
+  )
 
 
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
@@ -77,8 +81,12 @@ def test_off_factor_steps_without_statistics_update_as_with_them(method):
   """With ``factor_update_steps=3``, statistics on steps 0 and 3 only give
   the updates and factors of statistics on every step."""
   params, batches, loss_fn, _ = make_problem("mlp", use_bias=True)
-  tx = kfac_jax.scale_by_kfac(compute_method=method, factor_update_steps=3,
-                              inv_update_steps=3, kl_clip=None)
+  tx = kfac_jax.scale_by_kfac(
+    compute_method=method,
+    factor_update_steps=3,
+    inv_update_steps=3,
+    kl_clip=None,
+  )
   with_stats, without_stats = map(jax.jit, _steps(tx, loss_fn))
   every, some = tx.init(params), tx.init(params)
   for step in range(5):
@@ -92,10 +100,11 @@ def test_off_factor_steps_without_statistics_update_as_with_them(method):
     # preconditioning products), through the damped inverse's condition
     # (the relative damping's 1/λ = 1000 at most).
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
-      reference.assert_float32_close(a, b, terms=2 * (BATCH + 8),
-                                     condition=1e3)
+      reference.assert_float32_close(a, b, terms=2 * (BATCH + 8), condition=1e3)
   assert int(some.skipped_factor_updates) == 0
-  for a, b in zip(jax.tree.leaves(some.factors), jax.tree.leaves(every.factors)):
+  for a, b in zip(
+    jax.tree.leaves(some.factors), jax.tree.leaves(every.factors)
+  ):
     reference.assert_float32_close(a, b, terms=BATCH + 1)
 
 
@@ -106,8 +115,9 @@ def test_a_factor_step_without_statistics_keeps_the_factors_and_counts():
   _, without_stats = _steps(tx, loss_fn)
   _, after = jax.jit(without_stats)(params, state, *next(batches))
   assert int(after.skipped_factor_updates) == 1
-  for a, b in zip(jax.tree.leaves(after.factors),
-                  jax.tree.leaves(state.factors)):
+  for a, b in zip(
+    jax.tree.leaves(after.factors), jax.tree.leaves(state.factors)
+  ):
     np.testing.assert_array_equal(a, b)
 
 
@@ -116,12 +126,14 @@ def test_no_statistics_is_refused_where_the_step_needs_them():
   grads = jax.grad(loss_fn)(params, *next(batches))
   accumulating = kfac_jax.scale_by_kfac(accumulation_steps=2)
   with pytest.raises(ValueError, match="accumulation_steps=2.*each micro"):
-    accumulating.update(grads, accumulating.init(params), params,
-                        kfac_stats=kfac_jax.NO_STATS)
+    accumulating.update(
+      grads, accumulating.init(params), params, kfac_stats=kfac_jax.NO_STATS
+    )
   by_class = kfac_jax.scale_by_kfac(skip_layers=["Conv"])
   with pytest.raises(ValueError, match="NO_STATS.*layers=kfac_jax.trace"):
-    by_class.update(grads, by_class.init(params), params,
-                    kfac_stats=kfac_jax.NO_STATS)
+    by_class.update(
+      grads, by_class.init(params), params, kfac_stats=kfac_jax.NO_STATS
+    )
   # Forgetting the stats altogether still says how to pass them.
   with pytest.raises(ValueError, match="needs kfac_stats.*NO_STATS"):
     by_class.update(grads, by_class.init(params), params)

@@ -28,7 +28,7 @@ def random_orthogonal(rng, dim):
 def drifting_factors(steps, seed=0):
   """``F_t = U_t diag(λ) U_tᵀ`` with ``U_{t+1} = exp(DRIFT·K) U_t``, ‖K‖₂ = 1."""
   rng = np.random.default_rng(seed)
-  eigenvalues = R**np.arange(DIM)
+  eigenvalues = R ** np.arange(DIM)
   generator = rng.standard_normal((DIM, DIM))
   generator = generator - generator.T
   generator /= np.linalg.norm(generator, 2)
@@ -44,7 +44,7 @@ def test_a_slowly_drifting_factor_keeps_its_eigenbasis():
   # dominant j-column subspaces, so their angles settle at ≤ R·DRIFT/(1 − R);
   # an eigenvector lies between two of them (twice that). Float32 adds
   # d·ε·λ_max / (smallest gap) to an angle (a perturbation of F by d·ε·‖F‖).
-  gap = R**(DIM - 1) * (1 / R - 1)
+  gap = R ** (DIM - 1) * (1 / R - 1)
   angle_bound = 2 * R * DRIFT / (1 - R) + DIM * EPS32 / gap
   factors = drifting_factors(60)
   _, basis, _ = next(factors)
@@ -52,7 +52,8 @@ def test_a_slowly_drifting_factor_keeps_its_eigenbasis():
   worst = 0.0
   for factor, exact_basis, exact_eigenvalues in factors:
     eigenvalues, q, drift = subspace.subspace_refresh(
-        jnp.asarray(factor, jnp.float32), q, steps=1)
+      jnp.asarray(factor, jnp.float32), q, steps=1
+    )
     q64 = np.asarray(q, np.float64)
     # Columns come by decreasing eigenvalue, as the exact ones are built.
     cosines = np.abs(np.sum(q64 * exact_basis, axis=0))
@@ -61,13 +62,16 @@ def test_a_slowly_drifting_factor_keeps_its_eigenbasis():
     assert sines.max() <= angle_bound, (sines.max(), angle_bound)
     # A Rayleigh quotient is off by ≤ (λ_max − λ_min)·sin²θ, plus the
     # rounding of qᵀ(Fq), 2d terms of λ_max = 1.
-    error_bound = (1 - R**(DIM - 1)) * sines**2 + 2 * DIM * EPS32
-    assert np.all(np.abs(np.asarray(eigenvalues, np.float64) -
-                         exact_eigenvalues) <= error_bound)
+    error_bound = (1 - R ** (DIM - 1)) * sines**2 + 2 * DIM * EPS32
+    assert np.all(
+      np.abs(np.asarray(eigenvalues, np.float64) - exact_eigenvalues)
+      <= error_bound
+    )
     # The drift is ‖offdiag(QᵀFQ)‖_F / ‖F‖_F, read to about √(d·ε).
     b = q64.T @ factor @ q64
     exact_drift = np.linalg.norm(b - np.diag(np.diag(b))) / np.linalg.norm(
-        factor)
+      factor
+    )
     assert abs(float(drift) - exact_drift) <= np.sqrt(4 * DIM * EPS32)
   print(f"largest angle {worst:.2e} against the bound {angle_bound:.2e}")
   assert worst > 0  # The basis did move.
@@ -82,33 +86,38 @@ def test_an_abrupt_change_falls_back_to_eigh():
   refreshed = subspace.subspace_refresh(f32, unrelated, steps=1)
   assert float(refreshed[2]) > subspace.DEFAULT_DRIFT_THRESHOLD
   (eigenvalues, basis), fell_back = subspace.refresh_or_eigh(
-      f32, refreshed, unrelated, subspace.DEFAULT_DRIFT_THRESHOLD)
+    f32, refreshed, unrelated, subspace.DEFAULT_DRIFT_THRESHOLD
+  )
   assert int(fell_back) == 1
   # eigh's own accuracy: d² roundings of ‖F‖ (tests/test_batched.py).
   q = np.asarray(basis, np.float64)
-  assert_float32_close(q @ np.diag(np.asarray(eigenvalues, np.float64)) @ q.T,
-                       factor, terms=DIM**2)
+  assert_float32_close(
+    q @ np.diag(np.asarray(eigenvalues, np.float64)) @ q.T, factor, terms=DIM**2
+  )
 
   # The identity basis of a fresh state goes to eigh too, uncounted.
   identity = jnp.eye(DIM, dtype=jnp.float32)
   (eigenvalues, basis), fell_back = subspace.refresh_or_eigh(
-      f32, subspace.subspace_refresh(f32, identity, 1), identity,
-      subspace.DEFAULT_DRIFT_THRESHOLD)
+    f32,
+    subspace.subspace_refresh(f32, identity, 1),
+    identity,
+    subspace.DEFAULT_DRIFT_THRESHOLD,
+  )
   assert int(fell_back) == 0
   q = np.asarray(basis, np.float64)
-  assert_float32_close(q @ np.diag(np.asarray(eigenvalues, np.float64)) @ q.T,
-                       factor, terms=DIM**2)
+  assert_float32_close(
+    q @ np.diag(np.asarray(eigenvalues, np.float64)) @ q.T, factor, terms=DIM**2
+  )
 
 
 class MLP(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     return nn.Dense(3)(jnp.tanh(nn.Dense(5)(x)))
 
 
 def loss_fn(params, x, y):
-  return jnp.mean((MLP().apply({"params": params}, x) - y)**2)
+  return jnp.mean((MLP().apply({"params": params}, x) - y) ** 2)
 
 
 def test_the_transformation_counts_fallbacks_and_decomposes_exactly():
@@ -124,16 +133,26 @@ def test_the_transformation_counts_fallbacks_and_decomposes_exactly():
   def assert_exact_eigenbases(state):
     for name, factors in state.factors.items():
       p = state.preconditioners[name]
-      for factor, q, d in ((factors.activation_factor,
-                            p.activation_eigenvectors,
-                            p.activation_eigenvalues),
-                           (factors.gradient_factor, p.gradient_eigenvectors,
-                            p.gradient_eigenvalues)):
+      for factor, q, d in (
+        (
+          factors.activation_factor,
+          p.activation_eigenvectors,
+          p.activation_eigenvalues,
+        ),
+        (
+          factors.gradient_factor,
+          p.gradient_eigenvectors,
+          p.gradient_eigenvalues,
+        ),
+      ):
         q = np.asarray(q, np.float64)
         reference = np.asarray(factor, np.float64)
-        assert_float32_close(q @ np.diag(np.asarray(d, np.float64)) @ q.T,
-                             (reference + reference.T) / 2,
-                             terms=len(q)**2, err_msg=name)
+        assert_float32_close(
+          q @ np.diag(np.asarray(d, np.float64)) @ q.T,
+          (reference + reference.T) / 2,
+          terms=len(q) ** 2,
+          err_msg=name,
+        )
 
   # The first decomposition starts from the identity: eigh, not counted.
   state = update(state)
@@ -153,17 +172,28 @@ def test_the_transformation_counts_fallbacks_and_decomposes_exactly():
   assert_exact_eigenbases(state)
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
     (dict(eigen_solver="lanczos"), "eigen_solver must be"),
-    (dict(eigen_solver="subspace", compute_method="inverse"),
-     "needs compute_method='eigen'"),
-    (dict(eigen_solver=kfac_jax.SubspaceSolver(drift_threshold=0.0)),
-     "drift_threshold must be"),
-    (dict(eigen_solver=kfac_jax.SubspaceSolver(drift_threshold=1.5)),
-     "drift_threshold must be"),
-    (dict(eigen_solver=kfac_jax.SubspaceSolver(steps=0)),
-     "SubspaceSolver.steps must be a positive integer"),
-])
+    (
+      dict(eigen_solver="subspace", compute_method="inverse"),
+      "needs compute_method='eigen'",
+    ),
+    (
+      dict(eigen_solver=kfac_jax.SubspaceSolver(drift_threshold=0.0)),
+      "drift_threshold must be",
+    ),
+    (
+      dict(eigen_solver=kfac_jax.SubspaceSolver(drift_threshold=1.5)),
+      "drift_threshold must be",
+    ),
+    (
+      dict(eigen_solver=kfac_jax.SubspaceSolver(steps=0)),
+      "SubspaceSolver.steps must be a positive integer",
+    ),
+  ],
+)
 def test_solver_arguments_are_validated(kwargs, message):
   with pytest.raises(ValueError, match=message):
     kfac_jax.scale_by_kfac(**kwargs)
@@ -172,7 +202,8 @@ def test_solver_arguments_are_validated(kwargs, message):
 def test_a_solver_survives_inject_hyperparams():
   # Numbers among scale_by_kfac's arguments would be traced; the solver's
   # settings sit in one NamedTuple that is not.
-  tx = optax.inject_hyperparams(kfac_jax.scale_by_kfac, static_args=(
-      "accumulation_steps",))(eigen_solver=kfac_jax.SubspaceSolver(steps=2))
+  tx = optax.inject_hyperparams(
+    kfac_jax.scale_by_kfac, static_args=("accumulation_steps",)
+  )(eigen_solver=kfac_jax.SubspaceSolver(steps=2))
   params = MLP().init(jax.random.PRNGKey(2), jnp.zeros((1, 4)))["params"]
   assert int(jax.jit(tx.init)(params).inner_state.eigh_fallbacks) == 0

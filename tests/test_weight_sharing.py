@@ -41,7 +41,7 @@ def _sequence_problem():
   params = model.init(jax.random.key(0), x)["params"]
 
   def loss_fn(params):
-    return jnp.mean((model.apply({"params": params}, x) - targets)**2)
+    return jnp.mean((model.apply({"params": params}, x) - targets) ** 2)
 
   _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
   kernel = np.asarray(params["shared"]["kernel"], np.float64)
@@ -57,15 +57,18 @@ def _sequence_problem():
 def test_reduce_of_a_dense_on_sequences_is_the_mean_input_and_summed_cotangent():
   stats, inputs, cotangents = _sequence_problem()
   (a,), (g,) = batch_lib.batch_factors(stats, reduce=True)
-  mean_inputs = inputs.mean(axis=1)          # â_n, [B, IN + 1]
+  mean_inputs = inputs.mean(axis=1)  # â_n, [B, IN + 1]
   summed_cotangents = cotangents.sum(axis=1)  # ĝ_n, [B, OUT]
   # Roundings: the mean of T positions and A's product of B rows, / B; the
   # cotangent's dot of IN, the bias, the difference, then ĝ's sum of T and
   # G's product of B rows.
   close(a, reference.cov(mean_inputs), terms=T + B + 1)
-  close(g, reference.cov(summed_cotangents),
-        terms=IN + 1 + 1 + 1 + T + B + 1,
-        scale=np.abs(summed_cotangents).max()**2)
+  close(
+    g,
+    reference.cov(summed_cotangents),
+    terms=IN + 1 + 1 + 1 + T + B + 1,
+    scale=np.abs(summed_cotangents).max() ** 2,
+  )
 
 
 def test_expand_of_a_dense_on_sequences_treats_every_position_as_a_row():
@@ -74,8 +77,12 @@ def test_expand_of_a_dense_on_sequences_treats_every_position_as_a_row():
   rows = inputs.reshape(B * T, -1)
   grad_rows = cotangents.reshape(B * T, -1)
   close(a, reference.cov(rows), terms=B * T + 1)
-  close(g, reference.cov(grad_rows), terms=IN + 1 + 1 + 1 + B * T + 1,
-        scale=np.abs(grad_rows).max()**2)
+  close(
+    g,
+    reference.cov(grad_rows),
+    terms=IN + 1 + 1 + 1 + B * T + 1,
+    scale=np.abs(grad_rows).max() ** 2,
+  )
 
 
 @pytest.mark.parametrize("use_bias", [True, False])
@@ -90,18 +97,22 @@ def test_reduce_of_a_convolution_averages_patches_and_sums_cotangents(use_bias):
     return jnp.sum(conv.apply({"params": params}, x) * weights) / 3
 
   _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
-  (a,), (g,) = batch_lib.batch_factors(next(iter(stats.values())),
-                                       reduce=True)
-  patches = reference.im2col(np.asarray(x, np.float64), (3, 3), (1, 1),
-                             ((1, 1), (1, 1)))  # [3, 5, 5, 18]
+  (a,), (g,) = batch_lib.batch_factors(next(iter(stats.values())), reduce=True)
+  patches = reference.im2col(
+    np.asarray(x, np.float64), (3, 3), (1, 1), ((1, 1), (1, 1))
+  )  # [3, 5, 5, 18]
   mean_patches = patches.reshape(3, 25, -1).mean(axis=1)
   if use_bias:
     mean_patches = np.concatenate([mean_patches, np.ones((3, 1))], axis=1)
   # The loss is linear: its output cotangent is weights / 3, exactly.
   summed = (np.asarray(weights, np.float64) / 3).reshape(3, 25, 4).sum(1)
   close(a, reference.cov(mean_patches), terms=25 + 3 + 1)
-  close(g, reference.cov(summed), terms=1 + 25 + 3 + 1,
-        scale=np.abs(summed).max()**2)
+  close(
+    g,
+    reference.cov(summed),
+    terms=1 + 25 + 3 + 1,
+    scale=np.abs(summed).max() ** 2,
+  )
 
 
 def test_reduce_leaves_a_layer_without_shared_positions_as_expand():
@@ -109,11 +120,12 @@ def test_reduce_leaves_a_layer_without_shared_positions_as_expand():
   x = jnp.asarray(rng.normal(size=(7, IN)), jnp.float32)
   model = nn.Dense(OUT)
   params = model.init(jax.random.key(2), x)["params"]
-  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x)**2)
+  loss_fn = lambda p: jnp.sum(model.apply({"params": p}, x) ** 2)
   _, _, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
   layer = next(iter(stats.values()))
-  for reduced, expanded in zip(batch_lib.batch_factors(layer, reduce=True),
-                               batch_lib.batch_factors(layer)):
+  for reduced, expanded in zip(
+    batch_lib.batch_factors(layer, reduce=True), batch_lib.batch_factors(layer)
+  ):
     np.testing.assert_array_equal(reduced, expanded)
 
 
@@ -121,16 +133,25 @@ def test_reduce_gives_scale_by_kfac_the_reduced_factors():
   stats, inputs, cotangents = _sequence_problem()
   params = SequenceModel().init(jax.random.key(0), inputs[..., :IN])["params"]
   grads = jax.tree.map(jnp.ones_like, params)
-  tx = kfac_jax.scale_by_kfac(weight_sharing="reduce", factor_decay=0.0,
-                              kl_clip=None)
-  _, state = tx.update(grads, tx.init(params), params,
-                       kfac_stats={"shared": stats})
+  tx = kfac_jax.scale_by_kfac(
+    weight_sharing="reduce", factor_decay=0.0, kl_clip=None
+  )
+  _, state = tx.update(
+    grads, tx.init(params), params, kfac_stats={"shared": stats}
+  )
   factors = state.factors["shared"]
-  close(factors.activation_factor, reference.cov(inputs.mean(axis=1)),
-        terms=T + B + 1)
+  close(
+    factors.activation_factor,
+    reference.cov(inputs.mean(axis=1)),
+    terms=T + B + 1,
+  )
   summed = cotangents.sum(axis=1)
-  close(factors.gradient_factor, reference.cov(summed),
-        terms=IN + 1 + 1 + 1 + T + B + 1, scale=np.abs(summed).max()**2)
+  close(
+    factors.gradient_factor,
+    reference.cov(summed),
+    terms=IN + 1 + 1 + 1 + T + B + 1,
+    scale=np.abs(summed).max() ** 2,
+  )
 
 
 def test_weight_sharing_must_be_expand_or_reduce():

@@ -25,9 +25,9 @@ def _front_end(params_or_model: Any):
 
 
 def value_grad_and_stats(
-    fun: Callable[..., Any],
-    has_aux: bool = False,
-    skip_layers: Sequence[str] | str | None = None,
+  fun: Callable[..., Any],
+  has_aux: bool = False,
+  skip_layers: Sequence[str] | str | None = None,
 ) -> Callable[..., tuple[Any, Any, dict[str, LayerStatistics]]]:
   """Like ``jax.value_and_grad(fun, has_aux)``, plus K-FAC layer statistics.
 
@@ -86,8 +86,8 @@ def value_grad_and_stats(
   def value_grads_and_stats(params_or_model: Any, *args: Any, **kwargs: Any):
     front_end = _front_end(params_or_model)
     value, grads, stats = front_end.value_grad_and_stats(
-        fun, has_aux, skip, _unboxed(front_end, params_or_model), *args,
-        **kwargs)
+      fun, has_aux, skip, _unboxed(front_end, params_or_model), *args, **kwargs
+    )
     if front_end is flax_linen:  # The gradients in the params' boxes.
       grads = boxing.like(params_or_model, grads)
     # A capture of no layer warns in the front end (probes.warn_if_no_layers).
@@ -96,9 +96,13 @@ def value_grad_and_stats(
   return value_grads_and_stats
 
 
-def trace_layers(fun: Callable[..., Any], params_or_model: Any, *args: Any,
-                 skip_layers: Sequence[str] | str | None = None,
-                 **kwargs: Any) -> TracedLayers:
+def trace_layers(
+  fun: Callable[..., Any],
+  params_or_model: Any,
+  *args: Any,
+  skip_layers: Sequence[str] | str | None = None,
+  **kwargs: Any,
+) -> TracedLayers:
   """The layer table of a loss function, for ``scale_by_kfac(layers=...)``.
 
   Traces ``fun(params_or_model, *args, **kwargs)`` once for shapes only (no
@@ -123,9 +127,13 @@ def trace_layers(fun: Callable[..., Any], params_or_model: Any, *args: Any,
   """
   _check_callable(fun, "trace_layers")
   front_end = _front_end(params_or_model)
-  return front_end.trace_layers(fun, compile_patterns(skip_layers),
-                                _unboxed(front_end, params_or_model), *args,
-                                **kwargs)
+  return front_end.trace_layers(
+    fun,
+    compile_patterns(skip_layers),
+    _unboxed(front_end, params_or_model),
+    *args,
+    **kwargs,
+  )
 
 
 def _unboxed(front_end: Any, params_or_model: Any) -> Any:
@@ -140,5 +148,6 @@ def _unboxed(front_end: Any, params_or_model: Any) -> Any:
 
 def _check_callable(fun: Any, caller: str) -> None:
   if not callable(fun):
-    raise TypeError(f"{caller}: fun must be the loss function (a callable); "
-                    f"got {fun!r}.")
+    raise TypeError(
+      f"{caller}: fun must be the loss function (a callable); got {fun!r}."
+    )

@@ -26,31 +26,44 @@ from kfac_jax.capture import signatures
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
 
 # Module classes whose calls are captured. Subclasses count too.
-CAPTURED_MODULES: tuple[type[nn.Module], ...] = (nn.Dense, nn.DenseGeneral,
-                                                 nn.Conv, nn.Embed)
+CAPTURED_MODULES: tuple[type[nn.Module], ...] = (
+  nn.Dense,
+  nn.DenseGeneral,
+  nn.Conv,
+  nn.Embed,
+)
 
 # The params entry injected beside a captured layer's kernel: one
 # (input probe, output perturbation) pair per call.
 PROBES = "__kfac_probes__"
 
 
-def _signature(module: nn.Module, name: str, inputs: jax.Array,
-               stack_ndim: int) -> LayerSignature | None:
+def _signature(
+  module: nn.Module, name: str, inputs: jax.Array, stack_ndim: int
+) -> LayerSignature | None:
   """What the capture records about a call; ``None`` for an unsupported one."""
   module_type = type(module).__name__
   if isinstance(module, nn.Conv):
     return signatures.conv_signature(module_type, module, name, stack_ndim)
   if isinstance(module, nn.Embed):
-    return signatures.embed_signature(module_type, module.num_embeddings,
-                                      stack_ndim)
+    return signatures.embed_signature(
+      module_type, module.num_embeddings, stack_ndim
+    )
   if isinstance(module, nn.DenseGeneral):
     # Flax takes an int for one axis (batch_dims=0 is axis 0).
     if isinstance(module.batch_dims, int) or module.batch_dims:
       return None  # its kernel carries batch axes: not a Kronecker layer.
-    return signatures.dense_signature(module_type, module.use_bias, inputs,
-                                      module.axis, module.features, stack_ndim)
-  return signatures.dense_signature(module_type, module.use_bias, inputs,
-                                    stack_ndim=stack_ndim)
+    return signatures.dense_signature(
+      module_type,
+      module.use_bias,
+      inputs,
+      module.axis,
+      module.features,
+      stack_ndim,
+    )
+  return signatures.dense_signature(
+    module_type, module.use_bias, inputs, stack_ndim=stack_ndim
+  )
 
 
 def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
@@ -64,7 +77,8 @@ def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
 
 def _captured_call(context: nn.module.InterceptorContext) -> bool:
   return context.method_name == "__call__" and isinstance(
-      context.module, CAPTURED_MODULES)
+    context.module, CAPTURED_MODULES
+  )
 
 
 @dataclasses.dataclass
@@ -79,7 +93,8 @@ class _Nesting:
 
   # module path -> per open call, whether a call of it ran inside.
   open: dict[tuple[str, ...], list[bool]] = dataclasses.field(
-      default_factory=dict)
+    default_factory=dict
+  )
 
   def call(self, path: tuple[str, ...], next_fun, args, kwargs):
     """``(outputs, innermost)`` of ``next_fun(*args, **kwargs)``."""
@@ -105,11 +120,14 @@ class _ShapeRecorder:
   outer_vmaps: frozenset[int] = frozenset()
   nesting: _Nesting = dataclasses.field(default_factory=_Nesting)
   counter: probes_lib.CallCounter = dataclasses.field(
-      default_factory=probes_lib.CallCounter)
+    default_factory=probes_lib.CallCounter
+  )
   calls: dict[str, list[probes_lib.Call]] = dataclasses.field(
-      default_factory=dict)
+    default_factory=dict
+  )
   trace_check: loops.TraceCheck = dataclasses.field(
-      default_factory=loops.TraceCheck)
+    default_factory=loops.TraceCheck
+  )
   paths: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
   # Embed layers also called through attend (tied output weights).
   attended: set[str] = dataclasses.field(default_factory=set)
@@ -129,7 +147,7 @@ class _ShapeRecorder:
     previous = self.vmapped_apply  # the root module: a model.apply
     params = context.module.variables.get("params", {})
     self.vmapped_apply = bool(
-        probes_lib.vmap_traces((args, kwargs)) - self.outer_vmaps
+      probes_lib.vmap_traces((args, kwargs)) - self.outer_vmaps
     ) and not any(probes_lib.batch_traced(x) for x in jax.tree.leaves(params))
     try:
       return self._intercept(next_fun, args, kwargs, context)
@@ -137,8 +155,7 @@ class _ShapeRecorder:
       self.vmapped_apply = previous
 
   def _intercept(self, next_fun, args, kwargs, context):
-    if (isinstance(context.module, nn.Embed) and
-        context.method_name == "attend"):
+    if isinstance(context.module, nn.Embed) and context.method_name == "attend":
       self.attended.add(layers.layer_name(tuple(context.module.path)))
     if not _captured_call(context):
       return next_fun(*args, **kwargs)
@@ -154,54 +171,74 @@ class _ShapeRecorder:
       outputs, innermost = self.nesting.call(path, next_fun, args, kwargs)
     if not innermost:
       return outputs
-    key = (layers.EMBEDDING if isinstance(module, nn.Embed) else
-           layers.KERNEL)
+    key = layers.EMBEDDING if isinstance(module, nn.Embed) else layers.KERNEL
     kernel = _lookup(self.params, path + (key,))
     inner_kernel = module.get_variable("params", key)
     if kernel is None or inner_kernel is None:
       raise ValueError(
-          f"value_grad_and_stats: layer {name!r} ({type(module).__name__}) has "
-          f"no {key} at params{[*path, key]}. The loss must apply the model "
-          "with the params it is given as the root of the 'params' "
-          "collection (model.apply({'params': params}, ...)).")
+        f"value_grad_and_stats: layer {name!r} ({type(module).__name__}) has "
+        f"no {key} at params{[*path, key]}. The loss must apply the model "
+        "with the params it is given as the root of the 'params' "
+        "collection (model.apply({'params': params}, ...))."
+      )
     # Lifted transforms (nn.scan) slice leading kernel axes off inside.
     stack_ndim = len(kernel.shape) - len(inner_kernel.shape)
     # A slice on another axis can still leave the kernel's shape (a scan of
     # length 3 over axis 1 of a (3, 3, 3, 4, 4) kernel), not the bias's.
     bias = _lookup(self.params, path + ("bias",))
-    inner_bias = (module.get_variable("params", "bias")
-                  if bias is not None else None)
+    inner_bias = (
+      module.get_variable("params", "bias") if bias is not None else None
+    )
     pairs = [(key, kernel, inner_kernel)] + (
-        [] if inner_bias is None else [("bias", bias, inner_bias)])
-    if stack_ndim < 0 or any(tuple(outer.shape[stack_ndim:]) != tuple(
-        inner.shape) for _, outer, inner in pairs):
-      outer_shapes = " and ".join(f"{entry} {tuple(outer.shape)}"
-                                  for entry, outer, _ in pairs)
-      inner_shapes = " and ".join(f"{entry} {tuple(inner.shape)}"
-                                  for entry, _, inner in pairs)
+      [] if inner_bias is None else [("bias", bias, inner_bias)]
+    )
+    if stack_ndim < 0 or any(
+      tuple(outer.shape[stack_ndim:]) != tuple(inner.shape)
+      for _, outer, inner in pairs
+    ):
+      outer_shapes = " and ".join(
+        f"{entry} {tuple(outer.shape)}" for entry, outer, _ in pairs
+      )
+      inner_shapes = " and ".join(
+        f"{entry} {tuple(inner.shape)}" for entry, _, inner in pairs
+      )
       raise ValueError(
-          f"value_grad_and_stats: layer {name!r} ({type(module).__name__}) "
-          f"has {outer_shapes} in the params but {inner_shapes} where it "
-          "runs: a lifted transform (nn.scan, nn.vmap) slices it on an axis "
-          "other than the leading ones. Lift it with "
-          "variable_axes={'params': 0}, or "
-          f"{probes_lib.skip_advice(name)}.")
+        f"value_grad_and_stats: layer {name!r} ({type(module).__name__}) "
+        f"has {outer_shapes} in the params but {inner_shapes} where it "
+        "runs: a lifted transform (nn.scan, nn.vmap) slices it on an axis "
+        "other than the leading ones. Lift it with "
+        "variable_axes={'params': 0}, or "
+        f"{probes_lib.skip_advice(name)}."
+      )
     signature = _signature(module, name, inputs, stack_ndim)
-    if signature is not None and (self.vmapped_apply or (
-        signature.stack_ndim == 0 and
-        probes_lib.vmap_traces((inputs, outputs)) - self.outer_vmaps)):
+    if signature is not None and (
+      self.vmapped_apply
+      or (
+        signature.stack_ndim == 0
+        and probes_lib.vmap_traces((inputs, outputs)) - self.outer_vmaps
+      )
+    ):
       raise ValueError(
-          f"value_grad_and_stats: layer {name!r} runs under a jax.vmap (or "
-          "nn.vmap) inside the loss with its params broadcast, so its "
-          "captured inputs and cotangents would be summed over the mapped "
-          "axis. Apply the model to the whole batch (Flax layers take "
-          "leading batch axes), vmap outside value_grad_and_stats, or "
-          f"{probes_lib.skip_advice(name)}.")
+        f"value_grad_and_stats: layer {name!r} runs under a jax.vmap (or "
+        "nn.vmap) inside the loss with its params broadcast, so its "
+        "captured inputs and cotangents would be summed over the mapped "
+        "axis. Apply the model to the whole batch (Flax layers take "
+        "leading batch axes), vmap outside value_grad_and_stats, or "
+        f"{probes_lib.skip_advice(name)}."
+      )
     if signature is not None:
-      probes_lib.record_call(self.calls, self.counter, name,
-                             probes_lib.make_call(signature, inputs, outputs))
-      self.trace_check.allow(name, kernel.shape[:stack_ndim], inner_kernel,
-                             probes_lib.batch_traces(kernel))
+      probes_lib.record_call(
+        self.calls,
+        self.counter,
+        name,
+        probes_lib.make_call(signature, inputs, outputs),
+      )
+      self.trace_check.allow(
+        name,
+        kernel.shape[:stack_ndim],
+        inner_kernel,
+        probes_lib.batch_traces(kernel),
+      )
       self.paths[name] = path
     return outputs
 
@@ -216,21 +253,25 @@ class _ShapeRecorder:
     refused = {}
     for name, traces in self.counter.traces.items():
       levels = self.calls[name][0].signature.stack_ndim + int(
-          name in self.trace_check.shared)
-      if len(traces) > 2 ** levels:
+        name in self.trace_check.shared
+      )
+      if len(traces) > 2**levels:
         refused[name] = len(traces)
     if refused:
-      names = ", ".join(f"layer {name!r} runs in {count} separate traces"
-                        for name, count in sorted(refused.items()))
+      names = ", ".join(
+        f"layer {name!r} runs in {count} separate traces"
+        for name, count in sorted(refused.items())
+      )
       raise ValueError(
-          f"value_grad_and_stats: {names}, so its calls cannot be told "
-          "apart. This happens with a model applied in more than one branch "
-          "of a lax.cond or lax.switch, or also under a jax.grad (or another "
-          "transformation that traces it again) inside the loss; or a "
-          "lifted (scanned/remat) layer applied more than once: twice in one "
-          "model.apply, in more than one model.apply per loss, or an RNN "
-          "cell run by two nn.scan/nn.RNN calls. Apply it once per loss, or "
-          f"{probes_lib.skip_advice(*sorted(refused))}.")
+        f"value_grad_and_stats: {names}, so its calls cannot be told "
+        "apart. This happens with a model applied in more than one branch "
+        "of a lax.cond or lax.switch, or also under a jax.grad (or another "
+        "transformation that traces it again) inside the loss; or a "
+        "lifted (scanned/remat) layer applied more than once: twice in one "
+        "model.apply, in more than one model.apply per loss, or an RNN "
+        "cell run by two nn.scan/nn.RNN calls. Apply it once per loss, or "
+        f"{probes_lib.skip_advice(*sorted(refused))}."
+      )
 
   def stack_shape(self, name: str) -> tuple[int, ...]:
     stack_ndim = self.calls[name][0].signature.stack_ndim
@@ -243,15 +284,17 @@ class _ProbeRecorder:
 
   nesting: _Nesting = dataclasses.field(default_factory=_Nesting)
   counter: probes_lib.CallCounter = dataclasses.field(
-      default_factory=probes_lib.CallCounter)
+    default_factory=probes_lib.CallCounter
+  )
 
   def __call__(self, next_fun, args, kwargs, context):
     if not _captured_call(context):
       return next_fun(*args, **kwargs)
     module = context.module
     inputs = args[0] if args else kwargs["inputs"]
-    outputs, innermost = self.nesting.call(tuple(module.path), next_fun, args,
-                                           kwargs)
+    outputs, innermost = self.nesting.call(
+      tuple(module.path), next_fun, args, kwargs
+    )
     if not innermost:
       return outputs
     layer_probes = module.get_variable("params", PROBES)
@@ -261,9 +304,10 @@ class _ProbeRecorder:
     index = self.counter.next(name)
     if index >= len(layer_probes):
       raise ValueError(
-          f"value_grad_and_stats: layer {name!r} was called more often than "
-          f"in the shape pass ({len(layer_probes)} calls). The loss must call "
-          "the same layers on every trace.")
+        f"value_grad_and_stats: layer {name!r} was called more often than "
+        f"in the shape pass ({len(layer_probes)} calls). The loss must call "
+        "the same layers on every trace."
+      )
     return probes_lib.apply_probes(outputs, inputs, layer_probes[index])
 
 
@@ -274,18 +318,21 @@ def _inject(params: Any, path: tuple[str, ...], value: Any) -> Any:
   return {**params, path[0]: _inject(params[path[0]], path[1:], value)}
 
 
-def _shape_pass(fun: Callable[..., Any], params: Any, skip, args,
-                kwargs) -> tuple[_ShapeRecorder, Any]:
+def _shape_pass(
+  fun: Callable[..., Any], params: Any, skip, args, kwargs
+) -> tuple[_ShapeRecorder, Any]:
   layers.check_unboxed(params, "value_grad_and_stats")
-  recorder = _ShapeRecorder(params, skip, probes_lib.vmap_traces(
-      (params, args, kwargs)))
+  recorder = _ShapeRecorder(
+    params, skip, probes_lib.vmap_traces((params, args, kwargs))
+  )
 
   def traced(params, args, kwargs):
     with nn.intercept_methods(recorder):
       return fun(params, *args, **kwargs)
 
-  out_shape = probes_lib.shape_pass(traced, params, args, kwargs,
-                                    trace_check=recorder.trace_check)
+  out_shape = probes_lib.shape_pass(
+    traced, params, args, kwargs, trace_check=recorder.trace_check
+  )
   recorder.trace_check.check()  # finds the layers shared over loop steps
   recorder.check_traces()
   loops.check_shared(recorder.trace_check.shared, recorder.calls)
@@ -293,44 +340,65 @@ def _shape_pass(fun: Callable[..., Any], params: Any, skip, args,
   return recorder, out_shape
 
 
-def trace_layers(fun: Callable[..., Any], skip: tuple[re.Pattern[str], ...],
-                 params: Any, *args: Any,
-                 **kwargs: Any) -> layers.TracedLayers:
+def trace_layers(
+  fun: Callable[..., Any],
+  skip: tuple[re.Pattern[str], ...],
+  params: Any,
+  *args: Any,
+  **kwargs: Any,
+) -> layers.TracedLayers:
   """Linen front end of ``kfac_jax.trace_layers``."""
   recorder, _ = _shape_pass(fun, params, skip, args, kwargs)
   probes_lib.warn_if_no_layers("trace_layers", recorder.calls, skip)
-  return layers.TracedLayers({
-      name: probes_lib.layer_info(name, recorder.paths[name],
-                                  recorder.kernel(name).shape,
-                                  calls[0].signature)
+  return layers.TracedLayers(
+    {
+      name: probes_lib.layer_info(
+        name,
+        recorder.paths[name],
+        recorder.kernel(name).shape,
+        calls[0].signature,
+      )
       for name, calls in recorder.calls.items()
-  }, recorder.skipped_classes)
+    },
+    recorder.skipped_classes,
+  )
 
 
 def value_grad_and_stats(
-    fun: Callable[..., Any], has_aux: bool, skip: tuple[re.Pattern[str], ...],
-    params: Any, *args: Any,
-    **kwargs: Any) -> tuple[Any, Any, dict[str, LayerStatistics]]:
+  fun: Callable[..., Any],
+  has_aux: bool,
+  skip: tuple[re.Pattern[str], ...],
+  params: Any,
+  *args: Any,
+  **kwargs: Any,
+) -> tuple[Any, Any, dict[str, LayerStatistics]]:
   """Linen front end of ``kfac_jax.value_grad_and_stats``, for one call."""
   caller = "value_grad_and_stats"
   shapes, out_shape = _shape_pass(fun, params, skip, args, kwargs)
   probes_lib.check_scalar(
-      probes_lib.split_output(out_shape, has_aux, caller)[0], caller)
+    probes_lib.split_output(out_shape, has_aux, caller)[0], caller
+  )
   probes_lib.warn_if_no_layers(caller, shapes.calls, skip)
   probes = {
-      name: probes_lib.zero_probes(calls, shapes.stack_shape(name))
-      for name, calls in shapes.calls.items()
+    name: probes_lib.zero_probes(calls, shapes.stack_shape(name))
+    for name, calls in shapes.calls.items()
   }
 
   def primal(params, probes):
     for name, layer_probes in probes.items():
       params = _inject(params, shapes.paths[name], layer_probes)
     with nn.intercept_methods(_ProbeRecorder()):
-      return probes_lib.split_output(fun(params, *args, **kwargs), has_aux,
-                                     caller)
+      return probes_lib.split_output(
+        fun(params, *args, **kwargs), has_aux, caller
+      )
 
   loss, aux, grads, probe_grads = loops.probed_vjp(
-      primal, params, probes, shapes.calls, shapes.trace_check.shared,
-      probes_lib.is_eager((params, args, kwargs)))
+    primal,
+    params,
+    probes,
+    shapes.calls,
+    shapes.trace_check.shared,
+    probes_lib.is_eager((params, args, kwargs)),
+  )
   value = (loss, aux) if has_aux else loss
   return value, grads, probes_lib.statistics(shapes.calls, probe_grads)

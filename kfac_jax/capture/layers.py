@@ -100,20 +100,23 @@ class LayerInfo:
   def stack_shape(self) -> tuple[int, ...]:
     """The kernel's leading layer axes (``nn.scan``'s), ``()`` for one
     layer."""
-    return self.kernel_shape[:self.stack_ndim]
+    return self.kernel_shape[: self.stack_ndim]
 
   @property
   def contracted_shape(self) -> tuple[int, ...]:
     """The kernel axes contracted with the input (all but the last when read
     from the params alone)."""
-    count = (len(self.kernel_shape) - 1 if self.signature is None else
-             self.signature.contracted_ndim)
-    return self.kernel_shape[self.stack_ndim:self.stack_ndim + count]
+    count = (
+      len(self.kernel_shape) - 1
+      if self.signature is None
+      else self.signature.contracted_ndim
+    )
+    return self.kernel_shape[self.stack_ndim : self.stack_ndim + count]
 
   @property
   def output_shape(self) -> tuple[int, ...]:
     """The kernel's output axes, after the contracted ones."""
-    return self.kernel_shape[self.stack_ndim + len(self.contracted_shape):]
+    return self.kernel_shape[self.stack_ndim + len(self.contracted_shape) :]
 
   @property
   def activation_dim(self) -> int:
@@ -158,22 +161,27 @@ class TracedLayers(dict):
       tell them from kernels of modules the capture does not know.
   """
 
-  def __init__(self, layers: Mapping[str, LayerInfo],
-               skipped_classes: Mapping[str, str]):
+  def __init__(
+    self, layers: Mapping[str, LayerInfo], skipped_classes: Mapping[str, str]
+  ):
     super().__init__(layers)
     self.skipped_classes = dict(skipped_classes)
 
 
-def class_skipped(path: tuple[str, ...], module_type: str,
-                  skip: Sequence[re.Pattern[str]]) -> bool:
+def class_skipped(
+  path: tuple[str, ...], module_type: str, skip: Sequence[re.Pattern[str]]
+) -> bool:
   """Whether ``skip`` leaves the layer out by its class name alone."""
   return matches_any(skip, module_type) and not is_skipped_path(path, skip)
 
 
 def blocks_of(layers: LayerTable) -> dict[str, tuple[int, int]]:
   """``{block name: (activation_dim, gradient_dim)}`` over all layers."""
-  return {block: (layer.activation_dim, layer.gradient_dim)
-          for layer in layers.values() for block in layer.block_names}
+  return {
+    block: (layer.activation_dim, layer.gradient_dim)
+    for layer in layers.values()
+    for block in layer.block_names
+  }
 
 
 def path_key_name(key: Any) -> str:
@@ -198,7 +206,9 @@ def matches_any(patterns: Sequence[re.Pattern[str]], *texts: str) -> bool:
   return any(p.search(t) for p in patterns for t in texts)
 
 
-def compile_patterns(skip_layers: Sequence[str] | str | None) -> tuple[re.Pattern[str], ...]:
+def compile_patterns(
+  skip_layers: Sequence[str] | str | None,
+) -> tuple[re.Pattern[str], ...]:
   """Compiles ``skip_layers`` regexes, naming the bad one on error."""
   if skip_layers is None:
     return ()
@@ -206,22 +216,25 @@ def compile_patterns(skip_layers: Sequence[str] | str | None) -> tuple[re.Patter
     skip_layers = (skip_layers,)
   if not isinstance(skip_layers, (list, tuple)):
     raise TypeError(
-        "skip_layers must be a regex string or a list/tuple of them; got "
-        f"{skip_layers!r} ({type(skip_layers).__name__}).")
+      "skip_layers must be a regex string or a list/tuple of them; got "
+      f"{skip_layers!r} ({type(skip_layers).__name__})."
+    )
   compiled = []
   for pattern in skip_layers:
     if not isinstance(pattern, str):
       raise TypeError(
-          f"skip_layers must hold regex strings, got {pattern!r} "
-          f"({type(pattern).__name__}).")
+        f"skip_layers must hold regex strings, got {pattern!r} "
+        f"({type(pattern).__name__})."
+      )
     if not pattern:
       # ``"".split(",")`` of an empty setting gives [""], which re.search
       # matches in every name: K-FAC would silently be off everywhere.
       raise ValueError(
-          "skip_layers: the empty pattern '' matches every layer, which "
-          "would leave no layer preconditioned; drop it (an empty setting "
-          "split on ',' gives ['']), or pass '.*' to skip every layer on "
-          "purpose.")
+        "skip_layers: the empty pattern '' matches every layer, which "
+        "would leave no layer preconditioned; drop it (an empty setting "
+        "split on ',' gives ['']), or pass '.*' to skip every layer on "
+        "purpose."
+      )
     try:
       compiled.append(re.compile(pattern))
     except re.error as e:
@@ -229,16 +242,18 @@ def compile_patterns(skip_layers: Sequence[str] | str | None) -> tuple[re.Patter
   return tuple(compiled)
 
 
-def is_skipped_path(path: tuple[str, ...],
-                     skip: Sequence[re.Pattern[str]]) -> bool:
+def is_skipped_path(
+  path: tuple[str, ...], skip: Sequence[re.Pattern[str]]
+) -> bool:
   # A skipped module hides everything under it: test every prefix of the path
   # (the root layer's path is empty: test its empty name).
   prefixes = [path[:i] for i in range(1, len(path) + 1)] or [()]
   return any(matches_any(skip, layer_name(prefix)) for prefix in prefixes)
 
 
-def is_skipped_layer(path: tuple[str, ...], module_type: str,
-                     skip: Sequence[re.Pattern[str]]) -> bool:
+def is_skipped_layer(
+  path: tuple[str, ...], module_type: str, skip: Sequence[re.Pattern[str]]
+) -> bool:
   """Whether ``skip`` matches the layer's path (or a module's above it) or
   its Flax class name."""
   return is_skipped_path(path, skip) or matches_any(skip, module_type)
@@ -251,28 +266,30 @@ def _is_boxed(node: Any) -> bool:
   return hasattr(node, "unbox") and hasattr(node, "replace_boxed")
 
 
-def check_unboxed(params: Any, caller: str,
-                  path: tuple[str, ...] = ()) -> None:
+def check_unboxed(params: Any, caller: str, path: tuple[str, ...] = ()) -> None:
   """Refuses params boxed with Flax's partitioning metadata: jax
   differentiates through the boxes, but K-FAC reads each kernel's shape, and
   a boxed kernel would be taken for one the chain withholds
   (``optax.MaskedNode``)."""
   if _is_boxed(params):
     raise ValueError(
-        f"{caller}: the params at {'/'.join(path) or 'the root'} are boxed "
-        f"({type(params).__name__}, from nn.with_partitioning). Pass the "
-        "arrays, nn.unbox(params), to the loss and the optimizer; "
-        "nn.get_partition_spec(params) gives their PartitionSpecs.")
+      f"{caller}: the params at {'/'.join(path) or 'the root'} are boxed "
+      f"({type(params).__name__}, from nn.with_partitioning). Pass the "
+      "arrays, nn.unbox(params), to the loss and the optimizer; "
+      "nn.get_partition_spec(params) gives their PartitionSpecs."
+    )
   if isinstance(params, Mapping):
     for key, child in params.items():
       check_unboxed(child, caller, path + (str(key),))
 
 
-def find_layers(params: Any,
-                skip: Sequence[re.Pattern[str]] = (),
-                table: LayerTable | None = None,
-                warn_untraced: bool = False,
-                include_embeddings: bool = False) -> dict[str, LayerInfo]:
+def find_layers(
+  params: Any,
+  skip: Sequence[re.Pattern[str]] = (),
+  table: LayerTable | None = None,
+  warn_untraced: bool = False,
+  include_embeddings: bool = False,
+) -> dict[str, LayerInfo]:
   """Registered layers of a params tree, keyed by module path.
 
   Every mapping holding an array ``kernel`` of rank >= 2 is a layer, unless its
@@ -314,19 +331,25 @@ def find_layers(params: Any,
     if _is_masked(kernel):
       masked.add(name)
       return  # the chain gives K-FAC no part of this layer
-    if kernel is not None and not isinstance(kernel, Mapping) and len(
-        kernel.shape) >= 2 and not is_skipped_path(path, skip):
+    if (
+      kernel is not None
+      and not isinstance(kernel, Mapping)
+      and len(kernel.shape) >= 2
+      and not is_skipped_path(path, skip)
+    ):
       if _is_masked(node.get(BIAS)):
         raise ValueError(
-            f"Layer {name!r}: its bias is masked out of K-FAC's part of the "
-            "chain (optax.masked, optax.multi_transform) but not its kernel. "
-            "K-FAC preconditions them together (A has the bias row): mask "
-            "both or neither.")
+          f"Layer {name!r}: its bias is masked out of K-FAC's part of the "
+          "chain (optax.masked, optax.multi_transform) but not its kernel. "
+          "K-FAC preconditions them together (A has the bias row): mask "
+          "both or neither."
+        )
       layer = LayerInfo(
-          name=name,
-          path=path,
-          kernel_shape=tuple(int(d) for d in kernel.shape),
-          has_bias=node.get(BIAS) is not None)
+        name=name,
+        path=path,
+        kernel_shape=tuple(int(d) for d in kernel.shape),
+        has_bias=node.get(BIAS) is not None,
+      )
       if table is not None:
         layer = _from_table(table, layer, warn_untraced, skip)
       if layer is not None and not matches_any(skip, layer.module_type or ""):
@@ -337,23 +360,31 @@ def find_layers(params: Any,
 
   visit(params, ())
   if table is not None:
-    missing = sorted(set(table) - set(layers) - {
-        n for n, l in table.items()
-        if is_skipped_layer(l.path, l.module_type or "", skip) or (
-            l.kernel_key != KERNEL and not include_embeddings) or any(
-                n == m or n.startswith(m + "/") or not m for m in masked)})
+    missing = sorted(
+      set(table)
+      - set(layers)
+      - {
+        n
+        for n, l in table.items()
+        if is_skipped_layer(l.path, l.module_type or "", skip)
+        or (l.kernel_key != KERNEL and not include_embeddings)
+        or any(n == m or n.startswith(m + "/") or not m for m in masked)
+      }
+    )
     if missing:
       raise ValueError(
-          f"The layer table has layers {missing} that the params lack. Trace "
-          "the table (kfac_jax.trace_layers) from the same model and params; "
-          "layers left out of the optimized params on purpose (frozen by "
-          "nnx.Optimizer's wrt filter, or a params subset) go in "
-          "skip_layers, given to trace_layers as well.")
+        f"The layer table has layers {missing} that the params lack. Trace "
+        "the table (kfac_jax.trace_layers) from the same model and params; "
+        "layers left out of the optimized params on purpose (frozen by "
+        "nnx.Optimizer's wrt filter, or a params subset) go in "
+        "skip_layers, given to trace_layers as well."
+      )
   return layers
 
 
-def warn_unmatched_skips(params: Any, skip: Sequence[re.Pattern[str]],
-                         class_names: Collection[str]) -> None:
+def warn_unmatched_skips(
+  params: Any, skip: Sequence[re.Pattern[str]], class_names: Collection[str]
+) -> None:
   """Warns once per ``skip`` pattern that matches no module path of
   ``params`` nor any of ``class_names`` (the captured layers' Flax
   classes): it skips nothing, likely a typo.
@@ -382,23 +413,30 @@ def warn_unmatched_skips(params: Any, skip: Sequence[re.Pattern[str]],
   modules = sorted(names - {""})
   # Params that are one layer's own (a top-level nn.Dense) have no module
   # path to show: the class names are all a pattern can match there.
-  searched = (f"paths such as {modules[:3]}" if modules else
-              f"class names such as {sorted(class_names)[:3]} (the params "
-              "have no module paths: they are one layer's)")
+  searched = (
+    f"paths such as {modules[:3]}"
+    if modules
+    else f"class names such as {sorted(class_names)[:3]} (the params "
+    "have no module paths: they are one layer's)"
+  )
   for pattern in skip:
     if not matches_any((pattern,), *names, *class_names):
       warnings.warn(
-          f"skip_layers pattern {pattern.pattern!r} matches no module path of "
-          "the params nor a class name of the captured layers, so it skips "
-          f"nothing. Patterns are searched (re.search) in {searched}.",
-          stacklevel=3)
+        f"skip_layers pattern {pattern.pattern!r} matches no module path of "
+        "the params nor a class name of the captured layers, so it skips "
+        f"nothing. Patterns are searched (re.search) in {searched}.",
+        stacklevel=3,
+      )
 
 
 def _is_masked(leaf: Any) -> bool:
   """Whether ``leaf`` stands for a parameter the chain withholds
   (``optax.MaskedNode`` in ``optax.masked``/``multi_transform``)."""
-  return leaf is not None and not isinstance(leaf, Mapping) and not hasattr(
-      leaf, "shape")
+  return (
+    leaf is not None
+    and not isinstance(leaf, Mapping)
+    and not hasattr(leaf, "shape")
+  )
 
 
 def is_masked_layer(params: Any, path: tuple[str, ...]) -> bool:
@@ -414,8 +452,11 @@ def is_masked_layer(params: Any, path: tuple[str, ...]) -> bool:
   nodes, reached = _nodes_on_path(params, path)
   if any(_is_masked(node) for node in nodes):
     return True
-  return reached and isinstance(nodes[-1], Mapping) and _is_masked(
-      nodes[-1].get(KERNEL))
+  return (
+    reached
+    and isinstance(nodes[-1], Mapping)
+    and _is_masked(nodes[-1].get(KERNEL))
+  )
 
 
 def has_kernel(params: Any, path: tuple[str, ...]) -> bool:
@@ -424,7 +465,9 @@ def has_kernel(params: Any, path: tuple[str, ...]) -> bool:
   return reached and isinstance(nodes[-1], Mapping) and KERNEL in nodes[-1]
 
 
-def _nodes_on_path(params: Any, path: tuple[str, ...]) -> tuple[list[Any], bool]:
+def _nodes_on_path(
+  params: Any, path: tuple[str, ...]
+) -> tuple[list[Any], bool]:
   """The nodes from ``params`` down ``path`` (stopping at a masked node or
   where the path leaves the tree), and whether the walk reached its end."""
   nodes = [params]
@@ -440,24 +483,38 @@ def _nodes_on_path(params: Any, path: tuple[str, ...]) -> tuple[list[Any], bool]
   return nodes, True
 
 
-def _warn_untraced_embedding(name: str, path: tuple[str, ...],
-                             node: Mapping[str, Any],
-                             skip: Sequence[re.Pattern[str]]) -> None:
+def _warn_untraced_embedding(
+  name: str,
+  path: tuple[str, ...],
+  node: Mapping[str, Any],
+  skip: Sequence[re.Pattern[str]],
+) -> None:
   table = node.get(EMBEDDING)
-  if (table is None or isinstance(table, Mapping) or len(table.shape) < 2 or
-      KERNEL in node or is_skipped_path(path, skip)):
+  if (
+    table is None
+    or isinstance(table, Mapping)
+    or len(table.shape) < 2
+    or KERNEL in node
+    or is_skipped_path(path, skip)
+  ):
     return
   warnings.warn(
-      f"Embedding {name!r} {tuple(table.shape)} was not captured by "
-      "kfac_jax.trace_layers, so precondition_embeddings leaves it to the "
-      "chained optimizer: an Embed also called through attend (tied output "
-      "weights) is not captured, since its lookup's factors do not describe "
-      "that use (nor is an Embed the loss never calls). Add it to "
-      "skip_layers to silence this warning.", stacklevel=4)
+    f"Embedding {name!r} {tuple(table.shape)} was not captured by "
+    "kfac_jax.trace_layers, so precondition_embeddings leaves it to the "
+    "chained optimizer: an Embed also called through attend (tied output "
+    "weights) is not captured, since its lookup's factors do not describe "
+    "that use (nor is an Embed the loss never calls). Add it to "
+    "skip_layers to silence this warning.",
+    stacklevel=4,
+  )
 
 
-def _from_table(table: LayerTable, layer: LayerInfo, warn_untraced: bool,
-                skip: Sequence[re.Pattern[str]]) -> LayerInfo | None:
+def _from_table(
+  table: LayerTable,
+  layer: LayerInfo,
+  warn_untraced: bool,
+  skip: Sequence[re.Pattern[str]],
+) -> LayerInfo | None:
   traced = table.get(layer.name)
   if traced is None:
     skipped_class = getattr(table, "skipped_classes", {}).get(layer.name)
@@ -465,25 +522,31 @@ def _from_table(table: LayerTable, layer: LayerInfo, warn_untraced: bool,
       return None  # Skipped by class here as in trace_layers.
     if warn_untraced:
       why = (
-          f"trace_layers skipped it by its class name ({skipped_class})"
-          if skipped_class is not None else
-          "its module was not captured by kfac_jax.trace_layers (captured: "
-          "Linen Dense, DenseGeneral without batch_dims and Conv; NNX "
-          "Linear, LinearGeneral and Conv; and their subclasses)")
+        f"trace_layers skipped it by its class name ({skipped_class})"
+        if skipped_class is not None
+        else "its module was not captured by kfac_jax.trace_layers (captured: "
+        "Linen Dense, DenseGeneral without batch_dims and Conv; NNX "
+        "Linear, LinearGeneral and Conv; and their subclasses)"
+      )
       warnings.warn(
-          f"Layer {layer.name!r} has a kernel {layer.kernel_shape} but "
-          f"{why}. K-FAC leaves it to the chained optimizer; pass the same "
-          "skip_layers to trace_layers and scale_by_kfac, or add its path "
-          f"({skip_pattern(layer.name)!r}) to skip_layers, to silence this "
-          "warning.", stacklevel=4)
+        f"Layer {layer.name!r} has a kernel {layer.kernel_shape} but "
+        f"{why}. K-FAC leaves it to the chained optimizer; pass the same "
+        "skip_layers to trace_layers and scale_by_kfac, or add its path "
+        f"({skip_pattern(layer.name)!r}) to skip_layers, to silence this "
+        "warning.",
+        stacklevel=4,
+      )
     return None
-  if (traced.kernel_shape, traced.has_bias) != (layer.kernel_shape,
-                                                 layer.has_bias):
+  if (traced.kernel_shape, traced.has_bias) != (
+    layer.kernel_shape,
+    layer.has_bias,
+  ):
     raise ValueError(
-        f"Layer {layer.name!r}: the layer table has kernel "
-        f"{traced.kernel_shape} (bias={traced.has_bias}) but the params have "
-        f"{layer.kernel_shape} (bias={layer.has_bias}). Trace the table from "
-        "the same params.")
+      f"Layer {layer.name!r}: the layer table has kernel "
+      f"{traced.kernel_shape} (bias={traced.has_bias}) but the params have "
+      f"{layer.kernel_shape} (bias={layer.has_bias}). Trace the table from "
+      "the same params."
+    )
   return traced
 
 
@@ -491,11 +554,12 @@ def _check_bias(layer: LayerInfo, bias: Any) -> None:
   expected = layer.stack_shape + layer.output_shape
   if bias is not None and tuple(bias.shape) != expected:
     raise ValueError(
-        f"Layer {layer.name!r}: bias shape {tuple(bias.shape)} does not match "
-        f"the kernel {layer.kernel_shape}, which needs a bias {expected}. If "
-        "the module is not a Dense/Conv [..., in, out], pass the layer table "
-        "(layers=kfac_jax.trace_layers(loss_fn, params, ...)); otherwise add "
-        "it to skip_layers to leave it to the chained optimizer.")
+      f"Layer {layer.name!r}: bias shape {tuple(bias.shape)} does not match "
+      f"the kernel {layer.kernel_shape}, which needs a bias {expected}. If "
+      "the module is not a Dense/Conv [..., in, out], pass the layer table "
+      "(layers=kfac_jax.trace_layers(loss_fn, params, ...)); otherwise add "
+      "it to skip_layers to leave it to the chained optimizer."
+    )
 
 
 def get_layer_params(params: Any, layer: LayerInfo) -> Mapping[str, Any]:

@@ -47,12 +47,16 @@ Frame = tuple[str, int | None]
 def _loop_steps(frames: Sequence[Frame]) -> tuple[int | None, ...]:
   """The lengths of the loops among ``frames`` (None: a while loop); a scan
   of one step is no loop."""
-  return tuple(steps for primitive, steps in frames
-               if primitive == "while" or (primitive == "scan" and steps > 1))
+  return tuple(
+    steps
+    for primitive, steps in frames
+    if primitive == "while" or (primitive == "scan" and steps > 1)
+  )
 
 
-def _unmatched(loops: Sequence[int | None],
-               stack: Sequence[int]) -> list[int | None]:
+def _unmatched(
+  loops: Sequence[int | None], stack: Sequence[int]
+) -> list[int | None]:
   """The loops, outer first, left once each stack axis of its length has been
   taken by one: those that slice nothing of the layer's params."""
   axes, left = list(stack), []
@@ -111,8 +115,13 @@ class TraceCheck:
     with jax.named_scope(f"__kfac_{self.id}_{name.encode().hex()}__"):
       yield
 
-  def allow(self, name: str, stack_shape: Sequence[int], kernel: Any,
-            outside: frozenset[int]) -> None:
+  def allow(
+    self,
+    name: str,
+    stack_shape: Sequence[int],
+    kernel: Any,
+    outside: frozenset[int],
+  ) -> None:
     """Records a call of ``name``, whose kernel has ``stack_shape`` in the
     loss's params and is ``kernel`` where it runs: the vmaps mapping it,
     less those ``outside`` the loss (the ``batch_traces`` of its arguments),
@@ -120,13 +129,18 @@ class TraceCheck:
     vmapped = len(probes_lib.batch_traces(kernel) - outside)
     self.stacks[name] = tuple(stack_shape[vmapped:])
 
-  def read(self, jaxpr: jax.extend.core.Jaxpr, frames: tuple[Frame, ...] = (),
-           reused: bool = False) -> None:
+  def read(
+    self,
+    jaxpr: jax.extend.core.Jaxpr,
+    frames: tuple[Frame, ...] = (),
+    reused: bool = False,
+  ) -> None:
     """Records the equations around each marked call, and the layers with
     calls in a sub-jaxpr met twice (``reused``) or marked by another check."""
     for eqn in jaxpr.eqns:
-      for check, name in re.findall(r"__kfac_(\d+)_([0-9a-f]*)__",
-                                    str(eqn.source_info.name_stack)):
+      for check, name in re.findall(
+        r"__kfac_(\d+)_([0-9a-f]*)__", str(eqn.source_info.name_stack)
+      ):
         try:
           name = bytes.fromhex(name).decode()
         except ValueError:
@@ -135,8 +149,13 @@ class TraceCheck:
           self.reused[name] = None
         self.sites.setdefault(name, set()).add(frames)
       primitive = eqn.primitive.name
-      steps = (eqn.params["length"] if primitive == "scan" else
-               None if primitive == "while" else 1)
+      steps = (
+        eqn.params["length"]
+        if primitive == "scan"
+        else None
+        if primitive == "while"
+        else 1
+      )
       for sub_jaxpr in _sub_jaxprs(eqn.params.values()):
         seen = id(sub_jaxpr) in self.walked
         self.walked.add(id(sub_jaxpr))
@@ -147,16 +166,17 @@ class TraceCheck:
     the layers whose weights a loop shares (``shared``)."""
     if self.reused:
       raise ValueError(
-          "value_grad_and_stats: layers "
-          f"{', '.join(map(repr, sorted(self.reused)))} "
-          "run in a function whose trace jax reused (a jax.jit, "
-          "jax.checkpoint or nn.jit function called twice in the loss, or "
-          "already traced by an earlier capture): the capture sees a call "
-          "only while it is traced, so it would merge or miss their calls. "
-          "Apply the model plainly in the loss and jit the whole training "
-          "step, create the jitted/checkpointed function inside the loss (a "
-          "new one per call), or "
-          f"{probes_lib.skip_advice(*sorted(self.reused))}.")
+        "value_grad_and_stats: layers "
+        f"{', '.join(map(repr, sorted(self.reused)))} "
+        "run in a function whose trace jax reused (a jax.jit, "
+        "jax.checkpoint or nn.jit function called twice in the loss, or "
+        "already traced by an earlier capture): the capture sees a call "
+        "only while it is traced, so it would merge or miss their calls. "
+        "Apply the model plainly in the loss and jit the whole training "
+        "step, create the jitted/checkpointed function inside the loss (a "
+        "new one per call), or "
+        f"{probes_lib.skip_advice(*sorted(self.reused))}."
+      )
     refused: dict[str, str] = {}
     for name, stack in self.stacks.items():
       for frames in sorted(self.sites.get(name, ()), key=str):
@@ -164,18 +184,30 @@ class TraceCheck:
         left = _unmatched(loops, stack)
         if not left:
           continue
-        if (not stack and len(frames) == 1 and frames[0][0] == "scan" and
-            left == [frames[0][1]]):
+        if (
+          not stack
+          and len(frames) == 1
+          and frames[0][0] == "scan"
+          and left == [frames[0][1]]
+        ):
           self.shared.add(name)
           continue
-        steps = ("of unknown length (a while_loop)" if left[0] is None else
-                 f"of {left[0]} steps")
-        around = ", ".join(primitive if steps is None or steps == 1 else
-                           f"{primitive} of {steps} steps"
-                           for primitive, steps in frames)
-        refused[name] = (f"inside a loop {steps} (stack axes {stack}; the "
-                         f"loops' lengths {loops}; the equations around, "
-                         f"outermost first: {around})")
+        steps = (
+          "of unknown length (a while_loop)"
+          if left[0] is None
+          else f"of {left[0]} steps"
+        )
+        around = ", ".join(
+          primitive
+          if steps is None or steps == 1
+          else f"{primitive} of {steps} steps"
+          for primitive, steps in frames
+        )
+        refused[name] = (
+          f"inside a loop {steps} (stack axes {stack}; the "
+          f"loops' lengths {loops}; the equations around, "
+          f"outermost first: {around})"
+        )
     if refused:
       raise _loop_error(refused)
 
@@ -194,24 +226,28 @@ def _loop_error(refused: Mapping[str, str]) -> ValueError:
   for name in sorted(refused):
     groups.setdefault((_enclosing(name), refused[name]), []).append(name)
   described = "; ".join(
-      (f"in module {module!r}, " if module else "") +
-      ("layer " if len(names) == 1 else "each of layers ") +
-      ", ".join(map(repr, names)) + " runs " + where
-      for (module, where), names in groups.items())
+    (f"in module {module!r}, " if module else "")
+    + ("layer " if len(names) == 1 else "each of layers ")
+    + ", ".join(map(repr, names))
+    + " runs "
+    + where
+    for (module, where), names in groups.items()
+  )
   modules = sorted({module for module, _ in groups if module})
   skip = modules + [name for name in sorted(refused) if not _enclosing(name)]
   return ValueError(
-      f"value_grad_and_stats: {described}. A loop that does not slice a "
-      "layer's params (closed over, or carried) gives every step the same "
-      "probes; the capture reads it as weight sharing over its steps (an "
-      "RNN cell: one row per example and step) only for a scan of known "
-      "length (nn.RNN, nn.scan, nnx.scan, jax.lax.scan, lax.map, a fori_loop "
-      "with static bounds) that closes over the params, at the top of the "
-      "loss (not inside another loop, nor under jax.jit, remat or cond) and "
-      "around layers whose params it does not slice. Apply such a loop at "
-      "the top of the loss, unroll it (micro-batches: one "
-      "value_grad_and_stats each, with kfac_jax's gradient accumulation), or "
-      f"{probes_lib.skip_advice(*skip)}.")
+    f"value_grad_and_stats: {described}. A loop that does not slice a "
+    "layer's params (closed over, or carried) gives every step the same "
+    "probes; the capture reads it as weight sharing over its steps (an "
+    "RNN cell: one row per example and step) only for a scan of known "
+    "length (nn.RNN, nn.scan, nnx.scan, jax.lax.scan, lax.map, a fori_loop "
+    "with static bounds) that closes over the params, at the top of the "
+    "loss (not inside another loop, nor under jax.jit, remat or cond) and "
+    "around layers whose params it does not slice. Apply such a loop at "
+    "the top of the loss, unroll it (micro-batches: one "
+    "value_grad_and_stats each, with kfac_jax's gradient accumulation), or "
+    f"{probes_lib.skip_advice(*skip)}."
+  )
 
 
 def _sub_jaxprs(values: Any) -> Iterator[jax.extend.core.Jaxpr]:
@@ -226,30 +262,37 @@ def _sub_jaxprs(values: Any) -> Iterator[jax.extend.core.Jaxpr]:
       yield from _sub_jaxprs(value)
 
 
-def check_shared(shared: Collection[str],
-                 calls: Mapping[str, Sequence[Call]]) -> None:
+def check_shared(
+  shared: Collection[str], calls: Mapping[str, Sequence[Call]]
+) -> None:
   """Refuses a convolution whose weights a loop shares: ``factors.batch``
   reads a convolution's tensors as ``[B, *spatial, C]``, with no axis for
   the steps."""
-  convolutions = sorted(name for name in shared
-                        if calls[name][0].signature.conv is not None)
+  convolutions = sorted(
+    name for name in shared if calls[name][0].signature.conv is not None
+  )
   if convolutions:
     raise ValueError(
-        f"value_grad_and_stats: convolutions {convolutions} run at every "
-        "step of a loop that shares their params (a convolutional RNN "
-        "cell); the capture reads weight sharing over a loop's steps for "
-        "dense layers and embeddings only. Unroll the loop, or "
-        f"{probes_lib.skip_advice(*convolutions)}.")
+      f"value_grad_and_stats: convolutions {convolutions} run at every "
+      "step of a loop that shares their params (a convolutional RNN "
+      "cell); the capture reads weight sharing over a loop's steps for "
+      "dense layers and embeddings only. Unroll the loop, or "
+      f"{probes_lib.skip_advice(*convolutions)}."
+    )
 
 
 # A probe array's place among the probes: (layer, call, 0 input / 1 output).
 ProbeKey = tuple[str, int, int]
 
 
-def probed_vjp(primal: Callable[[Any, Any], tuple[jax.Array, Any]],
-               params: Any, probes: Mapping[str, Any],
-               calls: Mapping[str, Sequence[Call]], shared: Collection[str],
-               eager: bool) -> tuple[jax.Array, Any, Any, Any]:
+def probed_vjp(
+  primal: Callable[[Any, Any], tuple[jax.Array, Any]],
+  params: Any,
+  probes: Mapping[str, Any],
+  calls: Mapping[str, Sequence[Call]],
+  shared: Collection[str],
+  eager: bool,
+) -> tuple[jax.Array, Any, Any, Any]:
   """``(loss, aux, grads, probe_grads)`` of ``primal(params, probes) ->
   (loss, aux)``, differentiated by ``jax.vjp``.
 
@@ -275,26 +318,30 @@ def probed_vjp(primal: Callable[[Any, Any], tuple[jax.Array, Any]],
     loss, vjp_fn, aux = jax.vjp(primal, params, probes, has_aux=True)
     grads, probe_grads = vjp_fn(jnp.ones_like(loss))
     return loss, aux, grads, probe_grads
-  run, stacked, steps = _sliced_per_step(primal, params, probes, shared,
-                                         eager)
+  run, stacked, steps = _sliced_per_step(primal, params, probes, shared, eager)
   loss, vjp_fn, aux = jax.vjp(run, params, stacked, has_aux=True)
   grads, probe_grads = vjp_fn(jnp.ones_like(loss))
   return loss, aux, grads, _steps_after_examples(probe_grads, steps, calls)
 
 
 def _sliced_per_step(
-    primal: Callable[[Any, Any], tuple[jax.Array, Any]], params: Any,
-    probes: Mapping[str, Any], shared: Collection[str], eager: bool
-) -> tuple[Callable[[Any, Any], tuple[jax.Array, Any]], Any,
-           dict[ProbeKey, int]]:
+  primal: Callable[[Any, Any], tuple[jax.Array, Any]],
+  params: Any,
+  probes: Mapping[str, Any],
+  shared: Collection[str],
+  eager: bool,
+) -> tuple[
+  Callable[[Any, Any], tuple[jax.Array, Any]], Any, dict[ProbeKey, int]
+]:
   """``(run, stacked, steps)``: ``run(params, stacked)`` is ``primal`` with
   each probe that a loop held as a constant given one slice per step of
   ``stacked`` (``probes`` with those stacked), ``steps`` their
   ``{ProbeKey: loop length}``."""
   flat, treedef = jax.tree.flatten((params, probes))
   keys: list[ProbeKey] = [
-      (path[0].key, path[1].idx, path[2].idx)
-      for path, _ in jax.tree_util.tree_flatten_with_path(probes)[0]]
+    (path[0].key, path[1].idx, path[2].idx)
+    for path, _ in jax.tree_util.tree_flatten_with_path(probes)[0]
+  ]
   first = len(flat) - len(keys)  # the params' leaves come first
 
   def flat_primal(*leaves):
@@ -306,7 +353,8 @@ def _sliced_per_step(
   index = {var: i for i, var in enumerate(jaxpr.invars) if i >= first}
   uses: dict[Any, int] = {}
   for atom in itertools.chain(
-      (atom for eqn in jaxpr.eqns for atom in eqn.invars), jaxpr.outvars):
+    (atom for eqn in jaxpr.eqns for atom in eqn.invars), jaxpr.outvars
+  ):
     if isinstance(atom, jax.extend.core.Var):
       uses[atom] = uses.get(atom, 0) + 1
   scans: dict[int, Callable[[Sequence[Any]], list[Any]]] = {}
@@ -315,8 +363,7 @@ def _sliced_per_step(
     if eqn.primitive.name != "scan" or eqn.params["length"] <= 1:
       continue
     moved = set()  # positions of the constants to slice per step
-    for position, atom in enumerate(
-        eqn.invars[:_scan_counts(eqn.params)[0]]):
+    for position, atom in enumerate(eqn.invars[: _scan_counts(eqn.params)[0]]):
       i = index.get(atom) if isinstance(atom, jax.extend.core.Var) else None
       if i is None or keys[i - first][0] not in shared or uses[atom] != 1:
         continue
@@ -329,8 +376,9 @@ def _sliced_per_step(
   out_tree = jax.tree.structure(out_shape)
 
   def run(params, stacked):
-    return jax.tree.unflatten(out_tree, _evaluate(
-        closed, jax.tree.leaves((params, stacked)), scans))
+    return jax.tree.unflatten(
+      out_tree, _evaluate(closed, jax.tree.leaves((params, stacked)), scans)
+    )
 
   return run, jax.tree.unflatten(treedef, flat)[1], steps
 
@@ -344,8 +392,9 @@ def _scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
   return len(consts), len(carry)
 
 
-def _slicing_scan(params: Mapping[str, Any], moved: Collection[int]
-                  ) -> Callable[[Sequence[Any]], list[Any]]:
+def _slicing_scan(
+  params: Mapping[str, Any], moved: Collection[int]
+) -> Callable[[Sequence[Any]], list[Any]]:
   """A ``scan`` equation of ``params`` as a function of its operands, with
   the constants at the ``moved`` positions given stacked, one slice per
   step: the body reads the same per-step values."""
@@ -354,28 +403,35 @@ def _slicing_scan(params: Mapping[str, Any], moved: Collection[int]
 
   def call(operands: Sequence[Any]) -> list[Any]:
     consts = list(operands[:num_consts])
-    carry = list(operands[num_consts:num_consts + num_carry])
-    xs = list(operands[num_consts + num_carry:])
+    carry = list(operands[num_consts : num_consts + num_carry])
+    xs = list(operands[num_consts + num_carry :])
 
     def step(carry, x):
       xs_t, moved_t = x
-      step_consts = [moved_t[i] if i in moved_t else c
-                     for i, c in enumerate(consts)]
+      step_consts = [
+        moved_t[i] if i in moved_t else c for i, c in enumerate(consts)
+      ]
       outs = list(body(*step_consts, *carry, *xs_t))
       return outs[:num_carry], outs[num_carry:]
 
     carry, ys = jax.lax.scan(
-        step, carry, (xs, {i: consts[i] for i in moved}),
-        length=params["length"], reverse=params["reverse"],
-        unroll=params["unroll"])
+      step,
+      carry,
+      (xs, {i: consts[i] for i in moved}),
+      length=params["length"],
+      reverse=params["reverse"],
+      unroll=params["unroll"],
+    )
     return [*carry, *ys]
 
   return call
 
 
-def _evaluate(closed: Any, args: Sequence[Any],
-              replaced: Mapping[int, Callable[[Sequence[Any]], list[Any]]]
-              ) -> list[Any]:
+def _evaluate(
+  closed: Any,
+  args: Sequence[Any],
+  replaced: Mapping[int, Callable[[Sequence[Any]], list[Any]]],
+) -> list[Any]:
   """``jax.extend.core.jaxpr_as_fun(closed)(*args)``, with the equations at
   the indices of ``replaced`` computed by their function of the operands."""
   jaxpr = closed.jaxpr
@@ -394,7 +450,8 @@ def _evaluate(closed: Any, args: Sequence[Any],
         outs = replaced[k](operands)
       else:
         outs = eqn.primitive.bind(
-            *operands, **eqn.primitive.get_bind_params(eqn.params))
+          *operands, **eqn.primitive.get_bind_params(eqn.params)
+        )
         if not eqn.primitive.multiple_results:
           outs = [outs]
     env.update(zip(eqn.outvars, outs))
@@ -407,40 +464,59 @@ def _stacked_zeros(like: jax.Array, steps: int) -> jax.Array:
   sharding = probes_lib.explicit_sharding(like)
   if sharding is None:
     return jnp.zeros(shape, like.dtype)
-  return jnp.zeros(shape, like.dtype, out_sharding=sharding.update(
-      spec=jax.sharding.PartitionSpec(None, *sharding.spec)))
+  return jnp.zeros(
+    shape,
+    like.dtype,
+    out_sharding=sharding.update(
+      spec=jax.sharding.PartitionSpec(None, *sharding.spec)
+    ),
+  )
 
 
-def _check_all_sliced(shared: Collection[str], keys: Sequence[ProbeKey],
-                      steps: Mapping[ProbeKey, int]) -> None:
+def _check_all_sliced(
+  shared: Collection[str],
+  keys: Sequence[ProbeKey],
+  steps: Mapping[ProbeKey, int],
+) -> None:
   """Refuses the ``shared`` layers none of whose probes a loop held as a
   constant: the loop changes the params it carries (an inner optimization
   loop), or they reach it through another transformation."""
   sliced = {key[0] for key in steps}
   carried = sorted(({key[0] for key in keys} & set(shared)) - sliced)
   if carried:
-    raise _loop_error({
-        name: ("inside a loop that passes its params (and so its probes) "
-               "as a carry or through another transformation, not as a "
-               "constant")
-        for name in carried})
+    raise _loop_error(
+      {
+        name: (
+          "inside a loop that passes its params (and so its probes) "
+          "as a carry or through another transformation, not as a "
+          "constant"
+        )
+        for name in carried
+      }
+    )
 
 
-def _steps_after_examples(probe_grads: Mapping[str, Any],
-                          steps: Mapping[ProbeKey, int],
-                          calls: Mapping[str, Sequence[Call]]) -> dict[str, Any]:
+def _steps_after_examples(
+  probe_grads: Mapping[str, Any],
+  steps: Mapping[ProbeKey, int],
+  calls: Mapping[str, Sequence[Call]],
+) -> dict[str, Any]:
   """``probe_grads`` with each per-step gradient's leading step axis moved
   after the example axis: ``[*stack, B, T, …]``, or ``[*stack, T, …]`` for a
   tensor with no example axis (``factors.batch``'s weight-sharing axes)."""
-  result = {name: [list(pair) for pair in pairs]
-            for name, pairs in probe_grads.items()}
+  result = {
+    name: [list(pair) for pair in pairs] for name, pairs in probe_grads.items()
+  }
   for name, call, which in steps:
     signature = calls[name][0].signature
-    features = len(signature.input_axes) if which == 0 else (
-        signature.output_ndim)
+    features = (
+      len(signature.input_axes) if which == 0 else (signature.output_ndim)
+    )
     gradient = result[name][call][which]
     examples = gradient.ndim - 1 > signature.stack_ndim + features
     result[name][call][which] = jnp.moveaxis(
-        gradient, 0, signature.stack_ndim + int(examples))
-  return {name: tuple(tuple(pair) for pair in pairs)
-          for name, pairs in result.items()}
+      gradient, 0, signature.stack_ndim + int(examples)
+    )
+  return {
+    name: tuple(tuple(pair) for pair in pairs) for name, pairs in result.items()
+  }

@@ -40,10 +40,10 @@ import jax
 
 # The Flax methods routed, by class: the calls the NNX capture captures.
 ROUTED_METHODS: dict[type[nnx.Module], tuple[str, ...]] = {
-    nnx.Linear: ("__call__",),
-    nnx.LinearGeneral: ("__call__",),
-    nnx.Conv: ("__call__",),
-    nnx.Embed: ("__call__", "attend"),
+  nnx.Linear: ("__call__",),
+  nnx.LinearGeneral: ("__call__",),
+  nnx.Conv: ("__call__",),
+  nnx.Embed: ("__call__", "attend"),
 }
 # The metadata key of a Variable's ``Tag``.
 TAG = "kfac_jax_capture"
@@ -98,8 +98,9 @@ def tag_of(variable: Any) -> Tag | None:
   return tag if isinstance(tag, Tag) else None
 
 
-def _router(cls: type[nnx.Module], method: str,
-            original: Callable[..., Any]) -> Callable[..., Any]:
+def _router(
+  cls: type[nnx.Module], method: str, original: Callable[..., Any]
+) -> Callable[..., Any]:
   """``original`` (``cls.<method>``), sending tagged layers to their route."""
   key = "embedding" if issubclass(cls, nnx.Embed) else "kernel"
 
@@ -121,9 +122,11 @@ class _Routing:
   def __init__(self):
     self.lock = threading.Lock()
     self.users = 0
-    self.originals = {(cls, method): cls.__dict__[method]
-                      for cls, methods in ROUTED_METHODS.items()
-                      for method in methods}
+    self.originals = {
+      (cls, method): cls.__dict__[method]
+      for cls, methods in ROUTED_METHODS.items()
+      for method in methods
+    }
 
   def acquire(self) -> None:
     with self.lock:

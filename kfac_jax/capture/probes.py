@@ -43,8 +43,9 @@ ProbePair = tuple[jax.Array, jax.Array]
 
 
 @jax.custom_vjp
-def reveal_input(outputs: jax.Array, inputs: jax.Array,
-                 probe: jax.Array) -> jax.Array:
+def reveal_input(
+  outputs: jax.Array, inputs: jax.Array, probe: jax.Array
+) -> jax.Array:
   """Identity in ``outputs``; the cotangent it hands ``probe`` is ``inputs``."""
   del inputs, probe
   return outputs
@@ -74,12 +75,14 @@ def probe_inputs(inputs: jax.Array) -> jax.Array:
   return inputs.astype(jnp.float32)
 
 
-def apply_probes(outputs: jax.Array, inputs: jax.Array,
-                 probes: ProbePair) -> jax.Array:
+def apply_probes(
+  outputs: jax.Array, inputs: jax.Array, probes: ProbePair
+) -> jax.Array:
   """The layer output as the loss should see it: perturbed, input revealed."""
   input_probe, output_perturbation = probes
-  return reveal_input(outputs + output_perturbation, probe_inputs(inputs),
-                      input_probe)
+  return reveal_input(
+    outputs + output_perturbation, probe_inputs(inputs), input_probe
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,24 +180,31 @@ def explicit_sharding(array: jax.Array) -> NamedSharding | None:
   return sharding
 
 
-def make_call(signature: LayerSignature, inputs: jax.Array,
-              outputs: jax.Array) -> Call:
-  return Call(signature,
-              jax.ShapeDtypeStruct(inputs.shape, probe_inputs(inputs).dtype),
-              jax.ShapeDtypeStruct(outputs.shape, outputs.dtype),
-              explicit_sharding(inputs), explicit_sharding(outputs))
+def make_call(
+  signature: LayerSignature, inputs: jax.Array, outputs: jax.Array
+) -> Call:
+  return Call(
+    signature,
+    jax.ShapeDtypeStruct(inputs.shape, probe_inputs(inputs).dtype),
+    jax.ShapeDtypeStruct(outputs.shape, outputs.dtype),
+    explicit_sharding(inputs),
+    explicit_sharding(outputs),
+  )
 
 
 def skip_advice(*names: str) -> str:
   """How to leave layers the capture refuses to the chained optimizer."""
   patterns = ", ".join(repr(skip_pattern(name)) for name in names)
-  return (f"pass skip_layers=[{patterns}] to value_grad_and_stats, "
-          "trace_layers and scale_by_kfac to leave "
-          f"{'it' if len(names) == 1 else 'them'} to the chained optimizer")
+  return (
+    f"pass skip_layers=[{patterns}] to value_grad_and_stats, "
+    "trace_layers and scale_by_kfac to leave "
+    f"{'it' if len(names) == 1 else 'them'} to the chained optimizer"
+  )
 
 
-def warn_if_no_layers(caller: str, captured: Collection[str],
-                      skip: Sequence[re.Pattern[str]]) -> None:
+def warn_if_no_layers(
+  caller: str, captured: Collection[str], skip: Sequence[re.Pattern[str]]
+) -> None:
   """Warns when the capture found no layer: K-FAC would then do nothing,
   every parameter going to the chained optimizer as it is.
 
@@ -205,44 +215,53 @@ def warn_if_no_layers(caller: str, captured: Collection[str],
   """
   if captured:
     return
-  reason = ("the loss called none of the layers the capture knows (Linen "
-            "Dense, DenseGeneral, Conv, Embed; NNX Linear, LinearGeneral, "
-            "Conv, Embed) on the params, model or nnx.State it was given")
+  reason = (
+    "the loss called none of the layers the capture knows (Linen "
+    "Dense, DenseGeneral, Conv, Embed; NNX Linear, LinearGeneral, "
+    "Conv, Embed) on the params, model or nnx.State it was given"
+  )
   if skip:
     patterns = ", ".join(repr(pattern.pattern) for pattern in skip)
     reason += f", or skip_layers [{patterns}] matched every one it called"
   # Stack: the user's call, api.py, the front end, here.
   warnings.warn(
-      f"{caller} captured no layer: {reason}. scale_by_kfac would then "
-      "precondition nothing, leaving every parameter to the chained "
-      "optimizer.", stacklevel=4)
+    f"{caller} captured no layer: {reason}. scale_by_kfac would then "
+    "precondition nothing, leaving every parameter to the chained "
+    "optimizer.",
+    stacklevel=4,
+  )
 
 
-def record_call(calls: dict[str, list[Call]], counter: CallCounter, name: str,
-                call: Call) -> None:
+def record_call(
+  calls: dict[str, list[Call]], counter: CallCounter, name: str, call: Call
+) -> None:
   """Adds ``call`` to ``calls[name]`` unless a repeated trace already did.
 
   Every call of a layer is read with its first call's signature (the
   factors' layout), so a call with another signature raises; so does a
   complex one (the probes would keep only the real part of its inputs).
   """
-  if any(jnp.issubdtype(array.dtype, jnp.complexfloating)
-         for array in (call.inputs, call.outputs)):
+  if any(
+    jnp.issubdtype(array.dtype, jnp.complexfloating)
+    for array in (call.inputs, call.outputs)
+  ):
     raise ValueError(
-        f"value_grad_and_stats: layer {name!r} runs on complex numbers "
-        f"(inputs {call.inputs.dtype}, outputs {call.outputs.dtype}), which "
-        f"K-FAC's real factors do not describe; {skip_advice(name)}.")
+      f"value_grad_and_stats: layer {name!r} runs on complex numbers "
+      f"(inputs {call.inputs.dtype}, outputs {call.outputs.dtype}), which "
+      f"K-FAC's real factors do not describe; {skip_advice(name)}."
+    )
   index = counter.next(name)
   layer_calls = calls.setdefault(name, [])
   if index == len(layer_calls):
     if layer_calls and call.signature != layer_calls[0].signature:
       raise ValueError(
-          f"value_grad_and_stats: layer {name!r} is called with two "
-          f"signatures, {layer_calls[0].signature} and then "
-          f"{call.signature}; its factors need every call to contract the "
-          "same input axes. A DenseGeneral with a positive axis applied to "
-          "inputs of different ranks does this: reshape the inputs so every "
-          f"call contracts the same trailing axes, or {skip_advice(name)}.")
+        f"value_grad_and_stats: layer {name!r} is called with two "
+        f"signatures, {layer_calls[0].signature} and then "
+        f"{call.signature}; its factors need every call to contract the "
+        "same input axes. A DenseGeneral with a positive axis applied to "
+        "inputs of different ranks does this: reshape the inputs so every "
+        f"call contracts the same trailing axes, or {skip_advice(name)}."
+      )
     layer_calls.append(call)
 
 
@@ -261,53 +280,67 @@ def drop_attended(calls: dict[str, list[Call]], attended: set[str]) -> None:
     calls.pop(name, None)
 
 
-def zero_probes(calls: Sequence[Call],
-                stack_shape: tuple[int, ...] = ()) -> tuple[ProbePair, ...]:
+def zero_probes(
+  calls: Sequence[Call], stack_shape: tuple[int, ...] = ()
+) -> tuple[ProbePair, ...]:
   """Zero probes for each call, with the layer's stack axes in front."""
 
-  def zeros(like: jax.ShapeDtypeStruct,
-            sharding: NamedSharding | None) -> jax.Array:
+  def zeros(
+    like: jax.ShapeDtypeStruct, sharding: NamedSharding | None
+  ) -> jax.Array:
     shape = stack_shape + like.shape
     if sharding is None:
       return jnp.zeros(shape, like.dtype)
     spec = PartitionSpec(*(None,) * len(stack_shape), *sharding.spec)
-    return jnp.zeros(shape, like.dtype,
-                     out_sharding=sharding.update(spec=spec))
+    return jnp.zeros(shape, like.dtype, out_sharding=sharding.update(spec=spec))
 
-  return tuple((zeros(call.inputs, call.input_sharding),
-                zeros(call.outputs, call.output_sharding)) for call in calls)
+  return tuple(
+    (
+      zeros(call.inputs, call.input_sharding),
+      zeros(call.outputs, call.output_sharding),
+    )
+    for call in calls
+  )
 
 
-def statistics(calls: Mapping[str, Sequence[Call]],
-               probe_grads: Mapping[str, Sequence[ProbePair]]
-               ) -> dict[str, LayerStatistics]:
+def statistics(
+  calls: Mapping[str, Sequence[Call]],
+  probe_grads: Mapping[str, Sequence[ProbePair]],
+) -> dict[str, LayerStatistics]:
   """``{layer: LayerStatistics}`` from the probes' gradients."""
   return {
-      name: LayerStatistics(
-          signature=calls[name][0].signature,
-          inputs=tuple(inputs for inputs, _ in probe_grads[name]),
-          output_cotangents=tuple(cot for _, cot in probe_grads[name]))
-      for name in probe_grads
+    name: LayerStatistics(
+      signature=calls[name][0].signature,
+      inputs=tuple(inputs for inputs, _ in probe_grads[name]),
+      output_cotangents=tuple(cot for _, cot in probe_grads[name]),
+    )
+    for name in probe_grads
   }
 
 
-def layer_info(name: str, path: tuple[Any, ...], kernel_shape: Sequence[int],
-               signature: LayerSignature) -> LayerInfo:
+def layer_info(
+  name: str,
+  path: tuple[Any, ...],
+  kernel_shape: Sequence[int],
+  signature: LayerSignature,
+) -> LayerInfo:
   """A layer table entry from a captured call's signature."""
   return LayerInfo(
-      name=name,
-      path=path,
-      kernel_shape=tuple(int(d) for d in kernel_shape),
-      # A Flax layer holds a bias param exactly when its call adds one.
-      has_bias=signature.has_bias,
-      signature=signature)
+    name=name,
+    path=path,
+    kernel_shape=tuple(int(d) for d in kernel_shape),
+    # A Flax layer holds a bias param exactly when its call adds one.
+    has_bias=signature.has_bias,
+    signature=signature,
+  )
 
 
 def is_eager(tree: Any) -> bool:
   """Whether the capture was called outside every JAX transformation, as far
   as its arguments tell: none of ``tree``'s leaves is a tracer."""
-  return not any(isinstance(leaf, jax.core.Tracer)
-                 for leaf in jax.tree.leaves(tree))
+  return not any(
+    isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree)
+  )
 
 
 def eager_context(eager: bool) -> contextlib.AbstractContextManager[Any]:
@@ -319,10 +352,14 @@ def eager_context(eager: bool) -> contextlib.AbstractContextManager[Any]:
   return jax.ensure_compile_time_eval() if eager else contextlib.nullcontext()
 
 
-def shape_pass(fun: Callable[..., Any], params: Any, args: Sequence[Any],
-               kwargs: Mapping[str, Any],
-               is_leaf: Callable[[Any], bool] | None = None,
-               trace_check: TraceCheck | None = None) -> Any:
+def shape_pass(
+  fun: Callable[..., Any],
+  params: Any,
+  args: Sequence[Any],
+  kwargs: Mapping[str, Any],
+  is_leaf: Callable[[Any], bool] | None = None,
+  trace_check: TraceCheck | None = None,
+) -> Any:
   """``jax.eval_shape`` of ``fun(params, args, kwargs)``.
 
   The ``jax.ShapeDtypeStruct`` leaves of ``args``/``kwargs`` (``trace_layers``
@@ -334,8 +371,9 @@ def shape_pass(fun: Callable[..., Any], params: Any, args: Sequence[Any],
   is computed as it is traced (``eager_context``).
   """
   leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_leaf)
-  abstract = [i for i, leaf in enumerate(leaves)
-              if isinstance(leaf, jax.ShapeDtypeStruct)]
+  abstract = [
+    i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.ShapeDtypeStruct)
+  ]
 
   def run(params, abstract_leaves):
     filled = list(leaves)
@@ -358,18 +396,21 @@ def split_output(out: Any, has_aux: bool, caller: str) -> tuple[Any, Any]:
     return out, None
   if not (isinstance(out, tuple) and len(out) == 2):
     raise ValueError(
-        f"{caller}(has_aux=True): the function must return (loss, aux), got "
-        f"{type(out).__name__}.")
+      f"{caller}(has_aux=True): the function must return (loss, aux), got "
+      f"{type(out).__name__}."
+    )
   return out
 
 
 def check_scalar(loss_shape: Any, caller: str) -> None:
   if getattr(loss_shape, "shape", None) != ():
     raise ValueError(
-        f"{caller}: the function must return a scalar loss, got shape "
-        f"{getattr(loss_shape, 'shape', type(loss_shape).__name__)}.")
+      f"{caller}: the function must return a scalar loss, got shape "
+      f"{getattr(loss_shape, 'shape', type(loss_shape).__name__)}."
+    )
   # As jax.grad: an integer loss has no gradient (it would come out zero).
   if not jnp.issubdtype(loss_shape.dtype, jnp.floating):
     raise TypeError(
-        f"{caller}: the loss must be a real floating-point scalar; got dtype "
-        f"{loss_shape.dtype}.")
+      f"{caller}: the loss must be a real floating-point scalar; got dtype "
+      f"{loss_shape.dtype}."
+    )

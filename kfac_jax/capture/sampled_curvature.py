@@ -44,20 +44,25 @@ def _check(outputs: jax.Array, key: jax.Array, caller: str) -> None:
   """Outputs ``[..., outputs]`` of a real floating dtype and one PRNG key."""
   if not jnp.issubdtype(jnp.result_type(outputs), jnp.floating):
     raise TypeError(
-        f"sampled_curvature.{caller}: the outputs must be floating-point "
-        f"(the network's logits); got dtype {jnp.result_type(outputs)}.")
+      f"sampled_curvature.{caller}: the outputs must be floating-point "
+      f"(the network's logits); got dtype {jnp.result_type(outputs)}."
+    )
   if jnp.ndim(outputs) < 1:
-    raise ValueError(f"sampled_curvature.{caller}: outputs need an output "
-                     "axis (the last); got a scalar.")
+    raise ValueError(
+      f"sampled_curvature.{caller}: outputs need an output "
+      "axis (the last); got a scalar."
+    )
   dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
-  typed = dtype is not None and jax.dtypes.issubdtype(dtype,
-                                                      jax.dtypes.prng_key)
+  typed = dtype is not None and jax.dtypes.issubdtype(
+    dtype, jax.dtypes.prng_key
+  )
   # jax.random.PRNGKey(seed): uint32 [2] for threefry, [4] for rbg.
   raw = dtype == jnp.uint32 and shape is not None and len(shape) == 1
   if not ((typed and shape == ()) or raw):
     raise TypeError(
-        f"sampled_curvature.{caller}: key must be one JAX PRNG key "
-        f"(jax.random.key(seed), a fresh one each step); got {key!r}.")
+      f"sampled_curvature.{caller}: key must be one JAX PRNG key "
+      f"(jax.random.key(seed), a fresh one each step); got {key!r}."
+    )
 
 
 def _surrogate(outputs: jax.Array, cotangents: jax.Array) -> jax.Array:
@@ -78,11 +83,12 @@ def sigmoid_cross_entropy(logits: jax.Array, key: jax.Array) -> jax.Array:
     logits: ``[..., outputs]``.
     key: a JAX PRNG key (a fresh one each step).
   """
-  _check(logits, key, 'sigmoid_cross_entropy')
+  _check(logits, key, "sigmoid_cross_entropy")
   probabilities = jax.nn.sigmoid(logits.astype(jnp.float32))
   signs = jax.random.rademacher(key, logits.shape, jnp.float32)
-  return _surrogate(logits,
-                    signs * jnp.sqrt(probabilities * (1 - probabilities)))
+  return _surrogate(
+    logits, signs * jnp.sqrt(probabilities * (1 - probabilities))
+  )
 
 
 def softmax_cross_entropy(logits: jax.Array, key: jax.Array) -> jax.Array:
@@ -96,7 +102,7 @@ def softmax_cross_entropy(logits: jax.Array, key: jax.Array) -> jax.Array:
     logits: ``[..., classes]``.
     key: a JAX PRNG key (a fresh one each step).
   """
-  _check(logits, key, 'softmax_cross_entropy')
+  _check(logits, key, "softmax_cross_entropy")
   logits32 = logits.astype(jnp.float32)
   sampled = jax.random.categorical(key, logits32)
   probabilities = jax.nn.softmax(logits32)
@@ -111,6 +117,7 @@ def squared_error(outputs: jax.Array, key: jax.Array) -> jax.Array:
     outputs: ``[..., outputs]``.
     key: a JAX PRNG key (a fresh one each step).
   """
-  _check(outputs, key, 'squared_error')
-  return _surrogate(outputs,
-                    jax.random.rademacher(key, outputs.shape, jnp.float32))
+  _check(outputs, key, "squared_error")
+  return _surrogate(
+    outputs, jax.random.rademacher(key, outputs.shape, jnp.float32)
+  )

@@ -16,7 +16,9 @@ from kfac_jax.capture import probes as probes_lib
 from kfac_jax.capture.statistics import ConvGeometry, LayerSignature
 
 
-def _broadcast(value: int | tuple[int, ...] | None, rank: int) -> tuple[int, ...]:
+def _broadcast(
+  value: int | tuple[int, ...] | None, rank: int
+) -> tuple[int, ...]:
   if value is None:
     return (1,) * rank
   if isinstance(value, int):
@@ -25,11 +27,14 @@ def _broadcast(value: int | tuple[int, ...] | None, rank: int) -> tuple[int, ...
 
 
 def as_tuple(value: int | tuple[int, ...]) -> tuple[int, ...]:
-  return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+  return (
+    (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+  )
 
 
-def conv_signature(module_type: str, module: Any, name: str,
-                   stack_ndim: int = 0) -> LayerSignature:
+def conv_signature(
+  module_type: str, module: Any, name: str, stack_ndim: int = 0
+) -> LayerSignature:
   """A convolution's call, layer ``name``: its geometry as Flax applies it.
 
   Raises:
@@ -40,41 +45,56 @@ def conv_signature(module_type: str, module: Any, name: str,
     # rows: the update moved them, and the live entries got the Schur
     # complement of A, not the K-FAC of the layer as applied.
     raise ValueError(
-        f"value_grad_and_stats: layer {name!r} ({module_type}) has a mask, "
-        "which K-FAC's Kronecker factors do not express (the update would "
-        "move the masked kernel entries); "
-        f"{probes_lib.skip_advice(name)}.")
+      f"value_grad_and_stats: layer {name!r} ({module_type}) has a mask, "
+      "which K-FAC's Kronecker factors do not express (the update would "
+      "move the masked kernel entries); "
+      f"{probes_lib.skip_advice(name)}."
+    )
   window = as_tuple(module.kernel_size)
   rank = len(window)
   padding = flax_linear.canonicalize_padding(module.padding, rank)
   if not isinstance(padding, str):
     padding = tuple((int(lo), int(hi)) for lo, hi in padding)
   geometry = ConvGeometry(
-      window=window,
-      strides=_broadcast(module.strides, rank),
-      padding=padding,
-      input_dilation=_broadcast(module.input_dilation, rank),
-      kernel_dilation=_broadcast(module.kernel_dilation, rank),
-      feature_group_count=int(module.feature_group_count))
-  return LayerSignature(module_type, bool(module.use_bias), geometry,
-                        stack_ndim=stack_ndim)
+    window=window,
+    strides=_broadcast(module.strides, rank),
+    padding=padding,
+    input_dilation=_broadcast(module.input_dilation, rank),
+    kernel_dilation=_broadcast(module.kernel_dilation, rank),
+    feature_group_count=int(module.feature_group_count),
+  )
+  return LayerSignature(
+    module_type, bool(module.use_bias), geometry, stack_ndim=stack_ndim
+  )
 
 
-def embed_signature(module_type: str, num_embeddings: int,
-                    stack_ndim: int = 0) -> LayerSignature:
+def embed_signature(
+  module_type: str, num_embeddings: int, stack_ndim: int = 0
+) -> LayerSignature:
   """An embedding lookup: a dense layer on one-hot token ids."""
-  return LayerSignature(module_type, False, input_axes=(),
-                        stack_ndim=stack_ndim,
-                        num_embeddings=int(num_embeddings))
+  return LayerSignature(
+    module_type,
+    False,
+    input_axes=(),
+    stack_ndim=stack_ndim,
+    num_embeddings=int(num_embeddings),
+  )
 
 
-def dense_signature(module_type: str, use_bias: bool, inputs: jax.Array,
-                    axis: int | tuple[int, ...] = -1,
-                    features: int | tuple[int, ...] = 1,
-                    stack_ndim: int = 0) -> LayerSignature:
+def dense_signature(
+  module_type: str,
+  use_bias: bool,
+  inputs: jax.Array,
+  axis: int | tuple[int, ...] = -1,
+  features: int | tuple[int, ...] = 1,
+  stack_ndim: int = 0,
+) -> LayerSignature:
   """A dense call contracting the input's ``axis`` into ``features``."""
   axes = sorted(a % inputs.ndim for a in as_tuple(axis))
   return LayerSignature(
-      module_type, bool(use_bias),
-      input_axes=tuple(a - inputs.ndim for a in axes),
-      output_ndim=len(as_tuple(features)), stack_ndim=stack_ndim)
+    module_type,
+    bool(use_bias),
+    input_axes=tuple(a - inputs.ndim for a in axes),
+    output_ndim=len(as_tuple(features)),
+    stack_ndim=stack_ndim,
+  )

@@ -7,15 +7,17 @@ from collections.abc import Mapping
 from kfac_jax.distribution.strategy import AssignmentStrategy
 
 
-def layer_cost(activation_dim: int, gradient_dim: int,
-               assignment: AssignmentStrategy) -> int:
+def layer_cost(
+  activation_dim: int, gradient_dim: int, assignment: AssignmentStrategy
+) -> int:
   """``dA³ + dG³`` (decomposition work) or ``dA² + dG²`` (result memory)."""
   power = 3 if assignment is AssignmentStrategy.COMPUTE else 2
   return activation_dim**power + gradient_dim**power
 
 
-def assign_layers(costs: Mapping[str, int], num_devices: int,
-                  group_size: int = 1) -> dict[str, int]:
+def assign_layers(
+  costs: Mapping[str, int], num_devices: int, group_size: int = 1
+) -> dict[str, int]:
   """Largest layer first, each to the least-loaded group, then member.
 
   Layers are first spread over the ``num_devices // group_size`` groups
@@ -32,8 +34,9 @@ def assign_layers(costs: Mapping[str, int], num_devices: int,
   group_of = _greedy(costs, num_devices // group_size)
   owner = {}
   for group in range(num_devices // group_size):
-    members = _greedy({n: c for n, c in costs.items() if group_of[n] == group},
-                      group_size)
+    members = _greedy(
+      {n: c for n, c in costs.items() if group_of[n] == group}, group_size
+    )
     owner.update({n: group * group_size + m for n, m in members.items()})
   return owner
 

@@ -70,8 +70,10 @@ class ShardedLayout:
 
   def owned(self, device: int) -> list[str]:
     """The layers ``device`` decomposes, in segment order."""
-    return sorted((n for n, d in self.owner.items() if d == device),
-                  key=self.offset.__getitem__)
+    return sorted(
+      (n for n, d in self.owner.items() if d == device),
+      key=self.offset.__getitem__,
+    )
 
   def members(self, group: int) -> range:
     return range(group * self.group_size, (group + 1) * self.group_size)
@@ -90,9 +92,13 @@ class ShardedLayout:
     return self.owner[name] // self.group_size * self.group_size
 
 
-def make_layout(dims: Dims, init_preconditioner, num_devices: int,
-                group_size: int,
-                assignment: AssignmentStrategy) -> ShardedLayout:
+def make_layout(
+  dims: Dims,
+  init_preconditioner,
+  num_devices: int,
+  group_size: int,
+  assignment: AssignmentStrategy,
+) -> ShardedLayout:
   """Assigns layers to devices (greedy, KAISA) and packs their segments.
 
   Args:
@@ -103,47 +109,70 @@ def make_layout(dims: Dims, init_preconditioner, num_devices: int,
     group_size: g, a divisor of n.
     assignment: what the greedy assignment balances.
   """
-  return _make_layout(tuple(sorted(dims.items())), init_preconditioner,
-                      num_devices, group_size, assignment)
+  return _make_layout(
+    tuple(sorted(dims.items())),
+    init_preconditioner,
+    num_devices,
+    group_size,
+    assignment,
+  )
 
 
 @functools.lru_cache(maxsize=64)
-def _make_layout(dims: tuple[tuple[str, tuple[int, int]], ...],
-                 init_preconditioner, num_devices: int, group_size: int,
-                 assignment: AssignmentStrategy) -> ShardedLayout:
+def _make_layout(
+  dims: tuple[tuple[str, tuple[int, int]], ...],
+  init_preconditioner,
+  num_devices: int,
+  group_size: int,
+  assignment: AssignmentStrategy,
+) -> ShardedLayout:
   owner = assign_layers(
-      {name: layer_cost(*d, assignment) for name, d in dims}, num_devices,
-      group_size)
+    {name: layer_cost(*d, assignment) for name, d in dims},
+    num_devices,
+    group_size,
+  )
   templates = {
-      name: jax.eval_shape(functools.partial(init_preconditioner, *d))
-      for name, d in dims
+    name: jax.eval_shape(functools.partial(init_preconditioner, *d))
+    for name, d in dims
   }
   size = {
-      name: sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(t))
-      for name, t in templates.items()
+    name: sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(t))
+    for name, t in templates.items()
   }
   names = [name for name, _ in dims]
   offset, loads = pack_by_owner(names, owner, size, num_devices)
   return ShardedLayout(
-      num_devices=num_devices,
-      group_size=group_size,
-      owner=owner,
-      offset=offset,
-      size=size,
-      load=tuple(loads),
-      segment_size=max(loads),
-      row_size=max(sum(loads[start:start + group_size])
-                   for start in range(0, num_devices, group_size)),
-      templates=templates,
-      fingerprint=zlib.crc32(repr(
-          (num_devices, group_size,
-           [(name, owner[name], offset[name], size[name]) for name in names])
-      ).encode()) & 0x7FFFFFFF)
+    num_devices=num_devices,
+    group_size=group_size,
+    owner=owner,
+    offset=offset,
+    size=size,
+    load=tuple(loads),
+    segment_size=max(loads),
+    row_size=max(
+      sum(loads[start : start + group_size])
+      for start in range(0, num_devices, group_size)
+    ),
+    templates=templates,
+    fingerprint=zlib.crc32(
+      repr(
+        (
+          num_devices,
+          group_size,
+          [(name, owner[name], offset[name], size[name]) for name in names],
+        )
+      ).encode()
+    )
+    & 0x7FFFFFFF,
+  )
 
 
-def pack_by_owner(names: Sequence[str], owner: Mapping[str, int],
-                  sizes: Mapping[str, int],
-                  num_devices: int) -> tuple[dict[str, int], list[int]]:
+def pack_by_owner(
+  names: Sequence[str],
+  owner: Mapping[str, int],
+  sizes: Mapping[str, int],
+  num_devices: int,
+) -> tuple[dict[str, int], list[int]]:
   """Back-to-back offsets of ``names`` within their owners' segments.
 
   Returns ``({name: offset}, [elements per device])``.
@@ -166,13 +195,14 @@ def unpack(vector: jax.Array, template: Any) -> Any:
   out, start = [], 0
   for leaf in leaves:
     count = math.prod(leaf.shape)
-    out.append(vector[start:start + count].reshape(leaf.shape))
+    out.append(vector[start : start + count].reshape(leaf.shape))
     start += count
   return jax.tree.unflatten(treedef, out)
 
 
-def fill_segment(pieces: list[jax.Array], length: int,
-                 dtype: jnp.dtype) -> jax.Array:
+def fill_segment(
+  pieces: list[jax.Array], length: int, dtype: jnp.dtype
+) -> jax.Array:
   """``pieces`` concatenated and zero-padded to ``[length]``."""
   used = sum(p.shape[0] for p in pieces)
   padding = [jnp.zeros((length - used,), dtype)] if length > used else []

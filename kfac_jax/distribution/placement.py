@@ -87,17 +87,33 @@ class Placement(NamedTuple):
   """
 
   init: Callable[[Dims], Any]
-  decompose: Callable[[Dims, Mapping[str, LayerFactors], Any, jax.Array],
-                      tuple[Any, DecompositionCounts]]
-  precondition: Callable[[Dims, Any, Mapping[str, jax.Array], jax.Array,
-                          Mapping[str, tuple[str, ...]]], dict[str, jax.Array]]
+  decompose: Callable[
+    [Dims, Mapping[str, LayerFactors], Any, jax.Array],
+    tuple[Any, DecompositionCounts],
+  ]
+  precondition: Callable[
+    [
+      Dims,
+      Any,
+      Mapping[str, jax.Array],
+      jax.Array,
+      Mapping[str, tuple[str, ...]],
+    ],
+    dict[str, jax.Array],
+  ]
   per_layer: Callable[[Dims, Any], dict[str, Preconditioner]]
   partition_specs: Callable[[Dims], Any]
   stale: Callable[[Dims, Any], jax.Array | None]
   replicated: Callable[[Dims, Any, list[str]], dict[str, Preconditioner]]
   precondition_replicated: Callable[
-      [Mapping[str, Preconditioner], Mapping[str, jax.Array], jax.Array,
-       Mapping[str, tuple[str, ...]]], dict[str, jax.Array]]
+    [
+      Mapping[str, Preconditioner],
+      Mapping[str, jax.Array],
+      jax.Array,
+      Mapping[str, tuple[str, ...]],
+    ],
+    dict[str, jax.Array],
+  ]
 
 
 class DecompositionCounts(NamedTuple):
@@ -118,8 +134,10 @@ def no_counts() -> DecompositionCounts:
 
 
 def decompose_checked(
-    method: Method, factors: Mapping[str, LayerFactors],
-    previous: Mapping[str, Preconditioner], damping: jax.Array
+  method: Method,
+  factors: Mapping[str, LayerFactors],
+  previous: Mapping[str, Preconditioner],
+  damping: jax.Array,
 ) -> tuple[dict[str, Preconditioner], DecompositionCounts]:
   """Decomposes ``factors`` (batched by size); non-finite results keep ``previous``.
 
@@ -133,23 +151,34 @@ def decompose_checked(
   if method.warm_start is not None:
     warm = {name: method.warm_start(previous[name]) for name in factors}
   decomposed = batched.decompose_layers(
-      factors, method.factor_fn, damping,
-      batch_size=method.decomposition_batch_size, crop=method.crop,
-      each_on=method.decompose_each_on, warm=warm)
+    factors,
+    method.factor_fn,
+    damping,
+    batch_size=method.decomposition_batch_size,
+    crop=method.crop,
+    each_on=method.decompose_each_on,
+    warm=warm,
+  )
   candidates, counts = {}, no_counts()
   for name, pair in decomposed.items():
     if method.finish is not None:
-      finished = [method.finish(factor, results, start) for factor, results,
-                  start in zip(factors[name], pair, warm[name])]
+      finished = [
+        method.finish(factor, results, start)
+        for factor, results, start in zip(factors[name], pair, warm[name])
+      ]
       pair = tuple(results for results, _ in finished)
-      counts = counts._replace(fallbacks=counts.fallbacks +
-                               sum(fell_back for _, fell_back in finished))
+      counts = counts._replace(
+        fallbacks=counts.fallbacks + sum(fell_back for _, fell_back in finished)
+      )
     candidates[name] = method.assemble(*pair, damping)
   ok = method.are_finite(list(candidates.values()))
-  new = {name: method.keep(flag, candidate, previous[name])
-         for flag, (name, candidate) in zip(ok, candidates.items())}
-  counts = counts._replace(rejected=counts.rejected + sum(
-      (~flag).astype(jnp.int32) for flag in ok))
+  new = {
+    name: method.keep(flag, candidate, previous[name])
+    for flag, (name, candidate) in zip(ok, candidates.items())
+  }
+  counts = counts._replace(
+    rejected=counts.rejected + sum((~flag).astype(jnp.int32) for flag in ok)
+  )
   return new, counts
 
 
@@ -165,33 +194,41 @@ def local_placement(method: Method) -> Placement:
     return {**previous, **new}, counts
 
   def partition_specs(dims: Dims) -> Any:
-    return jax.tree.map(lambda _: PartitionSpec(),
-                        jax.eval_shape(lambda: init(dims)))
+    return jax.tree.map(
+      lambda _: PartitionSpec(), jax.eval_shape(lambda: init(dims))
+    )
 
   each = functools.partial(precondition_each, method)
   return Placement(
-      init, decompose,
-      precondition=lambda dims, state, *args: each(state, *args),
-      per_layer=lambda dims, state: dict(state),
-      partition_specs=partition_specs,
-      stale=lambda dims, state: None,
-      replicated=lambda dims, state, names: {n: state[n] for n in names},
-      precondition_replicated=each)
+    init,
+    decompose,
+    precondition=lambda dims, state, *args: each(state, *args),
+    per_layer=lambda dims, state: dict(state),
+    partition_specs=partition_specs,
+    stale=lambda dims, state: None,
+    replicated=lambda dims, state, names: {n: state[n] for n in names},
+    precondition_replicated=each,
+  )
 
 
-def precondition_each(method: Method,
-                      preconditioners: Mapping[str, Preconditioner],
-                      gradients: Mapping[str, jax.Array], damping: jax.Array,
-                      sharded: Mapping[str, tuple[str, ...]]
-                      ) -> dict[str, jax.Array]:
+def precondition_each(
+  method: Method,
+  preconditioners: Mapping[str, Preconditioner],
+  gradients: Mapping[str, jax.Array],
+  damping: jax.Array,
+  sharded: Mapping[str, tuple[str, ...]],
+) -> dict[str, jax.Array]:
   """``P`` of every gradient from its layer's preconditioner at hand (a
   sharded kernel's in place, ``precondition_in_place``)."""
   return {
-      name: (precondition_in_place(method, preconditioners[name], gradient,
-                                   damping, sharded[name])
-             if name in sharded else
-             method.precondition(preconditioners[name], gradient, damping))
-      for name, gradient in gradients.items()
+    name: (
+      precondition_in_place(
+        method, preconditioners[name], gradient, damping, sharded[name]
+      )
+      if name in sharded
+      else method.precondition(preconditioners[name], gradient, damping)
+    )
+    for name, gradient in gradients.items()
   }
 
 
@@ -210,20 +247,28 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
     plan = layout(dims)
     dtype = _dtype(plan)
     group_rows = [
-        layout_lib.fill_segment(
-            [layout_lib.pack(method.init(*dims[name]))
-             for device in plan.members(group) for name in plan.owned(device)],
-            plan.row_size, dtype)
-        for group in range(plan.num_devices // plan.group_size)
+      layout_lib.fill_segment(
+        [
+          layout_lib.pack(method.init(*dims[name]))
+          for device in plan.members(group)
+          for name in plan.owned(device)
+        ],
+        plan.row_size,
+        dtype,
+      )
+      for group in range(plan.num_devices // plan.group_size)
     ]
-    rows = jnp.stack([group_rows[d // plan.group_size]
-                      for d in range(plan.num_devices)])
-    return ShardedPreconditioners(constrain(rows, rows_spec, axes),
-                                  fingerprint(plan))
+    rows = jnp.stack(
+      [group_rows[d // plan.group_size] for d in range(plan.num_devices)]
+    )
+    return ShardedPreconditioners(
+      constrain(rows, rows_spec, axes), fingerprint(plan)
+    )
 
   def fingerprint(plan: ShardedLayout) -> jax.Array:
-    return constrain(jnp.asarray(plan.fingerprint, jnp.int32), PartitionSpec(),
-                     axes)
+    return constrain(
+      jnp.asarray(plan.fingerprint, jnp.int32), PartitionSpec(), axes
+    )
 
   def stale(dims: Dims, preconditioners: ShardedPreconditioners) -> jax.Array:
     return preconditioners.layout_fingerprint != layout(dims).fingerprint
@@ -231,11 +276,19 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
   def decompose(dims, factors, previous, damping):
     plan = layout(dims)
     if plan.segment_size == 0:  # No layers: nothing to decompose (nor gather).
-      return ShardedPreconditioners(previous.rows,
-                                    fingerprint(plan)), no_counts()
-    rows, counts = _decompose_rows(method, axes, plan, dims, factors,
-                                   previous.rows, damping,
-                                   stale(dims, previous))
+      return ShardedPreconditioners(
+        previous.rows, fingerprint(plan)
+      ), no_counts()
+    rows, counts = _decompose_rows(
+      method,
+      axes,
+      plan,
+      dims,
+      factors,
+      previous.rows,
+      damping,
+      stale(dims, previous),
+    )
     return ShardedPreconditioners(rows, fingerprint(plan)), counts
 
   def precondition(dims, preconditioners, gradients, damping, sharded):
@@ -243,30 +296,41 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
     in_place = [name for name in gradients if name in sharded]
     out = {}
     if in_place:
-      out.update(precondition_each(
-          method, _fetch_replicated(axes, plan, preconditioners.rows,
-                                    in_place),
-          {name: gradients[name] for name in in_place}, damping, sharded))
+      out.update(
+        precondition_each(
+          method,
+          _fetch_replicated(axes, plan, preconditioners.rows, in_place),
+          {name: gradients[name] for name in in_place},
+          damping,
+          sharded,
+        )
+      )
     gathered = {n: x for n, x in gradients.items() if n not in sharded}
     if gathered:
-      out.update(_precondition_gathered(method, axes, plan,
-                                        preconditioners.rows, gathered,
-                                        damping))
+      out.update(
+        _precondition_gathered(
+          method, axes, plan, preconditioners.rows, gathered, damping
+        )
+      )
     return out
 
   def per_layer(dims, preconditioners):
     plan = layout(dims)
     if int(preconditioners.layout_fingerprint) != plan.fingerprint:
       raise ValueError(
-          "These preconditioners were packed in another layout (another "
-          "strategy, assignment_strategy or device count than the one given "
-          "here): their rows cannot be read. The next update decomposes them "
-          "again; checkpoint.recompute_preconditioners does so now.")
-    rows = jax.device_get(preconditioners.rows)  # Inspection of a concrete state.
+        "These preconditioners were packed in another layout (another "
+        "strategy, assignment_strategy or device count than the one given "
+        "here): their rows cannot be read. The next update decomposes them "
+        "again; checkpoint.recompute_preconditioners does so now."
+      )
+    rows = jax.device_get(
+      preconditioners.rows
+    )  # Inspection of a concrete state.
     return {
-        name: _read(rows[plan.first_of_group(name)],
-                    plan.row_offset(name), plan, name)
-        for name in dims
+      name: _read(
+        rows[plan.first_of_group(name)], plan.row_offset(name), plan, name
+      )
+      for name in dims
     }
 
   def partition_specs(dims: Dims) -> ShardedPreconditioners:
@@ -276,19 +340,32 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
   def replicated(dims, preconditioners, names):
     if not names:
       return {}
-    return _fetch_replicated(axes, layout(dims), preconditioners.rows,
-                             list(names))
+    return _fetch_replicated(
+      axes, layout(dims), preconditioners.rows, list(names)
+    )
 
-  return Placement(init, decompose, precondition, per_layer, partition_specs,
-                   stale, replicated,
-                   functools.partial(precondition_each, method))
+  return Placement(
+    init,
+    decompose,
+    precondition,
+    per_layer,
+    partition_specs,
+    stale,
+    replicated,
+    functools.partial(precondition_each, method),
+  )
 
 
-def _decompose_rows(method: Method, axes: tuple[str, ...], plan: ShardedLayout,
-                    dims: Dims, factors: Mapping[str, LayerFactors],
-                    rows: jax.Array, damping: jax.Array,
-                    is_stale: jax.Array
-                    ) -> tuple[jax.Array, DecompositionCounts]:
+def _decompose_rows(
+  method: Method,
+  axes: tuple[str, ...],
+  plan: ShardedLayout,
+  dims: Dims,
+  factors: Mapping[str, LayerFactors],
+  rows: jax.Array,
+  damping: jax.Array,
+  is_stale: jax.Array,
+) -> tuple[jax.Array, DecompositionCounts]:
   """The decomposition step's rows and counts on the mesh.
 
   Each device decomposes the layers assigned to it (a ``lax.switch`` on its
@@ -302,15 +379,20 @@ def _decompose_rows(method: Method, axes: tuple[str, ...], plan: ShardedLayout,
 
     def branch(factors, row, damping, is_stale):
       # A stale row holds other layers at these offsets.
-      old = {name: finite.select(~is_stale,
-                                 _read(row, plan.row_offset(name), plan,
-                                       name),
-                                 method.init(*dims[name]))
-             for name in plan.owned(device)}
+      old = {
+        name: finite.select(
+          ~is_stale,
+          _read(row, plan.row_offset(name), plan, name),
+          method.init(*dims[name]),
+        )
+        for name in plan.owned(device)
+      }
       new, counts = decompose_checked(
-          method, {name: factors[name] for name in names}, old, damping)
-      pieces = [layout_lib.pack(new.get(name, old[name]))
-                for name in plan.owned(device)]
+        method, {name: factors[name] for name in names}, old, damping
+      )
+      pieces = [
+        layout_lib.pack(new.get(name, old[name])) for name in plan.owned(device)
+      ]
       return layout_lib.fill_segment(pieces, size, row.dtype), counts
 
     return branch
@@ -320,8 +402,13 @@ def _decompose_rows(method: Method, axes: tuple[str, ...], plan: ShardedLayout,
 
     def branch(gathered):
       return layout_lib.fill_segment(
-          [gathered[m * size:m * size + plan.load[m]]
-           for m in plan.members(group)], plan.row_size, gathered.dtype)
+        [
+          gathered[m * size : m * size + plan.load[m]]
+          for m in plan.members(group)
+        ],
+        plan.row_size,
+        gathered.dtype,
+      )
 
     return branch
 
@@ -329,74 +416,102 @@ def _decompose_rows(method: Method, axes: tuple[str, ...], plan: ShardedLayout,
     row = rows[0]
     device = lax.axis_index(axes)
     segment, counts = lax.switch(
-        device, [device_branch(d) for d in range(n)], factors, row, damping,
-        is_stale)
+      device,
+      [device_branch(d) for d in range(n)],
+      factors,
+      row,
+      damping,
+      is_stale,
+    )
     counts = lax.psum(counts, axes)
     if g == 1:
-      row = segment[:plan.row_size]
+      row = segment[: plan.row_size]
     else:
       gathered = lax.all_gather(segment, axes, tiled=True)
       groups = [group_branch(j) for j in range(n // g)]
-      row = groups[0](gathered) if len(groups) == 1 else lax.switch(
-          device // g, groups, gathered)
+      row = (
+        groups[0](gathered)
+        if len(groups) == 1
+        else lax.switch(device // g, groups, gathered)
+      )
     return row[None], counts
 
   rows_spec = PartitionSpec(axes)
   return _manual(
-      body,
-      in_specs=(PartitionSpec(), rows_spec, PartitionSpec(), PartitionSpec()),
-      out_specs=(rows_spec, PartitionSpec()),
-      axes=axes)(_replicated(factors, axes), rows, damping, is_stale)
+    body,
+    in_specs=(PartitionSpec(), rows_spec, PartitionSpec(), PartitionSpec()),
+    out_specs=(rows_spec, PartitionSpec()),
+    axes=axes,
+  )(_replicated(factors, axes), rows, damping, is_stale)
 
 
-def _fetch_replicated(axes: tuple[str, ...], plan: ShardedLayout,
-                      rows: jax.Array,
-                      names: list[str]) -> dict[str, Preconditioner]:
+def _fetch_replicated(
+  axes: tuple[str, ...], plan: ShardedLayout, rows: jax.Array, names: list[str]
+) -> dict[str, Preconditioner]:
   """``names``' preconditioners on every device (a gather unless ``g = n``)."""
 
   def body(rows):
     row = rows[0]
     if plan.group_size == plan.num_devices:
-      return {name: _read(row, plan.row_offset(name), plan, name)
-              for name in names}
+      return {
+        name: _read(row, plan.row_offset(name), plan, name) for name in names
+      }
     shared = _share_from_owners(
-        axes, plan, {name: plan.size[name] for name in names},
-        lambda name: row[plan.row_offset(name):][:plan.size[name]],
-        row.dtype)
-    return {name: layout_lib.unpack(shared[name], plan.templates[name])
-            for name in names}
+      axes,
+      plan,
+      {name: plan.size[name] for name in names},
+      lambda name: row[plan.row_offset(name) :][: plan.size[name]],
+      row.dtype,
+    )
+    return {
+      name: layout_lib.unpack(shared[name], plan.templates[name])
+      for name in names
+    }
 
-  return _manual(body, in_specs=PartitionSpec(axes),
-                 out_specs=PartitionSpec(), axes=axes)(rows)
+  return _manual(
+    body, in_specs=PartitionSpec(axes), out_specs=PartitionSpec(), axes=axes
+  )(rows)
 
 
-def _precondition_gathered(method: Method, axes: tuple[str, ...],
-                           plan: ShardedLayout, rows: jax.Array,
-                           gradients: Mapping[str, jax.Array],
-                           damping: jax.Array) -> dict[str, jax.Array]:
+def _precondition_gathered(
+  method: Method,
+  axes: tuple[str, ...],
+  plan: ShardedLayout,
+  rows: jax.Array,
+  gradients: Mapping[str, jax.Array],
+  damping: jax.Array,
+) -> dict[str, jax.Array]:
   """Replicated ``P`` of replicated gradients (see the module docstring)."""
 
   def body(rows, gradients, damping):
     row = rows[0]
     apply = lambda name: method.precondition(
-        _read(row, plan.row_offset(name), plan, name), gradients[name],
-        damping)
+      _read(row, plan.row_offset(name), plan, name), gradients[name], damping
+    )
     if plan.group_size == plan.num_devices:  # Every device holds every layer.
       return {name: apply(name) for name in gradients}
     shared = _share_from_owners(
-        axes, plan, {name: g.size for name, g in gradients.items()}, apply,
-        jnp.float32)
-    return {name: shared[name].reshape(g.shape)
-            for name, g in gradients.items()}
+      axes,
+      plan,
+      {name: g.size for name, g in gradients.items()},
+      apply,
+      jnp.float32,
+    )
+    return {
+      name: shared[name].reshape(g.shape) for name, g in gradients.items()
+    }
 
   return _manual(
-      body, in_specs=(PartitionSpec(axes), PartitionSpec(), PartitionSpec()),
-      out_specs=PartitionSpec(), axes=axes)(
-          rows, _replicated(gradients, axes), damping)
+    body,
+    in_specs=(PartitionSpec(axes), PartitionSpec(), PartitionSpec()),
+    out_specs=PartitionSpec(),
+    axes=axes,
+  )(rows, _replicated(gradients, axes), damping)
 
 
-def _replicated(arrays: Mapping[str, Any],
-                axes: tuple[str, ...]) -> dict[str, Any]:
+def _replicated(
+  arrays: Mapping[str, Any], axes: tuple[str, ...]
+) -> dict[str, Any]:
   """``arrays`` replicated over the whole mesh, for a ``_manual`` body.
 
   ``in_specs=P()`` replicates only over the manual ``axes``. An input left
@@ -406,12 +521,14 @@ def _replicated(arrays: Mapping[str, Any],
   ``axes``: XLA then waits on collectives the other devices never reach
   (on CPU, an abort after its 40 s rendezvous timeout).
   """
-  return jax.tree.map(lambda x: constrain(x, PartitionSpec(), axes),
-                      dict(arrays))
+  return jax.tree.map(
+    lambda x: constrain(x, PartitionSpec(), axes), dict(arrays)
+  )
 
 
-def _manual(body: Callable[..., Any], in_specs: Any, out_specs: Any,
-            axes: tuple[str, ...]) -> Callable[..., Any]:
+def _manual(
+  body: Callable[..., Any], in_specs: Any, out_specs: Any, axes: tuple[str, ...]
+) -> Callable[..., Any]:
   """``body`` under ``jax.shard_map``, manual over ``axes`` only.
 
   Jitted: jax 0.9 runs a ``shard_map`` manual over a subset of the mesh's
@@ -421,24 +538,38 @@ def _manual(body: Callable[..., Any], in_specs: Any, out_specs: Any,
   cannot see through ``lax.switch``.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  if any(kind == jax.sharding.AxisType.Auto and name not in axes
-         for name, kind in zip(mesh.axis_names, mesh.axis_types)):
+  if any(
+    kind == jax.sharding.AxisType.Auto and name not in axes
+    for name, kind in zip(mesh.axis_names, mesh.axis_types)
+  ):
     # Inside, XLA still places arrays over the other Auto axes and may shard
     # them there (rows resharded for a row-sharded kernel's preconditioning
     # propagate back into the body): collectives over those axes inside the
     # per-device branches would wait on devices in other branches. Pinned
     # replicated over them, the branches hold no collectives.
     pin = lambda tree: jax.tree.map(
-        lambda x: lax.with_sharding_constraint(x, PartitionSpec()), tree)
+      lambda x: lax.with_sharding_constraint(x, PartitionSpec()), tree
+    )
     unpinned = body
     body = lambda *args: pin(unpinned(*pin(args)))
-  return jax.jit(jax.shard_map(body, in_specs=in_specs, out_specs=out_specs,
-                               axis_names=set(axes), check_vma=False))
+  return jax.jit(
+    jax.shard_map(
+      body,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      axis_names=set(axes),
+      check_vma=False,
+    )
+  )
 
 
-def precondition_in_place(method: Method, preconditioner: Preconditioner,
-                          gradient: jax.Array, damping: jax.Array,
-                          axes: tuple[str, ...]) -> jax.Array:
+def precondition_in_place(
+  method: Method,
+  preconditioner: Preconditioner,
+  gradient: jax.Array,
+  damping: jax.Array,
+  axes: tuple[str, ...],
+) -> jax.Array:
   """``P`` of a gradient sharded over ``axes``, never gathered whole.
 
   Before a product over the rows of ``∇ [dA, dG]`` its columns are sharded,
@@ -458,19 +589,22 @@ def precondition_in_place(method: Method, preconditioner: Preconditioner,
   pad = lambda x: jnp.pad(x, [(0, padded[d] - d) for d in x.shape])
 
   def reshard(x: jax.Array, axis: int) -> jax.Array:
-    spec = (PartitionSpec(None, axes) if axis == 0 else
-            PartitionSpec(axes, None))
+    spec = PartitionSpec(None, axes) if axis == 0 else PartitionSpec(axes, None)
     return constrain(x, spec, axes)
 
-  result = method.precondition(jax.tree.map(pad, preconditioner),
-                               pad(gradient), damping, reshard)
+  result = method.precondition(
+    jax.tree.map(pad, preconditioner), pad(gradient), damping, reshard
+  )
   return reshard(result, 0)[:activation_dim, :gradient_dim]
 
 
-def _share_from_owners(axes: tuple[str, ...], plan: ShardedLayout,
-                       sizes: Mapping[str, int],
-                       compute: Callable[[str], jax.Array],
-                       dtype: jnp.dtype) -> dict[str, jax.Array]:
+def _share_from_owners(
+  axes: tuple[str, ...],
+  plan: ShardedLayout,
+  sizes: Mapping[str, int],
+  compute: Callable[[str], jax.Array],
+  dtype: jnp.dtype,
+) -> dict[str, jax.Array]:
   """Inside ``shard_map``: each layer's ``compute(name)`` from its owner, everywhere.
 
   Every device computes only the layers it owns (a ``lax.switch`` on its
@@ -478,27 +612,37 @@ def _share_from_owners(axes: tuple[str, ...], plan: ShardedLayout,
   segments. Returns ``{name: raveled result}``, the same on every device.
   """
   names = list(sizes)
-  offsets, loads = layout_lib.pack_by_owner(names, plan.owner, sizes,
-                                            plan.num_devices)
+  offsets, loads = layout_lib.pack_by_owner(
+    names, plan.owner, sizes, plan.num_devices
+  )
   size = max(loads)
   branches = [
-      lambda d=d: layout_lib.fill_segment(
-          [compute(name).ravel() for name in names if plan.owner[name] == d],
-          size, dtype) for d in range(plan.num_devices)
+    lambda d=d: layout_lib.fill_segment(
+      [compute(name).ravel() for name in names if plan.owner[name] == d],
+      size,
+      dtype,
+    )
+    for d in range(plan.num_devices)
   ]
-  gathered = lax.all_gather(lax.switch(lax.axis_index(axes), branches), axes,
-                            tiled=True)
-  return {name: gathered[plan.owner[name] * size + offsets[name]:][:sizes[name]]
-          for name in names}
+  gathered = lax.all_gather(
+    lax.switch(lax.axis_index(axes), branches), axes, tiled=True
+  )
+  return {
+    name: gathered[plan.owner[name] * size + offsets[name] :][: sizes[name]]
+    for name in names
+  }
 
 
-def _read(row: jax.Array, start: int, plan: ShardedLayout,
-          name: str) -> Preconditioner:
-  return layout_lib.unpack(row[start:start + plan.size[name]],
-                           plan.templates[name])
+def _read(
+  row: jax.Array, start: int, plan: ShardedLayout, name: str
+) -> Preconditioner:
+  return layout_lib.unpack(
+    row[start : start + plan.size[name]], plan.templates[name]
+  )
 
 
 def _dtype(plan: ShardedLayout) -> jnp.dtype:
-  dtypes = {leaf.dtype for t in plan.templates.values()
-            for leaf in jax.tree.leaves(t)}
+  dtypes = {
+    leaf.dtype for t in plan.templates.values() for leaf in jax.tree.leaves(t)
+  }
   return dtypes.pop() if len(dtypes) == 1 else jnp.float32

@@ -24,17 +24,20 @@ def context_mesh(axes: tuple[str, ...]) -> jax.sharding.AbstractMesh:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     raise ValueError(
-        f"scale_by_kfac with mesh_axes or params_partition_specs (mesh axes "
-        f"{list(axes)}) needs a mesh: call init and update inside `with "
-        "jax.set_mesh(mesh):` (mesh = jax.make_mesh(...)), and "
-        "get_opt_state_partition_specs and recompute_preconditioners there "
-        "or with mesh=mesh.")
+      f"scale_by_kfac with mesh_axes or params_partition_specs (mesh axes "
+      f"{list(axes)}) needs a mesh: call init and update inside `with "
+      "jax.set_mesh(mesh):` (mesh = jax.make_mesh(...)), and "
+      "get_opt_state_partition_specs and recompute_preconditioners there "
+      "or with mesh=mesh."
+    )
   return mesh
 
 
-def using_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None,
-               caller: str, abstract_ok: bool = True
-               ) -> contextlib.AbstractContextManager[Any]:
+def using_mesh(
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None,
+  caller: str,
+  abstract_ok: bool = True,
+) -> contextlib.AbstractContextManager[Any]:
   """The context in which ``caller`` runs given ``mesh=``.
 
   ``None``: the context's mesh (``jax.set_mesh``), if any, as it is.
@@ -49,25 +52,36 @@ def using_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None,
   """
   if mesh is None:
     return contextlib.nullcontext()
-  kinds = ((jax.sharding.Mesh, jax.sharding.AbstractMesh) if abstract_ok else
-           (jax.sharding.Mesh,))
+  kinds = (
+    (jax.sharding.Mesh, jax.sharding.AbstractMesh)
+    if abstract_ok
+    else (jax.sharding.Mesh,)
+  )
   if not isinstance(mesh, kinds):
     raise TypeError(
-        f"{caller}: mesh must be a jax.sharding.Mesh (jax.make_mesh(...))"
-        f"{' or its AbstractMesh' if abstract_ok else ''}, or None for the "
-        f"mesh of jax.set_mesh; got {type(mesh).__name__}.")
-  abstract = (mesh if isinstance(mesh, jax.sharding.AbstractMesh) else
-              mesh.abstract_mesh)
+      f"{caller}: mesh must be a jax.sharding.Mesh (jax.make_mesh(...))"
+      f"{' or its AbstractMesh' if abstract_ok else ''}, or None for the "
+      f"mesh of jax.set_mesh; got {type(mesh).__name__}."
+    )
+  abstract = (
+    mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+  )
   context = jax.sharding.get_abstract_mesh()
   concrete = jax.sharding.get_mesh()
   if not context.empty and (
-      context != abstract or (isinstance(mesh, jax.sharding.Mesh) and
-                              not concrete.empty and concrete != mesh)):
+    context != abstract
+    or (
+      isinstance(mesh, jax.sharding.Mesh)
+      and not concrete.empty
+      and concrete != mesh
+    )
+  ):
     held = concrete if not concrete.empty else context
     raise ValueError(
-        f"{caller}: mesh={_describe_mesh(mesh)} is not the mesh set by "
-        f"jax.set_mesh, {_describe_mesh(held)}. Pass the context's mesh, or "
-        "leave mesh=None inside the context.")
+      f"{caller}: mesh={_describe_mesh(mesh)} is not the mesh set by "
+      f"jax.set_mesh, {_describe_mesh(held)}. Pass the context's mesh, or "
+      "leave mesh=None inside the context."
+    )
   if isinstance(mesh, jax.sharding.AbstractMesh):
     return jax.sharding.use_abstract_mesh(mesh)
   return jax.set_mesh(mesh)
@@ -76,8 +90,12 @@ def using_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None,
 def _describe_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> str:
   """Axes, sizes and kinds; a concrete mesh's devices too (two meshes of
   one shape differ by them)."""
-  axes = ", ".join(f"{name!r}: {size} {kind.name}" for name, size, kind in zip(
-      mesh.axis_names, mesh.axis_sizes, mesh.axis_types))
+  axes = ", ".join(
+    f"{name!r}: {size} {kind.name}"
+    for name, size, kind in zip(
+      mesh.axis_names, mesh.axis_sizes, mesh.axis_types
+    )
+  )
   if isinstance(mesh, jax.sharding.Mesh):
     return f"Mesh({axes}; device ids {mesh.device_ids.ravel().tolist()})"
   return f"AbstractMesh({axes})"
@@ -85,13 +103,22 @@ def _describe_mesh(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> str:
 
 def named_axes(spec: PartitionSpec) -> list[str]:
   """The mesh axes a spec names (``None`` and ``UNCONSTRAINED`` name none)."""
-  return [name for entry in spec
-          for name in ((entry,) if isinstance(entry, str) else
-                       entry if isinstance(entry, tuple) else ())]
+  return [
+    name
+    for entry in spec
+    for name in (
+      (entry,)
+      if isinstance(entry, str)
+      else entry
+      if isinstance(entry, tuple)
+      else ()
+    )
+  ]
 
 
-def constrain(x: jax.Array, spec: PartitionSpec,
-              axes: tuple[str, ...]) -> jax.Array:
+def constrain(
+  x: jax.Array, spec: PartitionSpec, axes: tuple[str, ...]
+) -> jax.Array:
   """Places ``x`` as ``spec`` on the context mesh, Explicit or Auto axes.
 
   On Explicit axes the sharding is part of the type and ``reshard`` moves the
@@ -100,8 +127,11 @@ def constrain(x: jax.Array, spec: PartitionSpec,
   """
   mesh = context_mesh(axes)
   named = named_axes(spec)
-  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-              if kind == jax.sharding.AxisType.Explicit}
+  explicit = {
+    name
+    for name, kind in zip(mesh.axis_names, mesh.axis_types)
+    if kind == jax.sharding.AxisType.Explicit
+  }
   if not named:  # Replicated: the mesh's own kind of placement.
     if len(explicit) == len(mesh.axis_names):
       return jax.sharding.reshard(x, spec)
@@ -111,17 +141,21 @@ def constrain(x: jax.Array, spec: PartitionSpec,
   if not any(name in explicit for name in named):
     return lax.with_sharding_constraint(x, spec)
   raise ValueError(
-      f"kfac_jax cannot place an array as {spec}: it names Explicit and Auto "
-      "mesh axes together. Give mesh_axes and params_partition_specs axes "
-      "of one kind per spec (jax.make_mesh(..., axis_types=...)).")
+    f"kfac_jax cannot place an array as {spec}: it names Explicit and Auto "
+    "mesh axes together. Give mesh_axes and params_partition_specs axes "
+    "of one kind per spec (jax.make_mesh(..., axis_types=...))."
+  )
 
 
 def constrain_like_params(tree: Any, params_specs: Any) -> Any:
   """Each array of a params-shaped ``tree`` placed as its params spec."""
   specs = check_params_specs(tree, params_specs)
   return jax.tree.map(
-      lambda spec, node: jax.tree.map(lambda x: constrain(x, spec, ()), node),
-      specs, tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    lambda spec, node: jax.tree.map(lambda x: constrain(x, spec, ()), node),
+    specs,
+    tree,
+    is_leaf=lambda x: isinstance(x, PartitionSpec),
+  )
 
 
 def check_params_specs(params: Any, params_specs: Any) -> Any:
@@ -136,30 +170,38 @@ def check_params_specs(params: Any, params_specs: Any) -> Any:
   specs = _specs_of_held(params_specs, params)
   is_partition_spec = lambda x: isinstance(x, PartitionSpec)
   try:
-    arrays = jax.tree.map(lambda _, node: len(jax.tree.leaves(node)), specs,
-                          params, is_leaf=is_partition_spec)
+    arrays = jax.tree.map(
+      lambda _, node: len(jax.tree.leaves(node)),
+      specs,
+      params,
+      is_leaf=is_partition_spec,
+    )
   except ValueError:
     arrays = None
   if arrays is None or any(count != 1 for count in jax.tree.leaves(arrays)):
     raise ValueError(
-        "params_partition_specs must have the structure of the params, with "
-        "a PartitionSpec (or None) per array; got "
-        f"{jax.tree.structure(params_specs, is_leaf=is_spec)} for params "
-        f"{jax.tree.structure(params)}.")
+      "params_partition_specs must have the structure of the params, with "
+      "a PartitionSpec (or None) per array; got "
+      f"{jax.tree.structure(params_specs, is_leaf=is_spec)} for params "
+      f"{jax.tree.structure(params)}."
+    )
   mesh = jax.sharding.get_abstract_mesh()
   for (path, leaf), spec in zip(
-      jax.tree_util.tree_flatten_with_path(params)[0],
-      jax.tree.leaves(specs, is_leaf=is_partition_spec)):
+    jax.tree_util.tree_flatten_with_path(params)[0],
+    jax.tree.leaves(specs, is_leaf=is_partition_spec),
+  ):
     if len(spec) > jnp.ndim(leaf):
       raise ValueError(
-          f"params_partition_specs at {jax.tree_util.keystr(path)}: {spec} "
-          f"has more entries than the array's {jnp.ndim(leaf)} dimensions.")
+        f"params_partition_specs at {jax.tree_util.keystr(path)}: {spec} "
+        f"has more entries than the array's {jnp.ndim(leaf)} dimensions."
+      )
     missing = [a for a in named_axes(spec) if a not in mesh.axis_names]
     if not mesh.empty and missing:
       raise ValueError(
-          f"params_partition_specs at {jax.tree_util.keystr(path)}: {spec} "
-          f"names {missing}, not axes of the mesh, whose axes are "
-          f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}.")
+        f"params_partition_specs at {jax.tree_util.keystr(path)}: {spec} "
+        f"names {missing}, not axes of the mesh, whose axes are "
+        f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}."
+      )
   return specs
 
 
@@ -183,11 +225,16 @@ def _specs_of_held(params_specs: Any, params: Any) -> Any:
   if isinstance(params_specs, PartitionSpec):
     return params_specs
   children = lambda tree: jax.tree_util.tree_flatten(
-      tree, is_leaf=lambda node: node is not tree)
+    tree, is_leaf=lambda node: node is not tree
+  )
   spec_children, spec_def = children(params_specs)
   param_children, param_def = children(params)
   if spec_def != param_def:
     return params_specs
-  return jax.tree_util.tree_unflatten(spec_def, [
+  return jax.tree_util.tree_unflatten(
+    spec_def,
+    [
       _specs_of_held(spec, node)
-      for spec, node in zip(spec_children, param_children)])
+      for spec, node in zip(spec_children, param_children)
+    ],
+  )

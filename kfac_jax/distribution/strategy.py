@@ -53,10 +53,11 @@ class DistributionConfig:
   assignment: AssignmentStrategy
 
 
-def make_config(mesh_axes: str | Sequence[str] | None,
-                grad_worker_fraction: DistributedStrategy | float | str,
-                assignment_strategy: AssignmentStrategy | str
-                ) -> DistributionConfig | None:
+def make_config(
+  mesh_axes: str | Sequence[str] | None,
+  grad_worker_fraction: DistributedStrategy | float | str,
+  assignment_strategy: AssignmentStrategy | str,
+) -> DistributionConfig | None:
   """Validates the arguments; ``None`` when ``mesh_axes`` is ``None``.
 
   Without ``mesh_axes`` a strategy other than the defaults (``COMM_OPT``,
@@ -64,36 +65,56 @@ def make_config(mesh_axes: str | Sequence[str] | None,
   forgotten ``mesh_axes``.
   """
   fraction = _parse_fraction(grad_worker_fraction)
-  assignment = parse_enum(AssignmentStrategy, "assignment_strategy",
-                           assignment_strategy)
+  assignment = parse_enum(
+    AssignmentStrategy, "assignment_strategy", assignment_strategy
+  )
   if mesh_axes is None:
-    ignored = [f"{name}={_describe(value)}" for name, value, default in (
-        ("grad_worker_fraction", fraction,
-         fraction in (DistributedStrategy.COMM_OPT, 1.0)),
-        ("assignment_strategy", assignment,
-         assignment is AssignmentStrategy.COMPUTE)) if not default]
+    ignored = [
+      f"{name}={_describe(value)}"
+      for name, value, default in (
+        (
+          "grad_worker_fraction",
+          fraction,
+          fraction in (DistributedStrategy.COMM_OPT, 1.0),
+        ),
+        (
+          "assignment_strategy",
+          assignment,
+          assignment is AssignmentStrategy.COMPUTE,
+        ),
+      )
+      if not default
+    ]
     if ignored:
       warnings.warn(
-          f"{' and '.join(ignored)} given without mesh_axes: ignored, every "
-          "device computes and keeps every layer's preconditioner. Pass "
-          "mesh_axes=... (the mesh axis names to spread the second-order "
-          "work over) to distribute it, or leave them at their defaults.",
-          stacklevel=6)
+        f"{' and '.join(ignored)} given without mesh_axes: ignored, every "
+        "device computes and keeps every layer's preconditioner. Pass "
+        "mesh_axes=... (the mesh axis names to spread the second-order "
+        "work over) to distribute it, or leave them at their defaults.",
+        stacklevel=6,
+      )
     return None
   axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
-  if (not isinstance(axes, Sequence) or not axes or
-      not all(isinstance(a, str) and a for a in axes) or
-      len(set(axes)) != len(axes)):
+  if (
+    not isinstance(axes, Sequence)
+    or not axes
+    or not all(isinstance(a, str) and a for a in axes)
+    or len(set(axes)) != len(axes)
+  ):
     raise TypeError(
-        "mesh_axes must be a mesh axis name or a non-empty sequence of "
-        f"distinct non-empty names (e.g. ('data', 'fsdp')); got "
-        f"{mesh_axes!r}.")
-  return DistributionConfig(mesh_axes=tuple(axes),
-                            grad_worker_fraction=fraction,
-                            assignment=assignment)
+      "mesh_axes must be a mesh axis name or a non-empty sequence of "
+      f"distinct non-empty names (e.g. ('data', 'fsdp')); got "
+      f"{mesh_axes!r}."
+    )
+  return DistributionConfig(
+    mesh_axes=tuple(axes), grad_worker_fraction=fraction, assignment=assignment
+  )
 
 
-def group_size(config: DistributionConfig, mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh) -> tuple[int, int]:
+def group_size(
+  config: DistributionConfig,
+  mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh,
+) -> tuple[int, int]:
   """``(n, g)``: devices on ``config.mesh_axes`` and devices per group.
 
   Raises:
@@ -104,8 +125,9 @@ def group_size(config: DistributionConfig, mesh: jax.sharding.AbstractMesh | jax
   unknown = [a for a in config.mesh_axes if a not in sizes]
   if unknown:
     raise ValueError(
-        f"mesh_axes {list(config.mesh_axes)}: {unknown} not in the mesh, whose "
-        f"axes are {dict(sizes)}. Name axes of the mesh given to jax.set_mesh.")
+      f"mesh_axes {list(config.mesh_axes)}: {unknown} not in the mesh, whose "
+      f"axes are {dict(sizes)}. Name axes of the mesh given to jax.set_mesh."
+    )
   n = math.prod(sizes[a] for a in config.mesh_axes)
   fraction = config.grad_worker_fraction
   if fraction is DistributedStrategy.COMM_OPT or n == 1:
@@ -117,10 +139,11 @@ def group_size(config: DistributionConfig, mesh: jax.sharding.AbstractMesh | jax
   g = round(fraction * n)
   if abs(fraction * n - g) > 1e-9 or g < 1 or n % g:
     raise ValueError(
-        f"grad_worker_fraction={config.grad_worker_fraction!r} on {n} devices "
-        f"(mesh_axes {list(config.mesh_axes)}) gives groups of "
-        f"{fraction * n:g} devices; f·n must be a whole divisor of {n} "
-        f"(f in {{{', '.join(f'{d}/{n}' for d in range(1, n + 1) if n % d == 0)}}}).")
+      f"grad_worker_fraction={config.grad_worker_fraction!r} on {n} devices "
+      f"(mesh_axes {list(config.mesh_axes)}) gives groups of "
+      f"{fraction * n:g} devices; f·n must be a whole divisor of {n} "
+      f"(f in {{{', '.join(f'{d}/{n}' for d in range(1, n + 1) if n % d == 0)}}})."
+    )
   return n, g
 
 
@@ -134,9 +157,13 @@ def _parse_fraction(value: object) -> DistributedStrategy | float:
   if isinstance(value, (DistributedStrategy, str)):
     return parse_enum(DistributedStrategy, "grad_worker_fraction", value)
   value = static_scalar("grad_worker_fraction", value)
-  if (isinstance(value, numbers.Real) and not isinstance(value, bool) and
-      0 < float(value) <= 1):  # NaN fails both comparisons.
+  if (
+    isinstance(value, numbers.Real)
+    and not isinstance(value, bool)
+    and 0 < float(value) <= 1
+  ):  # NaN fails both comparisons.
     return float(value)
   raise ValueError(
-      f"grad_worker_fraction must be a kfac_jax.DistributedStrategy or a "
-      f"fraction in (0, 1]; got {value!r}.")
+    f"grad_worker_fraction must be a kfac_jax.DistributedStrategy or a "
+    f"fraction in (0, 1]; got {value!r}."
+  )

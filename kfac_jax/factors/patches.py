@@ -11,12 +11,15 @@ from jax import lax
 from kfac_jax.capture.statistics import ConvGeometry
 
 
-def _pre_pad(inputs: jax.Array, geometry: ConvGeometry) -> tuple[jax.Array, str | tuple[tuple[int, int], ...]]:
+def _pre_pad(
+  inputs: jax.Array, geometry: ConvGeometry
+) -> tuple[jax.Array, str | tuple[tuple[int, int], ...]]:
   """Applies the paddings lax cannot express, exactly as ``flax.linen.Conv``."""
   padding = geometry.padding
   if padding in ("CIRCULAR", "REFLECT"):
-    dilated = [(k - 1) * d + 1
-               for k, d in zip(geometry.window, geometry.kernel_dilation)]
+    dilated = [
+      (k - 1) * d + 1 for k, d in zip(geometry.window, geometry.kernel_dilation)
+    ]
     pads = [(0, 0)] + [((k - 1) // 2, k // 2) for k in dilated] + [(0, 0)]
     mode = {"CIRCULAR": "wrap", "REFLECT": "reflect"}[padding]
     return jnp.pad(inputs, pads, mode=mode), "VALID"
@@ -40,24 +43,26 @@ def conv_patches(inputs: jax.Array, geometry: ConvGeometry) -> jax.Array:
     kernel ``[*window, in, out]``. ``B`` is the product of the batch dimensions.
   """
   rank = len(geometry.window)
-  spatial_and_features = inputs.shape[inputs.ndim - rank - 1:]
+  spatial_and_features = inputs.shape[inputs.ndim - rank - 1 :]
   inputs = inputs.reshape((-1,) + spatial_and_features)
   inputs, padding = _pre_pad(inputs, geometry)
   in_features = inputs.shape[-1]
   channels_last = (0, rank + 1) + tuple(range(1, rank + 1))
   dimension_numbers = lax.ConvDimensionNumbers(
-      lhs_spec=channels_last,
-      rhs_spec=(rank + 1, rank) + tuple(range(rank)),
-      out_spec=channels_last)
+    lhs_spec=channels_last,
+    rhs_spec=(rank + 1, rank) + tuple(range(rank)),
+    out_spec=channels_last,
+  )
   patches = lax.conv_general_dilated_patches(
-      inputs,
-      filter_shape=geometry.window,
-      window_strides=geometry.strides,
-      padding=padding,
-      lhs_dilation=geometry.input_dilation,
-      rhs_dilation=geometry.kernel_dilation,
-      dimension_numbers=dimension_numbers,
-      precision=lax.Precision.HIGHEST)
+    inputs,
+    filter_shape=geometry.window,
+    window_strides=geometry.strides,
+    padding=padding,
+    lhs_dilation=geometry.input_dilation,
+    rhs_dilation=geometry.kernel_dilation,
+    dimension_numbers=dimension_numbers,
+    precision=lax.Precision.HIGHEST,
+  )
   # lax orders patch features (in, *window); Flax kernels are (*window, in).
   window_size = math.prod(geometry.window)
   patches = patches.reshape(patches.shape[:-1] + (in_features, window_size))

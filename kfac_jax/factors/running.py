@@ -24,23 +24,31 @@ class LayerFactors(NamedTuple):
 
 
 def factor_dims(
-    factors: Mapping[str, LayerFactors]) -> dict[str, tuple[int, int]]:
+  factors: Mapping[str, LayerFactors],
+) -> dict[str, tuple[int, int]]:
   """``{layer: (activation_dim, gradient_dim)}`` of a state's factors."""
-  return {name: (f.activation_factor.shape[0], f.gradient_factor.shape[0])
-          for name, f in factors.items()}
+  return {
+    name: (f.activation_factor.shape[0], f.gradient_factor.shape[0])
+    for name, f in factors.items()
+  }
 
 
-def init_factors(activation_dim: int, gradient_dim: int,
-                 dtype: jnp.dtype) -> LayerFactors:
+def init_factors(
+  activation_dim: int, gradient_dim: int, dtype: jnp.dtype
+) -> LayerFactors:
   """Factors start at the identity (KAISA)."""
   return LayerFactors(
-      activation_factor=jnp.eye(activation_dim, dtype=dtype),
-      gradient_factor=jnp.eye(gradient_dim, dtype=dtype))
+    activation_factor=jnp.eye(activation_dim, dtype=dtype),
+    gradient_factor=jnp.eye(gradient_dim, dtype=dtype),
+  )
 
 
-def update_factors(factors: LayerFactors, batch: LayerFactors,
-                   decay: jax.Array,
-                   apply: jax.Array | bool = True) -> LayerFactors:
+def update_factors(
+  factors: LayerFactors,
+  batch: LayerFactors,
+  decay: jax.Array,
+  apply: jax.Array | bool = True,
+) -> LayerFactors:
   """``F ← d·F + (1 − d)·F_batch`` for A and G where ``apply``, else ``F``.
 
   Written as ``s·F + where(apply, (1 − d)·F_batch, 0)`` with the scalar
@@ -70,6 +78,9 @@ def non_finite(factors: LayerFactors) -> LayerFactors:
 
 def restart(factors: LayerFactors, flags: LayerFactors) -> LayerFactors:
   """The identity (as ``init_factors``) in place of each flagged factor."""
-  return LayerFactors(*(
+  return LayerFactors(
+    *(
       finite.select(flag, jnp.eye(f.shape[0], dtype=f.dtype), f)
-      for f, flag in zip(factors, flags)))
+      for f, flag in zip(factors, flags)
+    )
+  )

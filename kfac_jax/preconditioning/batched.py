@@ -81,9 +81,13 @@ def _sizes(factors: Mapping[str, LayerFactors]) -> list[int]:
   return [factor.shape[-1] for pair in factors.values() for factor in pair]
 
 
-def decompose_each(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
-                   damping: jax.Array, crop: Crop | None = None,
-                   warm: WarmStarts | None = None) -> Decomposed:
+def decompose_each(
+  factors: Mapping[str, LayerFactors],
+  factor_fn: FactorFn,
+  damping: jax.Array,
+  crop: Crop | None = None,
+  warm: WarmStarts | None = None,
+) -> Decomposed:
   """``{layer: (factor_fn(A), factor_fn(G))}``, one call per factor.
 
   ``crop``: pad factors to shared sizes (``padded_sizes``) and cut their
@@ -96,19 +100,27 @@ def decompose_each(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
     size = factor.shape[-1]
     if size not in targets:
       return factor_fn(factor, damping, *start)
-    return crop(factor_fn(pad_with_identity(factor, targets[size]), damping),
-                size)
+    return crop(
+      factor_fn(pad_with_identity(factor, targets[size]), damping), size
+    )
 
-  return {name: tuple(decompose(factor, *([] if warm is None else
-                                          [warm[name][which]]))
-                      for which, factor in enumerate(pair))
-          for name, pair in factors.items()}
+  return {
+    name: tuple(
+      decompose(factor, *([] if warm is None else [warm[name][which]]))
+      for which, factor in enumerate(pair)
+    )
+    for name, pair in factors.items()
+  }
 
 
-def decompose_stacked(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
-                      damping: jax.Array, batch_size: int | None = None,
-                      crop: Crop | None = None,
-                      warm: WarmStarts | None = None) -> Decomposed:
+def decompose_stacked(
+  factors: Mapping[str, LayerFactors],
+  factor_fn: FactorFn,
+  damping: jax.Array,
+  batch_size: int | None = None,
+  crop: Crop | None = None,
+  warm: WarmStarts | None = None,
+) -> Decomposed:
   """``decompose_each``'s result from one call per ``(size, dtype)`` stack.
 
   ``batch_size``: decompose at most this many factors of a stack at once
@@ -122,25 +134,27 @@ def decompose_stacked(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
   for name, layer_factors in factors.items():
     for which, factor in enumerate(layer_factors):
       size = targets.get(factor.shape[-1], factor.shape[-1])
-      groups.setdefault((size, factor.dtype), []).append(
-          (name, which, factor))
+      groups.setdefault((size, factor.dtype), []).append((name, which, factor))
 
   results: dict[str, list[Results | None]] = {
-      name: [None, None] for name in factors
+    name: [None, None] for name in factors
   }
   for (size, _), members in groups.items():
-    stack = [jnp.stack([pad_with_identity(factor, size)
-                        for _, _, factor in members])]
+    stack = [
+      jnp.stack([pad_with_identity(factor, size) for _, _, factor in members])
+    ]
     if warm is not None:
       stack.append(jnp.stack([warm[name][which] for name, which, _ in members]))
     if batch_size is None or batch_size >= len(stack[0]):
       decomposed: Sequence[jax.Array] = jax.vmap(
-          lambda operands: factor_fn(operands[0], damping, *operands[1:]))(
-              stack)
+        lambda operands: factor_fn(operands[0], damping, *operands[1:])
+      )(stack)
     else:
       decomposed = lax.map(
-          lambda operands: factor_fn(operands[0], damping, *operands[1:]),
-          stack, batch_size=batch_size)
+        lambda operands: factor_fn(operands[0], damping, *operands[1:]),
+        stack,
+        batch_size=batch_size,
+      )
     for index, (name, which, factor) in enumerate(members):
       member = tuple(array[index] for array in decomposed)
       if factor.shape[-1] != size:
@@ -154,11 +168,15 @@ def decompose_stacked(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
 EACH_ON_CPU = ("cpu",)
 
 
-def decompose_layers(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
-                     damping: jax.Array, batch_size: int | None = None,
-                     crop: Crop | None = None,
-                     each_on: Sequence[str] = EACH_ON_CPU,
-                     warm: WarmStarts | None = None) -> Decomposed:
+def decompose_layers(
+  factors: Mapping[str, LayerFactors],
+  factor_fn: FactorFn,
+  damping: jax.Array,
+  batch_size: int | None = None,
+  crop: Crop | None = None,
+  each_on: Sequence[str] = EACH_ON_CPU,
+  warm: WarmStarts | None = None,
+) -> Decomposed:
   """Applies ``factor_fn`` to every A and G: one by one on ``each_on``, else stacked.
 
   Args:
@@ -179,11 +197,17 @@ def decompose_layers(factors: Mapping[str, LayerFactors], factor_fn: FactorFn,
     ``{layer: (factor_fn(A), factor_fn(G))}``.
   """
   stacked = lambda factors, damping, warm: decompose_stacked(
-      factors, factor_fn, damping, batch_size, crop, warm)
+    factors, factor_fn, damping, batch_size, crop, warm
+  )
   if batch_size is not None:
     return stacked(factors, damping, warm)
   each = lambda factors, damping, warm: decompose_each(
-      factors, factor_fn, damping, crop, warm)
+    factors, factor_fn, damping, crop, warm
+  )
   return lax.platform_dependent(
-      dict(factors), damping, None if warm is None else dict(warm),
-      default=stacked, **{platform: each for platform in each_on})
+    dict(factors),
+    damping,
+    None if warm is None else dict(warm),
+    default=stacked,
+    **{platform: each for platform in each_on},
+  )

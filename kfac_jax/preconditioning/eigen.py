@@ -25,9 +25,12 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax.factors.running import LayerFactors
-from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
-                                                     Reshard, no_reshard,
-                                                     sandwich)
+from kfac_jax.preconditioning.gradient_matrix import (
+  FactoredGradient,
+  Reshard,
+  no_reshard,
+  sandwich,
+)
 
 # Decompositions always run in float32, whatever the storage dtypes.
 DECOMPOSITION_DTYPE = jnp.float32
@@ -53,7 +56,9 @@ class EigenPreconditioner(NamedTuple):
   damped_inverse: jax.Array | None
 
 
-def eigh_factor(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array, jax.Array]:
+def eigh_factor(
+  factor: jax.Array, damping: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """``(d, Q)`` of one symmetric factor ``[d, d]`` in float32, ``d`` clamped ≥ 0.
 
   ``damping`` is unused (the eigenbasis does not depend on it); it keeps the
@@ -64,21 +69,30 @@ def eigh_factor(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array, jax.A
   """
   del damping
   eigenvalues, eigenvectors = jnp.linalg.eigh(
-      factor.astype(DECOMPOSITION_DTYPE), symmetrize_input=False)
+    factor.astype(DECOMPOSITION_DTYPE), symmetrize_input=False
+  )
   # Round-off can make a PSD factor's smallest eigenvalues slightly negative.
   return jnp.maximum(eigenvalues, 0.0), eigenvectors
 
 
-def init_eigen(activation_dim: int, gradient_dim: int, dtype: jnp.dtype,
-               precompute_damped_inverse: bool) -> EigenPreconditioner:
+def init_eigen(
+  activation_dim: int,
+  gradient_dim: int,
+  dtype: jnp.dtype,
+  precompute_damped_inverse: bool,
+) -> EigenPreconditioner:
   """The eigenbasis of identity factors (before the first decomposition)."""
   return EigenPreconditioner(
-      activation_eigenvectors=jnp.eye(activation_dim, dtype=dtype),
-      activation_eigenvalues=jnp.ones((activation_dim,), dtype),
-      gradient_eigenvectors=jnp.eye(gradient_dim, dtype=dtype),
-      gradient_eigenvalues=jnp.ones((gradient_dim,), dtype),
-      damped_inverse=(jnp.ones((activation_dim, gradient_dim), dtype)
-                      if precompute_damped_inverse else None))
+    activation_eigenvectors=jnp.eye(activation_dim, dtype=dtype),
+    activation_eigenvalues=jnp.ones((activation_dim,), dtype),
+    gradient_eigenvectors=jnp.eye(gradient_dim, dtype=dtype),
+    gradient_eigenvalues=jnp.ones((gradient_dim,), dtype),
+    damped_inverse=(
+      jnp.ones((activation_dim, gradient_dim), dtype)
+      if precompute_damped_inverse
+      else None
+    ),
+  )
 
 
 def mean_or_one(values: jax.Array) -> jax.Array:
@@ -88,13 +102,18 @@ def mean_or_one(values: jax.Array) -> jax.Array:
   return jnp.where(mean > 0, mean, 1.0)
 
 
-def damped_inverse(activation_eigenvalues: jax.Array,
-                   gradient_eigenvalues: jax.Array, damping: jax.Array,
-                   relative: bool) -> jax.Array:
+def damped_inverse(
+  activation_eigenvalues: jax.Array,
+  gradient_eigenvalues: jax.Array,
+  damping: jax.Array,
+  relative: bool,
+) -> jax.Array:
   """``1 / (outer(d_A, d_G) + λ)`` ``[dA, dG]``, float32; ``relative``: with
   ``outer(d_A, d_G) / (mean(d_A) mean(d_G))`` (module docstring)."""
-  outer = (activation_eigenvalues.astype(DECOMPOSITION_DTYPE)[:, None] *
-           gradient_eigenvalues.astype(DECOMPOSITION_DTYPE)[None, :])
+  outer = (
+    activation_eigenvalues.astype(DECOMPOSITION_DTYPE)[:, None]
+    * gradient_eigenvalues.astype(DECOMPOSITION_DTYPE)[None, :]
+  )
   if relative:
     # mean(outer) = mean(d_A)·mean(d_G), summed as a matrix: XLA:CPU
     # compiles a [d] vector's sum as a windowed tree reduction of its own
@@ -103,10 +122,14 @@ def damped_inverse(activation_eigenvalues: jax.Array,
   return 1.0 / (outer + damping)
 
 
-def assemble(activation: tuple[jax.Array, jax.Array],
-             gradient: tuple[jax.Array, jax.Array], damping: jax.Array,
-             dtype: jnp.dtype, precompute_damped_inverse: bool,
-             relative: bool = False) -> EigenPreconditioner:
+def assemble(
+  activation: tuple[jax.Array, jax.Array],
+  gradient: tuple[jax.Array, jax.Array],
+  damping: jax.Array,
+  dtype: jnp.dtype,
+  precompute_damped_inverse: bool,
+  relative: bool = False,
+) -> EigenPreconditioner:
   """A layer's preconditioner from ``eigh_factor`` of A and of G, as ``dtype``.
 
   ``relative``: λ relative to the mean eigenvalues (module docstring), in
@@ -116,23 +139,34 @@ def assemble(activation: tuple[jax.Array, jax.Array],
   (gradient_eigenvalues, gradient_eigenvectors) = gradient
   frozen = None
   if precompute_damped_inverse:
-    frozen = damped_inverse(activation_eigenvalues, gradient_eigenvalues,
-                            damping, relative).astype(dtype)
+    frozen = damped_inverse(
+      activation_eigenvalues, gradient_eigenvalues, damping, relative
+    ).astype(dtype)
   return EigenPreconditioner(
-      activation_eigenvectors=activation_eigenvectors.astype(dtype),
-      activation_eigenvalues=activation_eigenvalues.astype(dtype),
-      gradient_eigenvectors=gradient_eigenvectors.astype(dtype),
-      gradient_eigenvalues=gradient_eigenvalues.astype(dtype),
-      damped_inverse=frozen)
+    activation_eigenvectors=activation_eigenvectors.astype(dtype),
+    activation_eigenvalues=activation_eigenvalues.astype(dtype),
+    gradient_eigenvectors=gradient_eigenvectors.astype(dtype),
+    gradient_eigenvalues=gradient_eigenvalues.astype(dtype),
+    damped_inverse=frozen,
+  )
 
 
-def decompose(factors: LayerFactors, damping: jax.Array, dtype: jnp.dtype,
-              precompute_damped_inverse: bool,
-              relative: bool = False) -> EigenPreconditioner:
+def decompose(
+  factors: LayerFactors,
+  damping: jax.Array,
+  dtype: jnp.dtype,
+  precompute_damped_inverse: bool,
+  relative: bool = False,
+) -> EigenPreconditioner:
   """Eigendecomposes one layer's A and G (float32), stored as ``dtype``."""
-  return assemble(eigh_factor(factors.activation_factor, damping),
-                  eigh_factor(factors.gradient_factor, damping), damping,
-                  dtype, precompute_damped_inverse, relative)
+  return assemble(
+    eigh_factor(factors.activation_factor, damping),
+    eigh_factor(factors.gradient_factor, damping),
+    damping,
+    dtype,
+    precompute_damped_inverse,
+    relative,
+  )
 
 
 def is_finite(preconditioner: EigenPreconditioner) -> jax.Array:
@@ -146,29 +180,42 @@ def is_finite(preconditioner: EigenPreconditioner) -> jax.Array:
   design notes, *Compile time*).
   """
   totals = [
-      jnp.sum(vectors.astype(DECOMPOSITION_DTYPE) *
-              values.astype(DECOMPOSITION_DTYPE)[None, :])
-      for vectors, values in (
-          (preconditioner.activation_eigenvectors,
-           preconditioner.activation_eigenvalues),
-          (preconditioner.gradient_eigenvectors,
-           preconditioner.gradient_eigenvalues))]
+    jnp.sum(
+      vectors.astype(DECOMPOSITION_DTYPE)
+      * values.astype(DECOMPOSITION_DTYPE)[None, :]
+    )
+    for vectors, values in (
+      (
+        preconditioner.activation_eigenvectors,
+        preconditioner.activation_eigenvalues,
+      ),
+      (
+        preconditioner.gradient_eigenvectors,
+        preconditioner.gradient_eigenvalues,
+      ),
+    )
+  ]
   if preconditioner.damped_inverse is not None:
-    totals.append(jnp.sum(preconditioner.damped_inverse,
-                          dtype=DECOMPOSITION_DTYPE))
+    totals.append(
+      jnp.sum(preconditioner.damped_inverse, dtype=DECOMPOSITION_DTYPE)
+    )
   return jnp.isfinite(sum(totals))
 
 
-def are_finite(preconditioners: Sequence[EigenPreconditioner]
-               ) -> list[jax.Array]:
+def are_finite(
+  preconditioners: Sequence[EigenPreconditioner],
+) -> list[jax.Array]:
   """``[is_finite(p) for p in preconditioners]``: bool scalars."""
   return [is_finite(p) for p in preconditioners]
 
 
-def precondition(preconditioner: EigenPreconditioner,
-                 gradient: jax.Array | FactoredGradient, damping: jax.Array,
-                 reshard: Reshard = no_reshard,
-                 relative: bool = False) -> jax.Array:
+def precondition(
+  preconditioner: EigenPreconditioner,
+  gradient: jax.Array | FactoredGradient,
+  damping: jax.Array,
+  reshard: Reshard = no_reshard,
+  relative: bool = False,
+) -> jax.Array:
   """``P = Q_A [(Q_Aᵀ ∇ Q_G) ⊙ 1/(outer(d_A, d_G) + λ)] Q_Gᵀ``, float32.
 
   ``∇ [dA, dG]`` dense or factored (``gradient_matrix.sandwich``: the first
@@ -184,7 +231,10 @@ def precondition(preconditioner: EigenPreconditioner,
   if preconditioner.damped_inverse is not None:
     scale = preconditioner.damped_inverse.astype(DECOMPOSITION_DTYPE)
   else:
-    scale = damped_inverse(preconditioner.activation_eigenvalues,
-                           preconditioner.gradient_eigenvalues, damping,
-                           relative)
+    scale = damped_inverse(
+      preconditioner.activation_eigenvalues,
+      preconditioner.gradient_eigenvalues,
+      damping,
+      relative,
+    )
   return sandwich(q_a, rotated * scale, q_g.T, reshard)

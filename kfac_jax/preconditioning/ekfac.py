@@ -42,8 +42,11 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax import linalg
-from kfac_jax.preconditioning.eigen import (DECOMPOSITION_DTYPE,
-                                            EigenPreconditioner, mean_or_one)
+from kfac_jax.preconditioning.eigen import (
+  DECOMPOSITION_DTYPE,
+  EigenPreconditioner,
+  mean_or_one,
+)
 
 
 def init_scales(activation_dim: int, gradient_dim: int) -> jax.Array:
@@ -53,14 +56,16 @@ def init_scales(activation_dim: int, gradient_dim: int) -> jax.Array:
 
 def kfac_scales(preconditioner: EigenPreconditioner) -> jax.Array:
   """K-FAC's own scaling ``outer(d_A, d_G)`` ``[dA, dG]``, float32."""
-  return (preconditioner.activation_eigenvalues.astype(DECOMPOSITION_DTYPE)
-          [:, None] *
-          preconditioner.gradient_eigenvalues.astype(DECOMPOSITION_DTYPE)
-          [None, :])
+  return (
+    preconditioner.activation_eigenvalues.astype(DECOMPOSITION_DTYPE)[:, None]
+    * preconditioner.gradient_eigenvalues.astype(DECOMPOSITION_DTYPE)[None, :]
+  )
 
 
-def batch_scales(calls: Sequence[tuple[jax.Array, jax.Array, float]],
-                 preconditioner: EigenPreconditioner) -> jax.Array:
+def batch_scales(
+  calls: Sequence[tuple[jax.Array, jax.Array, float]],
+  preconditioner: EigenPreconditioner,
+) -> jax.Array:
   """``S_batch [dA, dG]`` of one block, summed over the layer's calls.
 
   Args:
@@ -75,12 +80,14 @@ def batch_scales(calls: Sequence[tuple[jax.Array, jax.Array, float]],
     rotated_a = jnp.square(activation.astype(DECOMPOSITION_DTYPE) @ q_a)
     rotated_g = jnp.square(gradient.astype(DECOMPOSITION_DTYPE) @ q_g)
     total = total + linalg.contract_rows(rotated_a, rotated_g) * (
-        scale / activation.shape[0])
+      scale / activation.shape[0]
+    )
   return total
 
 
-def reproject(scales: jax.Array, old: EigenPreconditioner,
-              new: EigenPreconditioner) -> jax.Array:
+def reproject(
+  scales: jax.Array, old: EigenPreconditioner, new: EigenPreconditioner
+) -> jax.Array:
   """``S`` of the basis ``old`` carried into ``new``: ``R_A S R_Gᵀ``.
 
   ``R = (Q_newᵀ Q_old)²`` entrywise, a doubly stochastic matrix for
@@ -88,18 +95,23 @@ def reproject(scales: jax.Array, old: EigenPreconditioner,
   moments mix with these weights (exact for the diagonal part; the identity
   when the basis did not change, a permutation for a re-ordered one).
   """
+
   def mixing(new_q: jax.Array, old_q: jax.Array) -> jax.Array:
-    return jnp.square(new_q.astype(DECOMPOSITION_DTYPE).T @
-                      old_q.astype(DECOMPOSITION_DTYPE))
+    return jnp.square(
+      new_q.astype(DECOMPOSITION_DTYPE).T @ old_q.astype(DECOMPOSITION_DTYPE)
+    )
 
   r_a = mixing(new.activation_eigenvectors, old.activation_eigenvectors)
   r_g = mixing(new.gradient_eigenvectors, old.gradient_eigenvectors)
   return r_a @ scales @ r_g.T
 
 
-def with_scales(preconditioner: EigenPreconditioner, scales: jax.Array,
-                damping: jax.Array,
-                relative: bool = False) -> EigenPreconditioner:
+def with_scales(
+  preconditioner: EigenPreconditioner,
+  scales: jax.Array,
+  damping: jax.Array,
+  relative: bool = False,
+) -> EigenPreconditioner:
   """``preconditioner`` whose ``eigen.precondition`` gives EKFAC's ``P``.
 
   Its ``damped_inverse`` becomes ``1/(S + λ)``, so

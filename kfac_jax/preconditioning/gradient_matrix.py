@@ -50,16 +50,18 @@ class FactoredGradient(NamedTuple):
   gradient_rows: jax.Array
 
 
-def divided(gradient: jax.Array | FactoredGradient,
-            divisor: jax.Array) -> jax.Array | FactoredGradient:
+def divided(
+  gradient: jax.Array | FactoredGradient, divisor: jax.Array
+) -> jax.Array | FactoredGradient:
   """``∇ / divisor`` in ``gradient``'s form (a factored one divides its ``g``)."""
   if isinstance(gradient, FactoredGradient):
     return gradient._replace(gradient_rows=gradient.gradient_rows / divisor)
   return gradient / divisor
 
 
-def factored_is_cheaper(rows: int, activation_dim: int,
-                        gradient_dim: int) -> bool:
+def factored_is_cheaper(
+  rows: int, activation_dim: int, gradient_dim: int
+) -> bool:
   """Whether ``sandwich`` costs fewer FLOPs on ``aᵀg`` than on ``∇``.
 
   ``L ∇ R`` with ``L [dA, dA]``, ``R [dG, dG]``: ``2·dA·dG·(dA + dG)``
@@ -67,8 +69,9 @@ def factored_is_cheaper(rows: int, activation_dim: int,
   layer at ``N = 256``: 1.5 against 4 GFLOP.
   """
   dense = activation_dim * gradient_dim * (activation_dim + gradient_dim)
-  factored = rows * (activation_dim**2 + gradient_dim**2 +
-                     activation_dim * gradient_dim)
+  factored = rows * (
+    activation_dim**2 + gradient_dim**2 + activation_dim * gradient_dim
+  )
   return factored < dense
 
 
@@ -86,8 +89,12 @@ def product_dtype(left: jnp.dtype, right: jnp.dtype) -> jnp.dtype:
   return dtype if dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
-def sandwich(left: jax.Array, gradient: jax.Array | FactoredGradient,
-             right: jax.Array, reshard: Reshard = no_reshard) -> jax.Array:
+def sandwich(
+  left: jax.Array,
+  gradient: jax.Array | FactoredGradient,
+  right: jax.Array,
+  reshard: Reshard = no_reshard,
+) -> jax.Array:
   """``left ∇ right``, float32: ``[dA', dA] · [dA, dG] · [dG, dG']``.
 
   Each product's operands are cast to ``product_dtype(left, right)`` and
@@ -100,13 +107,20 @@ def sandwich(left: jax.Array, gradient: jax.Array | FactoredGradient,
   dtype = product_dtype(left.dtype, right.dtype)
   cast = lambda x: x.astype(dtype)
   # Operands are cast before ``reshard``, which then moves the narrow ones.
-  matmul = lambda x, y: jnp.matmul(cast(x), cast(y),
-                                   precision=lax.Precision.HIGHEST,
-                                   preferred_element_type=jnp.float32)
+  matmul = lambda x, y: jnp.matmul(
+    cast(x),
+    cast(y),
+    precision=lax.Precision.HIGHEST,
+    preferred_element_type=jnp.float32,
+  )
   if isinstance(gradient, FactoredGradient):
     activation_side = lax.dot_general(
-        cast(gradient.activation_rows), cast(left), (((1,), (1,)), ((), ())),
-        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+      cast(gradient.activation_rows),
+      cast(left),
+      (((1,), (1,)), ((), ())),
+      precision=lax.Precision.HIGHEST,
+      preferred_element_type=jnp.float32,
+    )
     gradient_side = matmul(gradient.gradient_rows, right)
     return contract_rows(cast(activation_side), cast(gradient_side))
   # Each product is pinned where it was computed (sharded as the operand it
@@ -117,8 +131,9 @@ def sandwich(left: jax.Array, gradient: jax.Array | FactoredGradient,
   return reshard(matmul(reshard(cast(left_product), 1), right), 1)
 
 
-def to_matrix(layer_grads: Mapping[str, jax.Array], layer: LayerInfo,
-              dtype: jnp.dtype) -> jax.Array:
+def to_matrix(
+  layer_grads: Mapping[str, jax.Array], layer: LayerInfo, dtype: jnp.dtype
+) -> jax.Array:
   """``[num_blocks, activation_dim, gradient_dim]`` blocks of a layer's gradient."""
   stack = layer.num_blocks // layer.groups
   rows = layer.activation_dim - int(layer.has_bias)
@@ -126,8 +141,11 @@ def to_matrix(layer_grads: Mapping[str, jax.Array], layer: LayerInfo,
   def blocks(array: jax.Array, array_rows: int) -> jax.Array:
     # [stack, rows, groups, o] -> [stack, groups, rows, o] -> [blocks, rows, o].
     array = array.reshape(stack, array_rows, layer.groups, layer.gradient_dim)
-    return jnp.swapaxes(array, 1, 2).reshape(
-        layer.num_blocks, array_rows, layer.gradient_dim).astype(dtype)
+    return (
+      jnp.swapaxes(array, 1, 2)
+      .reshape(layer.num_blocks, array_rows, layer.gradient_dim)
+      .astype(dtype)
+    )
 
   matrix = blocks(layer_grads[layer.kernel_key], rows)
   if layer.has_bias:
@@ -135,8 +153,9 @@ def to_matrix(layer_grads: Mapping[str, jax.Array], layer: LayerInfo,
   return matrix
 
 
-def from_matrix(matrix: jax.Array, layer: LayerInfo,
-                like: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+def from_matrix(
+  matrix: jax.Array, layer: LayerInfo, like: Mapping[str, jax.Array]
+) -> dict[str, jax.Array]:
   """Inverse of ``to_matrix``; dtypes follow ``like`` (the incoming grads)."""
   stack = layer.num_blocks // layer.groups
   rows = layer.activation_dim - int(layer.has_bias)
@@ -146,9 +165,11 @@ def from_matrix(matrix: jax.Array, layer: LayerInfo,
     return jnp.swapaxes(blocks, 1, 2).reshape(shape)
 
   key = layer.kernel_key
-  out = {key: unblock(matrix[:, :rows], layer.kernel_shape).astype(
-      like[key].dtype)}
+  out = {
+    key: unblock(matrix[:, :rows], layer.kernel_shape).astype(like[key].dtype)
+  }
   if layer.has_bias:
     out[BIAS] = unblock(matrix[:, rows:], like[BIAS].shape).astype(
-        like[BIAS].dtype)
+      like[BIAS].dtype
+    )
   return out

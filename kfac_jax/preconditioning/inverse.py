@@ -13,9 +13,12 @@ from jax import lax
 from kfac_jax.linalg import diagonal_sums, scalars
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning.eigen import DECOMPOSITION_DTYPE
-from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
-                                                     Reshard, no_reshard,
-                                                     sandwich)
+from kfac_jax.preconditioning.gradient_matrix import (
+  FactoredGradient,
+  Reshard,
+  no_reshard,
+  sandwich,
+)
 
 
 class InversePreconditioner(NamedTuple):
@@ -33,12 +36,14 @@ class InversePreconditioner(NamedTuple):
   gradient_inverse: jax.Array
 
 
-def init_inverse(activation_dim: int, gradient_dim: int,
-                 dtype: jnp.dtype) -> InversePreconditioner:
+def init_inverse(
+  activation_dim: int, gradient_dim: int, dtype: jnp.dtype
+) -> InversePreconditioner:
   """The inverses of identity factors, undamped (before the first update)."""
   return InversePreconditioner(
-      activation_inverse=jnp.eye(activation_dim, dtype=dtype),
-      gradient_inverse=jnp.eye(gradient_dim, dtype=dtype))
+    activation_inverse=jnp.eye(activation_dim, dtype=dtype),
+    gradient_inverse=jnp.eye(gradient_dim, dtype=dtype),
+  )
 
 
 # About this many columns per triangular-solve block of ``damped_inverse``:
@@ -92,15 +97,28 @@ def damped_inverse(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array]:
   for start, stop in spans:
     lower_tail = lower[start:, start:]
     inverse_lower_block = lax.linalg.triangular_solve(
-        lower_tail, identity[start:, start:stop], left_side=True, lower=True)
-    trailing.append(lax.linalg.triangular_solve(
-        lower_tail, inverse_lower_block, left_side=True, lower=True,
-        transpose_a=True))
+      lower_tail, identity[start:, start:stop], left_side=True, lower=True
+    )
+    trailing.append(
+      lax.linalg.triangular_solve(
+        lower_tail,
+        inverse_lower_block,
+        left_side=True,
+        lower=True,
+        transpose_a=True,
+      )
+    )
   block_columns = [
-      jnp.concatenate(
-          [trailing[above][start - cuts[above]:stop - cuts[above]].T
-           for above in range(block)] + [trailing[block]], axis=0)
-      for block, (start, stop) in enumerate(spans)]
+    jnp.concatenate(
+      [
+        trailing[above][start - cuts[above] : stop - cuts[above]].T
+        for above in range(block)
+      ]
+      + [trailing[block]],
+      axis=0,
+    )
+    for block, (start, stop) in enumerate(spans)
+  ]
   # Returned transposed (the same matrix up to rounding): with one block,
   # XLA's copy out of LAPACK's column-major result is then a straight one.
   return (jnp.concatenate(block_columns, axis=1).T,)
@@ -115,25 +133,35 @@ def crop(padded: tuple[jax.Array], size: int) -> tuple[jax.Array]:
   return (padded[0][:size, :size],)
 
 
-def assemble(activation: tuple[jax.Array], gradient: tuple[jax.Array],
-             damping: jax.Array, dtype: jnp.dtype) -> InversePreconditioner:
+def assemble(
+  activation: tuple[jax.Array],
+  gradient: tuple[jax.Array],
+  damping: jax.Array,
+  dtype: jnp.dtype,
+) -> InversePreconditioner:
   """A layer's preconditioner from ``damped_inverse`` of A and of G."""
   del damping  # Already folded into the inverses.
   return InversePreconditioner(
-      activation_inverse=activation[0].astype(dtype),
-      gradient_inverse=gradient[0].astype(dtype))
+    activation_inverse=activation[0].astype(dtype),
+    gradient_inverse=gradient[0].astype(dtype),
+  )
 
 
-def invert(factors: LayerFactors, damping: jax.Array,
-           dtype: jnp.dtype) -> InversePreconditioner:
+def invert(
+  factors: LayerFactors, damping: jax.Array, dtype: jnp.dtype
+) -> InversePreconditioner:
   """Damped inverses of one layer's A and G, stored as ``dtype``."""
-  return assemble(damped_inverse(factors.activation_factor, damping),
-                  damped_inverse(factors.gradient_factor, damping), damping,
-                  dtype)
+  return assemble(
+    damped_inverse(factors.activation_factor, damping),
+    damped_inverse(factors.gradient_factor, damping),
+    damping,
+    dtype,
+  )
 
 
-def are_finite(preconditioners: Sequence[InversePreconditioner]
-               ) -> tuple[jax.Array, ...]:
+def are_finite(
+  preconditioners: Sequence[InversePreconditioner],
+) -> tuple[jax.Array, ...]:
   """Whether each layer's inverses are finite, from their diagonals (O(d)).
 
   ``(F + λI)⁻¹`` is symmetric positive definite (``linalg.psd_all_finite``);
@@ -152,17 +180,22 @@ def are_finite(preconditioners: Sequence[InversePreconditioner]
   return scalars(jnp.isfinite(jnp.sum(sums.reshape(-1, 2), axis=1)))
 
 
-def _mean_eigenvalues(factors: Mapping[str, LayerFactors]
-                      ) -> tuple[dict[str, LayerFactors], jax.Array, jax.Array]:
+def _mean_eigenvalues(
+  factors: Mapping[str, LayerFactors],
+) -> tuple[dict[str, LayerFactors], jax.Array, jax.Array]:
   """The factors in float32, and their mean eigenvalues ``tr F / d`` ``[n]``
   (A's, then G's), from one ``linalg.diagonal_sums`` over all of them."""
-  cast = {name: LayerFactors(*(f.astype(DECOMPOSITION_DTYPE) for f in pair))
-          for name, pair in factors.items()}
+  cast = {
+    name: LayerFactors(*(f.astype(DECOMPOSITION_DTYPE) for f in pair))
+    for name, pair in factors.items()
+  }
   pairs = list(cast.values())
-  sizes = np.array([[f.shape[0] for f in pair] for pair in pairs],
-                   np.float32).reshape(-1, 2)
-  means = diagonal_sums([f for pair in pairs for f in pair]).reshape(
-      -1, 2) / sizes
+  sizes = np.array(
+    [[f.shape[0] for f in pair] for pair in pairs], np.float32
+  ).reshape(-1, 2)
+  means = (
+    diagonal_sums([f for pair in pairs for f in pair]).reshape(-1, 2) / sizes
+  )
   return cast, means[:, 0], means[:, 1]
 
 
@@ -184,14 +217,17 @@ def normalized(factors: Mapping[str, LayerFactors]) -> dict[str, LayerFactors]:
   """
   cast, activation_mean, gradient_mean = _mean_eigenvalues(factors)
   safe = lambda mean: jnp.where(mean > 0, mean, 1.0)
-  return {name: LayerFactors(pair.activation_factor / a, pair.gradient_factor / g)
-          for a, g, (name, pair) in zip(scalars(safe(activation_mean)),
-                                        scalars(safe(gradient_mean)),
-                                        cast.items())}
+  return {
+    name: LayerFactors(pair.activation_factor / a, pair.gradient_factor / g)
+    for a, g, (name, pair) in zip(
+      scalars(safe(activation_mean)), scalars(safe(gradient_mean)), cast.items()
+    )
+  }
 
 
-def factored_damping_scaled(factors: Mapping[str, LayerFactors],
-                            damping: jax.Array) -> dict[str, LayerFactors]:
+def factored_damping_scaled(
+  factors: Mapping[str, LayerFactors], damping: jax.Array
+) -> dict[str, LayerFactors]:
   """``(A / (π√λ), G·π/√λ)`` per layer: with damping 1, Martens & Grosse's
   factored damping.
 
@@ -214,23 +250,37 @@ def factored_damping_scaled(factors: Mapping[str, LayerFactors],
   # √a/√g, not √(a/g): the ratio overflows float32 for π past ~1.8e19
   # (large activations, small cotangents), π = ∞ zeroed A's side and made
   # G's inverse zero, a finite preconditioner that froze the layer.
-  pi = jnp.where((activation_mean > 0) & (gradient_mean > 0),
-                 jnp.sqrt(activation_mean) / jnp.sqrt(jnp.where(
-                     gradient_mean > 0, gradient_mean, 1.0)), 1.0)
+  pi = jnp.where(
+    (activation_mean > 0) & (gradient_mean > 0),
+    jnp.sqrt(activation_mean)
+    / jnp.sqrt(jnp.where(gradient_mean > 0, gradient_mean, 1.0)),
+    1.0,
+  )
   root = jnp.sqrt(damping)
-  return {name: LayerFactors(pair.activation_factor / (layer_pi * root),
-                             pair.gradient_factor * (layer_pi / root))
-          for layer_pi, (name, pair) in zip(scalars(pi), cast.items())}
+  return {
+    name: LayerFactors(
+      pair.activation_factor / (layer_pi * root),
+      pair.gradient_factor * (layer_pi / root),
+    )
+    for layer_pi, (name, pair) in zip(scalars(pi), cast.items())
+  }
 
 
-def precondition(preconditioner: InversePreconditioner,
-                 gradient: jax.Array | FactoredGradient, damping: jax.Array,
-                 reshard: Reshard = no_reshard) -> jax.Array:
+def precondition(
+  preconditioner: InversePreconditioner,
+  gradient: jax.Array | FactoredGradient,
+  damping: jax.Array,
+  reshard: Reshard = no_reshard,
+) -> jax.Array:
   """``(A + λI)⁻¹ ∇ (G + λI)⁻¹`` with the damping frozen at inversion; float32.
 
   ``∇ [dA, dG]`` dense or factored (``gradient_matrix.sandwich``);
   ``reshard`` as in ``eigen.precondition``.
   """
   del damping  # Folded into the inverses when they were computed.
-  return sandwich(preconditioner.activation_inverse, gradient,
-                  preconditioner.gradient_inverse, reshard)
+  return sandwich(
+    preconditioner.activation_inverse,
+    gradient,
+    preconditioner.gradient_inverse,
+    reshard,
+  )

@@ -10,9 +10,12 @@ import jax.numpy as jnp
 from kfac_jax.linalg import tree_inner_products
 
 
-def kl_clip_scale(preconditioned: Sequence[jax.Array],
-                  gradients: Sequence[jax.Array], rate: jax.Array,
-                  kl_clip: jax.Array) -> jax.Array:
+def kl_clip_scale(
+  preconditioned: Sequence[jax.Array],
+  gradients: Sequence[jax.Array],
+  rate: jax.Array,
+  kl_clip: jax.Array,
+) -> jax.Array:
   """``ν = min(1, √(kl_clip / |vg|))`` with ``vg = r² Σ_layers Σ(P ⊙ ∇)``.
 
   ``r`` (``rate``) is the factor the step applies to ``P``: KAISA's learning
@@ -28,8 +31,10 @@ def kl_clip_scale(preconditioned: Sequence[jax.Array],
   Returns:
     ``ν``, a float32 scalar in (0, 1].
   """
-  vg = rate**2 * tree_inner_products(
-      (list(preconditioned), list(gradients)), [(0, 1)])[0]
+  vg = (
+    rate**2
+    * tree_inner_products((list(preconditioned), list(gradients)), [(0, 1)])[0]
+  )
   vg = jnp.abs(vg)
   safe_vg = jnp.where(vg > 0, vg, 1.0)
   return jnp.where(vg > 0, jnp.minimum(1.0, jnp.sqrt(kl_clip / safe_vg)), 1.0)

@@ -66,26 +66,40 @@ class Method(NamedTuple):
   crop: Crop | None = None
   decompose_each_on: tuple[str, ...] = batched.EACH_ON_CPU
   warm_start: Callable[[Preconditioner], tuple[jax.Array, jax.Array]] | None = (
-      None)
-  finish: Callable[[jax.Array, Results, jax.Array],
-                   tuple[Results, jax.Array]] | None = None
-  keep: Callable[[jax.Array, Preconditioner, Preconditioner],
-                 Preconditioner] = finite.select
-  prepare: Callable[[Mapping[str, LayerFactors], jax.Array],
-                    tuple[Mapping[str, LayerFactors], jax.Array]] | None = None
+    None
+  )
+  finish: (
+    Callable[[jax.Array, Results, jax.Array], tuple[Results, jax.Array]] | None
+  ) = None
+  keep: Callable[
+    [jax.Array, Preconditioner, Preconditioner], Preconditioner
+  ] = finite.select
+  prepare: (
+    Callable[
+      [Mapping[str, LayerFactors], jax.Array],
+      tuple[Mapping[str, LayerFactors], jax.Array],
+    ]
+    | None
+  ) = None
 
 
-def _eigenbases(preconditioner: eigen.EigenPreconditioner
-                ) -> tuple[jax.Array, jax.Array]:
-  return (preconditioner.activation_eigenvectors,
-          preconditioner.gradient_eigenvectors)
+def _eigenbases(
+  preconditioner: eigen.EigenPreconditioner,
+) -> tuple[jax.Array, jax.Array]:
+  return (
+    preconditioner.activation_eigenvectors,
+    preconditioner.gradient_eigenvectors,
+  )
 
 
-def make_method(use_eigen: bool, dtype: jnp.dtype,
-                precompute_damped_inverse: bool,
-                decomposition_batch_size: int | None = None,
-                solver: SubspaceSolver | None = None,
-                relative_damping: bool = False) -> Method:
+def make_method(
+  use_eigen: bool,
+  dtype: jnp.dtype,
+  precompute_damped_inverse: bool,
+  decomposition_batch_size: int | None = None,
+  solver: SubspaceSolver | None = None,
+  relative_damping: bool = False,
+) -> Method:
   """The eigen (``use_eigen``) or inverse method, storing results as ``dtype``.
 
   ``solver``: the eigen method refreshes its eigenbases by subspace
@@ -96,44 +110,59 @@ def make_method(use_eigen: bool, dtype: jnp.dtype,
   (``Method.prepare``).
   """
   if use_eigen and solver is not None:
-    return make_method(True, dtype, precompute_damped_inverse,
-                       decomposition_batch_size,
-                       relative_damping=relative_damping)._replace(
-        factor_fn=lambda factor, damping, start: subspace.subspace_refresh(
-            factor, start, solver.steps),
-        warm_start=_eigenbases,
-        finish=lambda factor, refreshed, start: subspace.refresh_or_eigh(
-            factor, refreshed, start, solver.drift_threshold))
+    return make_method(
+      True,
+      dtype,
+      precompute_damped_inverse,
+      decomposition_batch_size,
+      relative_damping=relative_damping,
+    )._replace(
+      factor_fn=lambda factor, damping, start: subspace.subspace_refresh(
+        factor, start, solver.steps
+      ),
+      warm_start=_eigenbases,
+      finish=lambda factor, refreshed, start: subspace.refresh_or_eigh(
+        factor, refreshed, start, solver.drift_threshold
+      ),
+    )
   if use_eigen:
     return Method(
-        init=functools.partial(
-            eigen.init_eigen, dtype=dtype,
-            precompute_damped_inverse=precompute_damped_inverse),
-        factor_fn=eigen.eigh_factor,
-        assemble=functools.partial(
-            eigen.assemble, dtype=dtype,
-            precompute_damped_inverse=precompute_damped_inverse,
-            relative=relative_damping),
-        precondition=functools.partial(eigen.precondition,
-                                       relative=relative_damping),
-        are_finite=eigen.are_finite,
-        keep=finite.keep,
-        decomposition_batch_size=decomposition_batch_size,
-        # cuSOLVER's stacked eigh is slower than one call per factor.
-        decompose_each_on=(*batched.EACH_ON_CPU, "cuda"))
-  return Method(
-      init=functools.partial(inverse.init_inverse, dtype=dtype),
-      factor_fn=inverse.damped_inverse,
-      assemble=functools.partial(inverse.assemble, dtype=dtype),
-      precondition=inverse.precondition,
-      are_finite=inverse.are_finite,
+      init=functools.partial(
+        eigen.init_eigen,
+        dtype=dtype,
+        precompute_damped_inverse=precompute_damped_inverse,
+      ),
+      factor_fn=eigen.eigh_factor,
+      assemble=functools.partial(
+        eigen.assemble,
+        dtype=dtype,
+        precompute_damped_inverse=precompute_damped_inverse,
+        relative=relative_damping,
+      ),
+      precondition=functools.partial(
+        eigen.precondition, relative=relative_damping
+      ),
+      are_finite=eigen.are_finite,
+      keep=finite.keep,
       decomposition_batch_size=decomposition_batch_size,
-      crop=inverse.crop,
-      prepare=_normalized if relative_damping else None)
+      # cuSOLVER's stacked eigh is slower than one call per factor.
+      decompose_each_on=(*batched.EACH_ON_CPU, "cuda"),
+    )
+  return Method(
+    init=functools.partial(inverse.init_inverse, dtype=dtype),
+    factor_fn=inverse.damped_inverse,
+    assemble=functools.partial(inverse.assemble, dtype=dtype),
+    precondition=inverse.precondition,
+    are_finite=inverse.are_finite,
+    decomposition_batch_size=decomposition_batch_size,
+    crop=inverse.crop,
+    prepare=_normalized if relative_damping else None,
+  )
 
 
-def _normalized(factors: Mapping[str, LayerFactors], damping: jax.Array
-                ) -> tuple[dict[str, LayerFactors], jax.Array]:
+def _normalized(
+  factors: Mapping[str, LayerFactors], damping: jax.Array
+) -> tuple[dict[str, LayerFactors], jax.Array]:
   """The inverse method's relative damping: ``(Â + √λI)⁻¹ ∇ (Ĝ + √λI)⁻¹``
   (``inverse.normalized``)."""
   if not factors:

@@ -83,12 +83,14 @@ def drift(factor: jax.Array, quotients: jax.Array) -> jax.Array:
   """
   total = jnp.sum(jnp.square(factor))
   off = jnp.maximum(total - jnp.sum(jnp.square(quotients)), 0.0)
-  return jnp.where(total > 0, jnp.sqrt(off / jnp.where(total > 0, total, 1.0)),
-                   0.0)
+  return jnp.where(
+    total > 0, jnp.sqrt(off / jnp.where(total > 0, total, 1.0)), 0.0
+  )
 
 
-def subspace_refresh(factor: jax.Array, basis: jax.Array,
-                     steps: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def subspace_refresh(
+  factor: jax.Array, basis: jax.Array, steps: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``steps`` steps of ``Q ← qr(F Q[:, argsort(−ρ)])`` from ``basis``.
 
   Args:
@@ -118,9 +120,12 @@ def is_identity(basis: jax.Array) -> jax.Array:
   return jnp.all(basis == jnp.eye(basis.shape[0], dtype=basis.dtype))
 
 
-def refresh_or_eigh(factor: jax.Array, refreshed: tuple[jax.Array, ...],
-                    basis: jax.Array, threshold: float
-                    ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+def refresh_or_eigh(
+  factor: jax.Array,
+  refreshed: tuple[jax.Array, ...],
+  basis: jax.Array,
+  threshold: float,
+) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
   """``subspace_refresh``'s ``(d, Q)``, or ``eigh_factor(F)``'s where needed.
 
   ``eigh`` replaces the refresh where the stored ``basis`` is the identity
@@ -137,7 +142,8 @@ def refresh_or_eigh(factor: jax.Array, refreshed: tuple[jax.Array, ...],
   fresh = is_identity(basis)
   drifted = refreshed_drift > threshold
   result = lax.cond(
-      fresh | drifted,
-      lambda: eigh_factor(factor, jnp.zeros([], DECOMPOSITION_DTYPE)),
-      lambda: (eigenvalues, eigenvectors))
+    fresh | drifted,
+    lambda: eigh_factor(factor, jnp.zeros([], DECOMPOSITION_DTYPE)),
+    lambda: (eigenvalues, eigenvectors),
+  )
   return result, (drifted & ~fresh).astype(jnp.int32)

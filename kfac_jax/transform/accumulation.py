@@ -25,11 +25,14 @@ from kfac_jax.transform.state import AccumulatorState, ScaleByKFACState
 
 
 def accumulate(
-    config: KFACConfig, state: ScaleByKFACState, grads: Any,
-    layers: Mapping[str, LayerInfo], active: Sequence[str],
-    batch_factors: Callable[[], dict[str, LayerFactors]],
-    sharded: Mapping[str, tuple[str, ...]],
-    batch_scales: step.BatchScales | None = None,
+  config: KFACConfig,
+  state: ScaleByKFACState,
+  grads: Any,
+  layers: Mapping[str, LayerInfo],
+  active: Sequence[str],
+  batch_factors: Callable[[], dict[str, LayerFactors]],
+  sharded: Mapping[str, tuple[str, ...]],
+  batch_scales: step.BatchScales | None = None,
 ) -> tuple[Any, ScaleByKFACState]:
   """One micro-batch: its sums added, and the optimizer step on the last.
 
@@ -54,69 +57,101 @@ def accumulate(
   factor_step = state.count % config.factor_update_steps(state.count) == 0
   # Off factor steps the sums are not used; adding zeros keeps the factor
   # computation inside the cond.
-  zeros = lambda sums: {b: jax.tree.map(jnp.zeros_like, sums[b])
-                        for b in batch_blocks}
-  batch = lax.cond(factor_step, batch_factors,
-                   lambda: zeros(accumulator.factors))
+  zeros = lambda sums: {
+    b: jax.tree.map(jnp.zeros_like, sums[b]) for b in batch_blocks
+  }
+  batch = lax.cond(
+    factor_step, batch_factors, lambda: zeros(accumulator.factors)
+  )
   scale_sums = accumulator.scales
   # The state's eigenbases on every device (``Placement.replicated``).
   state_bases = lambda: config.placement.replicated(
-      layers_lib.blocks_of(layers), state.preconditioners, batch_blocks)
+    layers_lib.blocks_of(layers), state.preconditioners, batch_blocks
+  )
   if batch_scales is not None:
-    batch_s = lax.cond(factor_step,
-                       lambda: batch_scales(state_bases()),
-                       lambda: zeros(accumulator.scales))
-    scale_sums = step.replicate(config, {
+    batch_s = lax.cond(
+      factor_step,
+      lambda: batch_scales(state_bases()),
+      lambda: zeros(accumulator.scales),
+    )
+    scale_sums = step.replicate(
+      config,
+      {
         b: s + batch_s[b] if b in batch_s else s
-        for b, s in accumulator.scales.items()})
+        for b, s in accumulator.scales.items()
+      },
+    )
   # Pinned: G's sums followed a sharded kernel's sharding, off the specs.
-  factor_sums = step.replicate(config, {
-      block: (LayerFactors(*(s + b for s, b in zip(sums, batch[block])))
-              if block in batch else sums)
+  factor_sums = step.replicate(
+    config,
+    {
+      block: (
+        LayerFactors(*(s + b for s, b in zip(sums, batch[block])))
+        if block in batch
+        else sums
+      )
       for block, sums in accumulator.factors.items()
-  })
-  gradient_sums = step.constrain_to_params(config, jax.tree.map(
-      lambda s, g: s + g.astype(s.dtype), accumulator.gradients, grads))
+    },
+  )
+  gradient_sums = step.constrain_to_params(
+    config,
+    jax.tree.map(
+      lambda s, g: s + g.astype(s.dtype), accumulator.gradients, grads
+    ),
+  )
 
   def emit():
     # The micro-batches summed: accumulation_steps, unless the state came
     # from a larger accumulation_steps (emitted at once, see below).
     k = (accumulator.micro_step + 1).astype(jnp.float32)
     mean_grads = jax.tree.map(
-        lambda s, g: (s / k.astype(s.dtype)).astype(g.dtype), gradient_sums,
-        grads)
+      lambda s, g: (s / k.astype(s.dtype)).astype(g.dtype), gradient_sums, grads
+    )
     # Each micro-batch's cotangents are those of its own mean loss, k
     # times the concatenated batch's: its G is k² times that batch's.
     mean_factors = {
-        b: LayerFactors(factor_sums[b].activation_factor / k,
-                        factor_sums[b].gradient_factor / k**3)
-        for b in batch_blocks
+      b: LayerFactors(
+        factor_sums[b].activation_factor / k,
+        factor_sums[b].gradient_factor / k**3,
+      )
+      for b in batch_blocks
     }
 
     def mean_scales(bases):
       # S_batch is quadratic in the cotangents, as G is.
       old = state_bases()
-      return {b: ekfac.reproject(scale_sums[b] / k**3, old[b], bases[b])
-              for b in batch_blocks}
+      return {
+        b: ekfac.reproject(scale_sums[b] / k**3, old[b], bases[b])
+        for b in batch_blocks
+      }
 
     new_updates, new_state = step.optimizer_step(
-        config, state, mean_grads, layers, active, lambda: mean_factors,
-        sharded, batch_scales=None if batch_scales is None else mean_scales)
+      config,
+      state,
+      mean_grads,
+      layers,
+      active,
+      lambda: mean_factors,
+      sharded,
+      batch_scales=None if batch_scales is None else mean_scales,
+    )
     reset = AccumulatorState(
-        micro_step=jnp.zeros([], jnp.int32),
-        gradients=optax.tree.zeros_like(gradient_sums),
-        factors=step.replicate(config,
-                               jax.tree.map(jnp.zeros_like, factor_sums)),
-        scales=jax.tree.map(jnp.zeros_like, scale_sums))
+      micro_step=jnp.zeros([], jnp.int32),
+      gradients=optax.tree.zeros_like(gradient_sums),
+      factors=step.replicate(config, jax.tree.map(jnp.zeros_like, factor_sums)),
+      scales=jax.tree.map(jnp.zeros_like, scale_sums),
+    )
     return new_updates, new_state._replace(accumulator=reset)
 
   def hold():
-    held = AccumulatorState(accumulator.micro_step + 1, gradient_sums,
-                            factor_sums, scale_sums)
+    held = AccumulatorState(
+      accumulator.micro_step + 1, gradient_sums, factor_sums, scale_sums
+    )
     return optax.tree.zeros_like(grads), state._replace(accumulator=held)
 
   # ">=": a micro_step past the last (a state from a larger
   # accumulation_steps that a traced update could not refuse) emits at once
   # rather than holding forever.
-  return lax.cond(accumulator.micro_step >= config.accumulation_steps - 1,
-                  emit, hold)
+  return lax.cond(
+    accumulator.micro_step >= config.accumulation_steps - 1, emit, hold
+  )

@@ -78,8 +78,11 @@ def unbox(tree: Any) -> Any:
   """
   if not has_boxes(tree):
     return tree
-  return jax.tree.map(lambda node: unbox(_content(node)) if is_box(node)
-                      else node, tree, is_leaf=is_box)
+  return jax.tree.map(
+    lambda node: unbox(_content(node)) if is_box(node) else node,
+    tree,
+    is_leaf=is_box,
+  )
 
 
 def like(reference: Any, result: Any) -> Any:
@@ -96,9 +99,10 @@ def like(reference: Any, result: Any) -> Any:
   expected = jax.tree.structure(unbox(reference))
   if jax.tree.structure(result) != expected:
     raise ValueError(
-        "kfac_jax: a result does not have the structure of the Flax-boxed "
-        f"tree it stands for: {jax.tree.structure(result)} against "
-        f"{expected}.")
+      "kfac_jax: a result does not have the structure of the Flax-boxed "
+      f"tree it stands for: {jax.tree.structure(result)} against "
+      f"{expected}."
+    )
 
   def rebox(node: Any, value: Any) -> Any:
     if not is_box(node):
@@ -108,8 +112,9 @@ def like(reference: Any, result: Any) -> Any:
   return jax.tree.map(rebox, reference, result, is_leaf=is_box)
 
 
-def box_rows(preconditioners: Any,
-             mesh_axes: str | Sequence[str] | None) -> Any:
+def box_rows(
+  preconditioners: Any, mesh_axes: str | Sequence[str] | None
+) -> Any:
   """Packed preconditioner rows in an ``nn.Partitioned`` over ``mesh_axes``.
 
   ``nn.get_partition_spec`` then gives them the spec their placement lays
@@ -117,7 +122,8 @@ def box_rows(preconditioners: Any,
   (no ``mesh_axes``) are replicated, unboxed.
   """
   if not isinstance(preconditioners, ShardedPreconditioners) or is_box(
-      preconditioners.rows):
+    preconditioners.rows
+  ):
     return preconditioners
   axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
   rows = preconditioners.rows
@@ -125,24 +131,28 @@ def box_rows(preconditioners: Any,
   return preconditioners._replace(rows=meta.Partitioned(rows, names))
 
 
-def box_state(state: ScaleByKFACState, params: Any,
-              mesh_axes: str | Sequence[str] | None) -> ScaleByKFACState:
+def box_state(
+  state: ScaleByKFACState, params: Any, mesh_axes: str | Sequence[str] | None
+) -> ScaleByKFACState:
   """``state`` of boxed ``params``: its params-shaped parts (accumulated
   gradients, the adaptive mode's previous update) in the params' boxes, its
   packed rows boxed by ``box_rows``; factors and counters, replicated, stay
   arrays."""
   accumulator, model = state.accumulator, state.quadratic_model
   return state._replace(
-      accumulator=None if accumulator is None else accumulator._replace(
-          gradients=like(params, accumulator.gradients)),
-      quadratic_model=None if model is None else model._replace(
-          previous_update=like(params, model.previous_update)),
-      preconditioners=box_rows(state.preconditioners, mesh_axes))
+    accumulator=None
+    if accumulator is None
+    else accumulator._replace(gradients=like(params, accumulator.gradients)),
+    quadratic_model=None
+    if model is None
+    else model._replace(previous_update=like(params, model.previous_update)),
+    preconditioners=box_rows(state.preconditioners, mesh_axes),
+  )
 
 
 def boxed_transformation(
-    tx: optax.GradientTransformationExtraArgs,
-    mesh_axes: str | Sequence[str] | None,
+  tx: optax.GradientTransformationExtraArgs,
+  mesh_axes: str | Sequence[str] | None,
 ) -> optax.GradientTransformationExtraArgs:
   """``tx`` (``scale_by_kfac``'s on arrays) for trees that may hold boxes.
 
@@ -157,10 +167,12 @@ def boxed_transformation(
       return state
     return box_state(state, params, mesh_axes)
 
-  def update(updates: Any, state: Any, params: Any = None,
-             **extra_args: Any) -> tuple[Any, Any]:
-    new_updates, new_state = tx.update(unbox(updates), unbox(state),
-                                       unbox(params), **extra_args)
+  def update(
+    updates: Any, state: Any, params: Any = None, **extra_args: Any
+  ) -> tuple[Any, Any]:
+    new_updates, new_state = tx.update(
+      unbox(updates), unbox(state), unbox(params), **extra_args
+    )
     return like(updates, new_updates), like(state, new_state)
 
   return optax.GradientTransformationExtraArgs(init, update)
@@ -182,15 +194,19 @@ def partition_specs(tree: Any, rules: LogicalRules | None) -> Any:
 
   def spec(node: Any) -> PartitionSpec | None:
     if isinstance(node, spmd.LogicallyPartitioned):
-      node_rules = rules if rules is not None else (
-          node.rules or spmd.get_logical_axis_rules())
+      node_rules = (
+        rules
+        if rules is not None
+        else (node.rules or spmd.get_logical_axis_rules())
+      )
       if not node_rules:
         raise ValueError(
-            "get_opt_state_partition_specs: the params hold "
-            f"nn.LogicallyPartitioned boxes (axis names {node.names}) and no "
-            "logical axis rules map those names to mesh axes. Pass "
-            "logical_axis_rules=[(logical name, mesh axis), ...], or call it "
-            "inside `with nn.logical_axis_rules(rules):`.")
+          "get_opt_state_partition_specs: the params hold "
+          f"nn.LogicallyPartitioned boxes (axis names {node.names}) and no "
+          "logical axis rules map those names to mesh axes. Pass "
+          "logical_axis_rules=[(logical name, mesh axis), ...], or call it "
+          "inside `with nn.logical_axis_rules(rules):`."
+        )
       return spmd.logical_to_mesh_axes(node.names, node_rules)
     if isinstance(node, meta.Partitioned):
       return node.get_partition_spec()

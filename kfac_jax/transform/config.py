@@ -25,13 +25,20 @@ from kfac_jax.capture import layers as layers_lib
 from kfac_jax.capture.layers import LayerInfo, LayerTable
 from kfac_jax.distribution import placement as placement_lib
 from kfac_jax.distribution import strategy
-from kfac_jax.distribution.strategy import AssignmentStrategy, DistributedStrategy
+from kfac_jax.distribution.strategy import (
+  AssignmentStrategy,
+  DistributedStrategy,
+)
 from kfac_jax.preconditioning.methods import make_method
 from kfac_jax.preconditioning.subspace import SubspaceSolver
 from kfac_jax import hyperparameters as hp
 from kfac_jax.transform import nnx_variables
-from kfac_jax.hyperparameters import (ComputeMethod, DampingMode,
-                                      ScalarOrSchedule, WeightSharing)
+from kfac_jax.hyperparameters import (
+  ComputeMethod,
+  DampingMode,
+  ScalarOrSchedule,
+  WeightSharing,
+)
 from kfac_jax.transform.quadratic_model import AdaptiveConfig
 
 # scale_by_kfac's λ (relative) and κ unless given (the kfac alias's too).
@@ -246,7 +253,8 @@ class KFACConfig:
   inv_dtype: jnp.dtype = jnp.dtype(jnp.float32)
   mesh_axes: str | Sequence[str] | None = None
   grad_worker_fraction: DistributedStrategy | float = (
-      DistributedStrategy.COMM_OPT)
+    DistributedStrategy.COMM_OPT
+  )
   assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE
   params_partition_specs: Any = None
   layers: LayerTable | None = None
@@ -266,43 +274,69 @@ class KFACConfig:
       set_(name, value)
     set_("compute_method", _compute_method(self))
     set_("damping_mode", _damping_mode(self.damping_mode, self.adaptive))
-    set_("accumulation_steps", hp.static_positive_integer(
-        "accumulation_steps", self.accumulation_steps))
+    set_(
+      "accumulation_steps",
+      hp.static_positive_integer("accumulation_steps", self.accumulation_steps),
+    )
     set_("skip_layers", layers_lib.compile_patterns(self.skip_layers))
     _check_layer_table(self.layers)
     if self.adaptive is not None:
       _check_adaptive(self)
-    set_("precondition_embeddings", hp.static_bool(
-        "precondition_embeddings", self.precondition_embeddings))
+    set_(
+      "precondition_embeddings",
+      hp.static_bool("precondition_embeddings", self.precondition_embeddings),
+    )
     if self.precondition_embeddings and self.layers is None:
       raise ValueError(
-          "precondition_embeddings=True needs the layer table: "
-          "scale_by_kfac(..., layers=kfac_jax.trace_layers(loss_fn, params, "
-          "*batch)).")
+        "precondition_embeddings=True needs the layer table: "
+        "scale_by_kfac(..., layers=kfac_jax.trace_layers(loss_fn, params, "
+        "*batch))."
+      )
     set_("factor_dtype", _factor_dtype(self.factor_dtype, self.compute_method))
     set_("inv_dtype", hp.preconditioner_dtype("inv_dtype", self.inv_dtype))
     if self.decomposition_batch_size is not None:
-      set_("decomposition_batch_size", hp.static_positive_integer(
-          "decomposition_batch_size", self.decomposition_batch_size))
+      set_(
+        "decomposition_batch_size",
+        hp.static_positive_integer(
+          "decomposition_batch_size", self.decomposition_batch_size
+        ),
+      )
     set_("factor_batch_size", _factor_batch_size(self.factor_batch_size))
     set_("weight_sharing", WeightSharing.parse(self.weight_sharing))
-    set_("gradient_from_stats", hp.static_bool("gradient_from_stats",
-                                               self.gradient_from_stats))
+    set_(
+      "gradient_from_stats",
+      hp.static_bool("gradient_from_stats", self.gradient_from_stats),
+    )
     _check_gradient_from_stats(self)
-    set_("eigenvalue_correction", hp.static_bool(
-        "eigenvalue_correction", self.eigenvalue_correction))
+    set_(
+      "eigenvalue_correction",
+      hp.static_bool("eigenvalue_correction", self.eigenvalue_correction),
+    )
     set_("eigen_solver", _eigen_solver(self.eigen_solver))
     _check_eigen_options(self)
-    set_("placement", make_placement(
-        self.compute_method, self.compute_eigenvalue_outer_product,
-        self.inv_dtype, self.mesh_axes, self.grad_worker_fraction,
-        self.assignment_strategy, self.decomposition_batch_size,
-        self.subspace_solver, self.relative_damping))
-    set_("compute_eigenvalue_outer_product", bool(
-        self.compute_eigenvalue_outer_product))
+    set_(
+      "placement",
+      make_placement(
+        self.compute_method,
+        self.compute_eigenvalue_outer_product,
+        self.inv_dtype,
+        self.mesh_axes,
+        self.grad_worker_fraction,
+        self.assignment_strategy,
+        self.decomposition_batch_size,
+        self.subspace_solver,
+        self.relative_damping,
+      ),
+    )
+    set_(
+      "compute_eigenvalue_outer_product",
+      bool(self.compute_eigenvalue_outer_product),
+    )
     # Specs made by jax.tree.map over an nnx.State sit in its Variables.
-    set_("params_partition_specs", nnx_variables.values(
-        self.params_partition_specs))
+    set_(
+      "params_partition_specs",
+      nnx_variables.values(self.params_partition_specs),
+    )
 
   @property
   def factored_damping(self) -> bool:
@@ -311,8 +345,9 @@ class KFACConfig:
     The adaptive mode's λ is on the Fisher's scale: the inverse method then
     splits it between the factors instead of adding λ to each.
     """
-    return (self.adaptive is not None and
-            self.compute_method is ComputeMethod.INVERSE)
+    return (
+      self.adaptive is not None and self.compute_method is ComputeMethod.INVERSE
+    )
 
   @property
   def reduce(self) -> bool:
@@ -327,37 +362,49 @@ class KFACConfig:
   @property
   def subspace_solver(self) -> SubspaceSolver | None:
     """The subspace solver's settings, or ``None`` for ``eigh``."""
-    return (self.eigen_solver if isinstance(self.eigen_solver, SubspaceSolver)
-            else None)
+    return (
+      self.eigen_solver
+      if isinstance(self.eigen_solver, SubspaceSolver)
+      else None
+    )
 
   @property
   def find_layers(self) -> Callable[..., dict[str, LayerInfo]]:
     """``layers_lib.find_layers`` with this configuration's skips and table."""
     return functools.partial(
-        layers_lib.find_layers, skip=self.skip_layers, table=self.layers,
-        include_embeddings=self.precondition_embeddings)
+      layers_lib.find_layers,
+      skip=self.skip_layers,
+      table=self.layers,
+      include_embeddings=self.precondition_embeddings,
+    )
 
 
 def _hyperparameters(config: KFACConfig) -> dict[str, Any]:
   """The constant-or-schedule arguments, checked (``hyperparameters``)."""
   if config.kl_clip is False:
-    raise TypeError("kl_clip=False: pass kl_clip=None to turn KL clipping "
-                    "off.")
+    raise TypeError("kl_clip=False: pass kl_clip=None to turn KL clipping off.")
   return dict(
-      # 0 allowed: a warmup schedule starts there, and KL clipping's ν is 1.
-      learning_rate=hp.non_negative("learning_rate", config.learning_rate),
-      damping=hp.positive("damping", config.damping),
-      factor_decay=hp.decay("factor_decay", config.factor_decay),
-      kl_clip=(None if config.kl_clip is None else
-               hp.positive("kl_clip", config.kl_clip)),
-      # From 1 on the chained momentum buffer grows geometrically.
-      momentum=hp.hyperparameter(
-          "momentum", 0.0 if config.momentum is None else config.momentum,
-          lambda v: (0 <= v) & (v < 1), "in [0, 1)"),
-      factor_update_steps=hp.positive_integer("factor_update_steps",
-                                              config.factor_update_steps),
-      inv_update_steps=hp.positive_integer("inv_update_steps",
-                                           config.inv_update_steps))
+    # 0 allowed: a warmup schedule starts there, and KL clipping's ν is 1.
+    learning_rate=hp.non_negative("learning_rate", config.learning_rate),
+    damping=hp.positive("damping", config.damping),
+    factor_decay=hp.decay("factor_decay", config.factor_decay),
+    kl_clip=(
+      None if config.kl_clip is None else hp.positive("kl_clip", config.kl_clip)
+    ),
+    # From 1 on the chained momentum buffer grows geometrically.
+    momentum=hp.hyperparameter(
+      "momentum",
+      0.0 if config.momentum is None else config.momentum,
+      lambda v: (0 <= v) & (v < 1),
+      "in [0, 1)",
+    ),
+    factor_update_steps=hp.positive_integer(
+      "factor_update_steps", config.factor_update_steps
+    ),
+    inv_update_steps=hp.positive_integer(
+      "inv_update_steps", config.inv_update_steps
+    ),
+  )
 
 
 def _compute_method(config: KFACConfig) -> ComputeMethod:
@@ -366,10 +413,12 @@ def _compute_method(config: KFACConfig) -> ComputeMethod:
   if config.compute_method is not None:
     return ComputeMethod.parse(config.compute_method)
   needs_eigen = (
-      hp.static_bool("eigenvalue_correction", config.eigenvalue_correction)
-      or not (isinstance(config.eigen_solver, str) and
-              config.eigen_solver == "eigh")
-      or hp.factor_dtype("factor_dtype", config.factor_dtype) == jnp.bfloat16)
+    hp.static_bool("eigenvalue_correction", config.eigenvalue_correction)
+    or not (
+      isinstance(config.eigen_solver, str) and config.eigen_solver == "eigh"
+    )
+    or hp.factor_dtype("factor_dtype", config.factor_dtype) == jnp.bfloat16
+  )
   return ComputeMethod.EIGEN if needs_eigen else ComputeMethod.INVERSE
 
 
@@ -380,9 +429,10 @@ def _damping_mode(mode: Any, adaptive: AdaptiveConfig | None) -> DampingMode:
   mode = DampingMode.parse(mode)
   if adaptive is not None and mode is DampingMode.RELATIVE:
     raise ValueError(
-        "scale_by_kfac(adaptive=...) adapts an absolute λ on the Fisher's "
-        "scale, which its quadratic model adds as it is; pass "
-        "damping_mode=None or 'absolute' (got 'relative').")
+      "scale_by_kfac(adaptive=...) adapts an absolute λ on the Fisher's "
+      "scale, which its quadratic model adds as it is; pass "
+      "damping_mode=None or 'absolute' (got 'relative')."
+    )
   return mode
 
 
@@ -391,19 +441,26 @@ def _factor_batch_size(size: Any) -> int | float | None:
   if isinstance(size, float) and not size.is_integer():
     if not 0 < size < 1:
       raise TypeError(
-          "factor_batch_size must be a positive integer (examples) or a "
-          f"fraction of the batch in (0, 1); got {size!r}.")
+        "factor_batch_size must be a positive integer (examples) or a "
+        f"fraction of the batch in (0, 1); got {size!r}."
+      )
     return size
-  return None if size is None else hp.static_positive_integer(
-      "factor_batch_size", size)
+  return (
+    None
+    if size is None
+    else hp.static_positive_integer("factor_batch_size", size)
+  )
 
 
 def _check_layer_table(layers: Any) -> None:
-  if layers is not None and not (isinstance(layers, Mapping) and all(
-      isinstance(layer, LayerInfo) for layer in layers.values())):
+  if layers is not None and not (
+    isinstance(layers, Mapping)
+    and all(isinstance(layer, LayerInfo) for layer in layers.values())
+  ):
     raise TypeError(
-        "layers must be the table from kfac_jax.trace_layers(loss_fn, params, "
-        f"*batch) or None; got {type(layers).__name__}.")
+      "layers must be the table from kfac_jax.trace_layers(loss_fn, params, "
+      f"*batch) or None; got {type(layers).__name__}."
+    )
 
 
 def _check_adaptive(config: KFACConfig) -> None:
@@ -412,58 +469,66 @@ def _check_adaptive(config: KFACConfig) -> None:
   AdaptiveConfig.check(adaptive)
   if config.kl_clip is not None:
     raise ValueError(
-        "scale_by_kfac(adaptive=...) chooses the step size from the "
-        "quadratic model; pass kl_clip=None (got kl_clip="
-        f"{config.kl_clip.value!r}).")
+      "scale_by_kfac(adaptive=...) chooses the step size from the "
+      "quadratic model; pass kl_clip=None (got kl_clip="
+      f"{config.kl_clip.value!r})."
+    )
   if config.accumulation_steps != 1:
     raise ValueError(
-        "scale_by_kfac(adaptive=...) evaluates the quadratic model on the "
-        "batch of the step; it does not support accumulation_steps="
-        f"{config.accumulation_steps} (use accumulation_steps=1 and a larger "
-        "batch).")
+      "scale_by_kfac(adaptive=...) evaluates the quadratic model on the "
+      "batch of the step; it does not support accumulation_steps="
+      f"{config.accumulation_steps} (use accumulation_steps=1 and a larger "
+      "batch)."
+    )
   damping = config.damping.value
   if callable(damping):
     raise TypeError(
-        "scale_by_kfac(adaptive=...): damping is the initial λ, which the "
-        "Levenberg-Marquardt rule then adapts; pass a number, not a "
-        "schedule.")
+      "scale_by_kfac(adaptive=...): damping is the initial λ, which the "
+      "Levenberg-Marquardt rule then adapts; pass a number, not a "
+      "schedule."
+    )
   # Under optax.inject_hyperparams the value is traced in update (it is
   # only read at init, where it is concrete and checked).
   if not isinstance(damping, jax.core.Tracer) and not (
-      adaptive.min_damping <= damping <= adaptive.max_damping):
+    adaptive.min_damping <= damping <= adaptive.max_damping
+  ):
     raise ValueError(
-        f"scale_by_kfac(adaptive=...): the initial damping={damping!r} "
-        "lies outside the range the rule keeps λ in, AdaptiveConfig's "
-        f"[min_damping={adaptive.min_damping!r}, "
-        f"max_damping={adaptive.max_damping!r}].")
+      f"scale_by_kfac(adaptive=...): the initial damping={damping!r} "
+      "lies outside the range the rule keeps λ in, AdaptiveConfig's "
+      f"[min_damping={adaptive.min_damping!r}, "
+      f"max_damping={adaptive.max_damping!r}]."
+    )
 
 
 def _factor_dtype(dtype: Any, method: ComputeMethod) -> jnp.dtype | None:
   dtype = hp.factor_dtype("factor_dtype", dtype)
   if dtype == jnp.bfloat16 and method is ComputeMethod.INVERSE:
     raise ValueError(
-        "factor_dtype=bfloat16 does not work with compute_method='inverse': "
-        "rounding a running factor to bfloat16 moves each entry by up to "
-        "2⁻⁹ of its size, which makes a rank-deficient factor (a batch "
-        "smaller than the layer's width, correlated inputs) indefinite, so "
-        "F + λI has no Cholesky factor unless λ outweighs the rounding; "
-        "those decompositions are rejected and the layer goes "
-        "unpreconditioned. Use compute_method='eigen' (it clamps the "
-        "negative eigenvalues at 0) or float32 factors (the default).")
+      "factor_dtype=bfloat16 does not work with compute_method='inverse': "
+      "rounding a running factor to bfloat16 moves each entry by up to "
+      "2⁻⁹ of its size, which makes a rank-deficient factor (a batch "
+      "smaller than the layer's width, correlated inputs) indefinite, so "
+      "F + λI has no Cholesky factor unless λ outweighs the rounding; "
+      "those decompositions are rejected and the layer goes "
+      "unpreconditioned. Use compute_method='eigen' (it clamps the "
+      "negative eigenvalues at 0) or float32 factors (the default)."
+    )
   return dtype
 
 
 def _check_gradient_from_stats(config: KFACConfig) -> None:
   if config.gradient_from_stats and config.accumulation_steps != 1:
     raise ValueError(
-        "scale_by_kfac(gradient_from_stats=True) reads each step's gradient "
-        "from that step's kfac_stats, which hold one micro-batch; it does not "
-        f"support accumulation_steps={config.accumulation_steps}.")
+      "scale_by_kfac(gradient_from_stats=True) reads each step's gradient "
+      "from that step's kfac_stats, which hold one micro-batch; it does not "
+      f"support accumulation_steps={config.accumulation_steps}."
+    )
   if config.gradient_from_stats and config.mesh_axes is not None:
     raise ValueError(
-        "scale_by_kfac(gradient_from_stats=True) preconditions where the "
-        "program runs; it does not support mesh_axes (got "
-        f"{config.mesh_axes!r}). Drop one of the two.")
+      "scale_by_kfac(gradient_from_stats=True) preconditions where the "
+      "program runs; it does not support mesh_axes (got "
+      f"{config.mesh_axes!r}). Drop one of the two."
+    )
 
 
 def _eigen_solver(solver: Any) -> str | SubspaceSolver:
@@ -472,52 +537,61 @@ def _eigen_solver(solver: Any) -> str | SubspaceSolver:
     return "eigh" if solver == "eigh" else SubspaceSolver()
   if not isinstance(solver, SubspaceSolver):
     raise ValueError(
-        "eigen_solver must be 'eigh', 'subspace' or a "
-        f"kfac_jax.SubspaceSolver(steps, drift_threshold); got {solver!r}.")
+      "eigen_solver must be 'eigh', 'subspace' or a "
+      f"kfac_jax.SubspaceSolver(steps, drift_threshold); got {solver!r}."
+    )
   steps = hp.static_positive_integer("SubspaceSolver.steps", solver.steps)
   threshold = solver.drift_threshold
-  if (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
-      or not 0 < threshold <= 1):
+  if (
+    isinstance(threshold, bool)
+    or not isinstance(threshold, (int, float))
+    or not 0 < threshold <= 1
+  ):
     raise ValueError(
-        "SubspaceSolver.drift_threshold must be a number in (0, 1] (a "
-        f"relative Frobenius error); got {threshold!r}.")
+      "SubspaceSolver.drift_threshold must be a number in (0, 1] (a "
+      f"relative Frobenius error); got {threshold!r}."
+    )
   return SubspaceSolver(steps, float(threshold))
 
 
 def _check_eigen_options(config: KFACConfig) -> None:
   """The subspace solver and EKFAC need the eigen method."""
-  for name, on in (("eigen_solver='subspace'",
-                    config.subspace_solver is not None),
-                   ("eigenvalue_correction=True",
-                    config.eigenvalue_correction)):
+  for name, on in (
+    ("eigen_solver='subspace'", config.subspace_solver is not None),
+    ("eigenvalue_correction=True", config.eigenvalue_correction),
+  ):
     if on and config.compute_method is not ComputeMethod.EIGEN:
       raise ValueError(
-          f"{name} works on eigenbases: it needs compute_method='eigen' (got "
-          f"{config.compute_method.value!r}).")
+        f"{name} works on eigenbases: it needs compute_method='eigen' (got "
+        f"{config.compute_method.value!r})."
+      )
 
 
 def make_placement(
-    compute_method: ComputeMethod | str,
-    compute_eigenvalue_outer_product: bool,
-    inv_dtype: jnp.dtype,
-    mesh_axes: str | Sequence[str] | None,
-    grad_worker_fraction: DistributedStrategy | float,
-    assignment_strategy: AssignmentStrategy | str,
-    decomposition_batch_size: int | None = None,
-    solver: SubspaceSolver | None = None,
-    relative_damping: bool = False,
+  compute_method: ComputeMethod | str,
+  compute_eigenvalue_outer_product: bool,
+  inv_dtype: jnp.dtype,
+  mesh_axes: str | Sequence[str] | None,
+  grad_worker_fraction: DistributedStrategy | float,
+  assignment_strategy: AssignmentStrategy | str,
+  decomposition_batch_size: int | None = None,
+  solver: SubspaceSolver | None = None,
+  relative_damping: bool = False,
 ) -> placement_lib.Placement:
   """Where ``scale_by_kfac``'s preconditioners are computed and kept."""
   method = make_method(
-      use_eigen=ComputeMethod.parse(compute_method) is ComputeMethod.EIGEN,
-      dtype=hp.preconditioner_dtype("inv_dtype", inv_dtype),
-      precompute_damped_inverse=hp.static_bool(
-          "compute_eigenvalue_outer_product",
-          compute_eigenvalue_outer_product),
-      decomposition_batch_size=decomposition_batch_size, solver=solver,
-      relative_damping=relative_damping)
-  distribution = strategy.make_config(mesh_axes, grad_worker_fraction,
-                                      assignment_strategy)
+    use_eigen=ComputeMethod.parse(compute_method) is ComputeMethod.EIGEN,
+    dtype=hp.preconditioner_dtype("inv_dtype", inv_dtype),
+    precompute_damped_inverse=hp.static_bool(
+      "compute_eigenvalue_outer_product", compute_eigenvalue_outer_product
+    ),
+    decomposition_batch_size=decomposition_batch_size,
+    solver=solver,
+    relative_damping=relative_damping,
+  )
+  distribution = strategy.make_config(
+    mesh_axes, grad_worker_fraction, assignment_strategy
+  )
   if distribution is None:
     return placement_lib.local_placement(method)
   return placement_lib.mesh_placement(method, distribution)
@@ -533,7 +607,8 @@ def takes_config_arguments(fn: F) -> F:
   ``Args: KFACConfig's.`` of ``fn``'s docstring."""
   signature = inspect.signature(KFACConfig)
   fn.__signature__ = signature.replace(
-      return_annotation=inspect.signature(fn).return_annotation)
+    return_annotation=inspect.signature(fn).return_annotation
+  )
   args = re.search(r"\n  Args:\n.*?\n\n", KFACConfig.__doc__, re.S).group(0)
   fn.__doc__ = fn.__doc__.replace("\n  Args: KFACConfig's.\n\n", args)
   return fn

@@ -41,8 +41,10 @@ def values(tree: Any) -> Any:
   if not _has_variables(tree):
     return tree
   return jax.tree.map(
-      lambda node: node.get_value() if _is_variable(node) else node, tree,
-      is_leaf=_is_variable)
+    lambda node: node.get_value() if _is_variable(node) else node,
+    tree,
+    is_leaf=_is_variable,
+  )
 
 
 def like(reference: Any, result: Any) -> Any:
@@ -58,8 +60,10 @@ def like(reference: Any, result: Any) -> Any:
   expected = jax.tree.structure(values(reference))
   if jax.tree.structure(result) != expected:
     raise ValueError(
-        "kfac_jax: a result does not have the structure of the values of "
-        f"the NNX variables it stands for: {jax.tree.structure(result)} "
-        f"against {expected}.")
-  return jax.tree.unflatten(jax.tree.structure(reference),
-                            jax.tree.leaves(result))
+      "kfac_jax: a result does not have the structure of the values of "
+      f"the NNX variables it stands for: {jax.tree.structure(result)} "
+      f"against {expected}."
+    )
+  return jax.tree.unflatten(
+    jax.tree.structure(reference), jax.tree.leaves(result)
+  )

@@ -18,13 +18,13 @@ from kfac_jax.transform.state import ScaleByKFACState
 
 
 def get_opt_state_partition_specs(
-    params: Any,
-    chain_with: optax.GradientTransformation | None = None,
-    *,
-    tx: optax.GradientTransformation | None = None,
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
-    logical_axis_rules: boxing.LogicalRules | None = None,
-    **kwargs: Any,
+  params: Any,
+  chain_with: optax.GradientTransformation | None = None,
+  *,
+  tx: optax.GradientTransformation | None = None,
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+  logical_axis_rules: boxing.LogicalRules | None = None,
+  **kwargs: Any,
 ) -> Any:
   """``PartitionSpec``s of ``tx.init(params)``, computed without allocating.
 
@@ -82,84 +82,101 @@ def get_opt_state_partition_specs(
     TypeError: ``chain_with``, ``tx`` or ``mesh`` of another kind.
   """
   with using_mesh(mesh, "get_opt_state_partition_specs"):
-    return _partition_specs(params, chain_with, tx, logical_axis_rules,
-                            kwargs)
+    return _partition_specs(params, chain_with, tx, logical_axis_rules, kwargs)
 
 
-def _partition_specs(params: Any,
-                     chain_with: optax.GradientTransformation | None,
-                     tx: optax.GradientTransformation | None,
-                     rules: boxing.LogicalRules | None,
-                     kwargs: dict[str, Any]) -> Any:
+def _partition_specs(
+  params: Any,
+  chain_with: optax.GradientTransformation | None,
+  tx: optax.GradientTransformation | None,
+  rules: boxing.LogicalRules | None,
+  kwargs: dict[str, Any],
+) -> Any:
   """``get_opt_state_partition_specs`` under its mesh."""
   for name, value in (("chain_with", chain_with), ("tx", tx)):
     # Duck-typed: optax.MultiSteps and other optax objects have init and
     # update without being GradientTransformations.
-    if value is not None and not (callable(getattr(value, "init", None)) and
-                                  callable(getattr(value, "update", None))):
+    if value is not None and not (
+      callable(getattr(value, "init", None))
+      and callable(getattr(value, "update", None))
+    ):
       # e.g. get_opt_state_partition_specs(params, 0.1): a learning rate
       # meant for scale_by_kfac lands in chain_with.
       raise TypeError(
-          f"get_opt_state_partition_specs: {name} must be an optax "
-          f"transformation (with init and update); got {value!r}. Pass the "
-          "scale_by_kfac arguments by keyword (learning_rate=..., "
-          "damping=...).")
+        f"get_opt_state_partition_specs: {name} must be an optax "
+        f"transformation (with init and update); got {value!r}. Pass the "
+        "scale_by_kfac arguments by keyword (learning_rate=..., "
+        "damping=...)."
+      )
   config = KFACConfig(**kwargs)
   kfac_tx = transformation(config)
   given_tx = tx is not None
   if not given_tx:
     tx = kfac_tx if chain_with is None else optax.chain(kfac_tx, chain_with)
   elif chain_with is not None:
-    raise ValueError("get_opt_state_partition_specs: pass chain_with (the "
-                     "rest of a chain after scale_by_kfac) or tx (the whole "
-                     "transformation), not both.")
+    raise ValueError(
+      "get_opt_state_partition_specs: pass chain_with (the "
+      "rest of a chain after scale_by_kfac) or tx (the whole "
+      "transformation), not both."
+    )
   boxed = boxing.has_boxes(params)
   if rules is not None and not boxed:
     raise ValueError(
-        "get_opt_state_partition_specs: logical_axis_rules given, but the "
-        "params hold no Flax partitioning boxes (nn.LogicallyPartitioned from "
-        "nn.with_logical_partitioning) for them to apply to. Pass the params "
-        "as model.init returns them, or their PartitionSpecs as "
-        "params_partition_specs.")
+      "get_opt_state_partition_specs: logical_axis_rules given, but the "
+      "params hold no Flax partitioning boxes (nn.LogicallyPartitioned from "
+      "nn.with_logical_partitioning) for them to apply to. Pass the params "
+      "as model.init returns them, or their PartitionSpecs as "
+      "params_partition_specs."
+    )
   params_specs = config.params_partition_specs
   params_specs = check_params_specs(
-      boxing.unbox(params), jax.tree.map(lambda _: None, boxing.unbox(params))
-      if params_specs is None else params_specs)
+    boxing.unbox(params),
+    jax.tree.map(lambda _: None, boxing.unbox(params))
+    if params_specs is None
+    else params_specs,
+  )
 
   shapes = jax.eval_shape(tx.init, params)
   is_state = lambda node: isinstance(node, ScaleByKFACState)
   # The params-shaped parts are left out of the comparison: in a chain that
   # masks part of the params (optax.multi_transform) they are masked too.
   comparable = lambda state: state_lib.shapes_and_dtypes(
-      state_lib.without_params_shaped(state))
-  expected = (comparable(jax.eval_shape(kfac_tx.init, params)) if given_tx
-              else None)
+    state_lib.without_params_shaped(state)
+  )
+  expected = (
+    comparable(jax.eval_shape(kfac_tx.init, params)) if given_tx else None
+  )
   for state in jax.tree.leaves(shapes, is_leaf=is_state):
     if given_tx and is_state(state) and comparable(state) != expected:
       raise ValueError(
-          "get_opt_state_partition_specs: tx holds a K-FAC state that "
-          "scale_by_kfac(**kwargs) would not make (another accumulation, "
-          "adaptive mode, compute_method, dtype or layer set): pass the "
-          "scale_by_kfac arguments tx was built with.")
+        "get_opt_state_partition_specs: tx holds a K-FAC state that "
+        "scale_by_kfac(**kwargs) would not make (another accumulation, "
+        "adaptive mode, compute_method, dtype or layer set): pass the "
+        "scale_by_kfac arguments tx was built with."
+      )
   if boxed:  # The state is boxed where it is params-shaped.
     return boxing.partition_specs(shapes, rules)
   specs_of = _params_specs_of(params, params_specs)
 
   def spec_of(node: Any) -> Any:
     if isinstance(node, ScaleByKFACState):
-      return state_lib.state_partition_specs(node, config.placement,
-                                             specs_of)
+      return state_lib.state_partition_specs(node, config.placement, specs_of)
     specs = specs_of(node)
     return PartitionSpec() if specs is None else specs
 
   return jax.tree.map(
-      spec_of, shapes,
-      is_leaf=lambda node: isinstance(node, ScaleByKFACState) or (
-          node is not None and specs_of(node) is not None))
+    spec_of,
+    shapes,
+    is_leaf=lambda node: (
+      isinstance(node, ScaleByKFACState)
+      or (node is not None and specs_of(node) is not None)
+    ),
+  )
 
 
-def _params_specs_of(params: Any, params_specs: Any
-                     ) -> Callable[[Any], Any | None]:
+def _params_specs_of(
+  params: Any, params_specs: Any
+) -> Callable[[Any], Any | None]:
   """``node -> its specs`` for nodes shaped like ``params``, else ``None``.
 
   A params-shaped node (momentum, Adam moments, accumulated gradients) holds
@@ -173,29 +190,33 @@ def _params_specs_of(params: Any, params_specs: Any
   # One spec per array: a spec may stand for a node holding one array (an
   # nnx.Param of nnx.state).
   leaf_specs = jax.tree.map(
-      lambda spec, node: jax.tree.map(lambda _: spec, node), params_specs,
-      params, is_leaf=is_spec)
+    lambda spec, node: jax.tree.map(lambda _: spec, node),
+    params_specs,
+    params,
+    is_leaf=is_spec,
+  )
   paths, _ = jax.tree_util.tree_flatten_with_path(params)
   shapes = {path: leaf.shape for path, leaf in paths}
-  specs = dict(jax.tree_util.tree_flatten_with_path(leaf_specs,
-                                                    is_leaf=is_spec)[0])
+  specs = dict(
+    jax.tree_util.tree_flatten_with_path(leaf_specs, is_leaf=is_spec)[0]
+  )
   is_masked = lambda x: isinstance(x, optax.MaskedNode)
 
   def specs_of(node: Any) -> Any | None:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(
-        node, is_leaf=is_masked)
+      node, is_leaf=is_masked
+    )
     found, covered = [], 0
     for path, leaf in leaves:
       if is_masked(leaf):
         found.append(leaf)
-        covered += sum(p[:len(path)] == path for p in shapes)
+        covered += sum(p[: len(path)] == path for p in shapes)
       elif shapes.get(path) == getattr(leaf, "shape", None):
         found.append(specs[path])
         covered += 1
       else:
         return None
-    if covered != len(shapes) or len(found) == 0 or all(map(is_masked,
-                                                            found)):
+    if covered != len(shapes) or len(found) == 0 or all(map(is_masked, found)):
       return None
     return jax.tree_util.tree_unflatten(treedef, found)
 

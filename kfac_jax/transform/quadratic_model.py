@@ -98,63 +98,81 @@ class AdaptiveConfig(NamedTuple):
   def check(self) -> AdaptiveConfig:
     """Raises a clear error on an invalid setting; returns ``self``."""
     if not isinstance(self, AdaptiveConfig):
-      advice = (" (the class itself: pass an instance, AdaptiveConfig())"
-                if self is AdaptiveConfig else "")
-      raise TypeError(f"adaptive must be a kfac_jax.AdaptiveConfig; got "
-                      f"{type(self).__name__}{advice}.")
+      advice = (
+        " (the class itself: pass an instance, AdaptiveConfig())"
+        if self is AdaptiveConfig
+        else ""
+      )
+      raise TypeError(
+        f"adaptive must be a kfac_jax.AdaptiveConfig; got "
+        f"{type(self).__name__}{advice}."
+      )
     for name in ("min_damping", "max_damping", "damping_adaptation_decay"):
-      value = hp.static_scalar(f"AdaptiveConfig.{name}",
-                                        getattr(self, name), "adaptive")
+      value = hp.static_scalar(
+        f"AdaptiveConfig.{name}", getattr(self, name), "adaptive"
+      )
       if isinstance(value, (bool, np.bool_)) or not isinstance(
-          value, (numbers.Real, np.floating, np.integer)):
-        raise TypeError(f"AdaptiveConfig.{name} must be a real number; got "
-                        f"{getattr(self, name)!r} "
-                        f"({type(getattr(self, name)).__name__}).")
+        value, (numbers.Real, np.floating, np.integer)
+      ):
+        raise TypeError(
+          f"AdaptiveConfig.{name} must be a real number; got "
+          f"{getattr(self, name)!r} "
+          f"({type(getattr(self, name)).__name__})."
+        )
       if not np.isfinite(value):
-        raise ValueError(f"AdaptiveConfig.{name} must be finite; got "
-                         f"{value!r}.")
+        raise ValueError(
+          f"AdaptiveConfig.{name} must be finite; got {value!r}."
+        )
     # λ is float32 in the state: a floor that is 0 (or subnormal, which XLA
     # may flush to 0) there would let λ reach 0, from which the rule's λ/ω
     # can never grow back.
     tiny = np.finfo(np.float32).tiny
     if 0 < self.min_damping and not np.float32(self.min_damping) >= tiny:
       raise ValueError(
-          f"AdaptiveConfig.min_damping={self.min_damping!r} is below "
-          f"float32's smallest normal number, {float(tiny):.3g} (λ is "
-          "float32): λ could reach 0 and stay there.")
+        f"AdaptiveConfig.min_damping={self.min_damping!r} is below "
+        f"float32's smallest normal number, {float(tiny):.3g} (λ is "
+        "float32): λ could reach 0 and stay there."
+      )
     with np.errstate(over="ignore"):
       max_damping = np.float32(self.max_damping)
     if not np.isfinite(max_damping):
       raise ValueError(
-          f"AdaptiveConfig.max_damping={self.max_damping!r} is past float32's "
-          f"largest value, {float(np.finfo(np.float32).max):.3g} (λ is "
-          "float32): λ could reach inf, where every update is zero and λ/ω "
-          "never comes back.")
+        f"AdaptiveConfig.max_damping={self.max_damping!r} is past float32's "
+        f"largest value, {float(np.finfo(np.float32).max):.3g} (λ is "
+        "float32): λ could reach inf, where every update is zero and λ/ω "
+        "never comes back."
+      )
     if not 0 < self.min_damping <= self.max_damping:
       raise ValueError(
-          "AdaptiveConfig needs 0 < min_damping <= max_damping; got "
-          f"min_damping={self.min_damping!r}, max_damping={self.max_damping!r}.")
+        "AdaptiveConfig needs 0 < min_damping <= max_damping; got "
+        f"min_damping={self.min_damping!r}, max_damping={self.max_damping!r}."
+      )
     if not 0 < self.damping_adaptation_decay < 1:
-      raise ValueError("AdaptiveConfig.damping_adaptation_decay must be in "
-                       f"(0, 1); got {self.damping_adaptation_decay!r}.")
+      raise ValueError(
+        "AdaptiveConfig.damping_adaptation_decay must be in "
+        f"(0, 1); got {self.damping_adaptation_decay!r}."
+      )
     interval = hp.static_positive_integer(
-        "AdaptiveConfig.damping_adaptation_interval",
-        self.damping_adaptation_interval, "adaptive")
+      "AdaptiveConfig.damping_adaptation_interval",
+      self.damping_adaptation_interval,
+      "adaptive",
+    )
     if interval > np.iinfo(np.int32).max:
       raise ValueError(
-          "AdaptiveConfig.damping_adaptation_interval must fit in int32 (the "
-          f"step count's type); got {interval}.")
+        "AdaptiveConfig.damping_adaptation_interval must fit in int32 (the "
+        f"step count's type); got {interval}."
+      )
     # λ is float32: an ω = decay^interval that rounds to 1 there never moves
     # it.
-    if np.float32(float(self.damping_adaptation_decay)**interval) == 1:
+    if np.float32(float(self.damping_adaptation_decay) ** interval) == 1:
       raise ValueError(
-          "AdaptiveConfig: ω = damping_adaptation_decay^"
-          "damping_adaptation_interval = "
-          f"{float(self.damping_adaptation_decay)!r}^{interval} rounds to 1 in "
-          "float32 (λ's type), so λ would never change; use a smaller decay.")
+        "AdaptiveConfig: ω = damping_adaptation_decay^"
+        "damping_adaptation_interval = "
+        f"{float(self.damping_adaptation_decay)!r}^{interval} rounds to 1 in "
+        "float32 (λ's type), so λ would never change; use a smaller decay."
+      )
     for name in ("use_momentum", "include_damping_in_quadratic_change"):
-      hp.static_bool(f"AdaptiveConfig.{name}", getattr(self, name),
-                              "adaptive")
+      hp.static_bool(f"AdaptiveConfig.{name}", getattr(self, name), "adaptive")
     return self
 
 
@@ -175,8 +193,9 @@ class QuadraticModelState(NamedTuple):
   reduction_ratio: jax.Array
 
 
-def init(params: Any, damping: float | jax.Array,
-         config: AdaptiveConfig) -> QuadraticModelState:
+def init(
+  params: Any, damping: float | jax.Array, config: AdaptiveConfig
+) -> QuadraticModelState:
   """The state before the first step, λ = ``damping``.
 
   A constant λ was checked against ``config``'s range when the
@@ -185,18 +204,21 @@ def init(params: Any, damping: float | jax.Array,
   every later λ (``clip_damping``).
   """
   return QuadraticModelState(
-      damping=clip_damping(jnp.asarray(damping, jnp.float32), config),
-      previous_update=optax.tree.zeros_like(params),
-      step_sizes=jnp.zeros([2], jnp.float32),
-      reduction_ratio=jnp.ones([], jnp.float32))
+    damping=clip_damping(jnp.asarray(damping, jnp.float32), config),
+    previous_update=optax.tree.zeros_like(params),
+    step_sizes=jnp.zeros([2], jnp.float32),
+    reduction_ratio=jnp.ones([], jnp.float32),
+  )
 
 
 def _cross_products(left: Sequence[Any], right: Sequence[Any]) -> jax.Array:
   """``[leftᵢᵀ rightⱼ]`` (``[len(left), len(right)]``) of pytrees, one pass."""
-  pairs = [(i, len(left) + j) for i in range(len(left))
-           for j in range(len(right))]
+  pairs = [
+    (i, len(left) + j) for i in range(len(left)) for j in range(len(right))
+  ]
   return tree_inner_products((*left, *right), pairs).reshape(
-      len(left), len(right))
+    len(left), len(right)
+  )
 
 
 def _real_scalar(name: str, value: Any) -> jax.Array:
@@ -206,8 +228,9 @@ def _real_scalar(name: str, value: Any) -> jax.Array:
   shape, dtype = np.shape(value), jnp.result_type(value)
   if shape != () or not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(
-        f"SplitLoss.{name} must return a floating scalar (reduce per-example "
-        f"values with .mean() or .sum()); got shape {shape}, dtype {dtype}.")
+      f"SplitLoss.{name} must return a floating scalar (reduce per-example "
+      f"values with .mean() or .sum()); got shape {shape}, dtype {dtype}."
+    )
   return value
 
 
@@ -226,28 +249,30 @@ def _outputs(split_loss: SplitLoss, params: Any) -> Any:
     return split_loss.outputs_fn(params)
   except flax_errors.TraceContextError as error:
     raise ValueError(
-        "SplitLoss.outputs_fn updates an NNX object made outside it (an "
-        "nnx.Rngs whose counter dropout advances, a model's BatchNorm "
-        "statistics): the adaptive mode evaluates it under jax.linearize "
-        "and lax.cond, where NNX refuses such updates. Build what it updates "
-        "inside it: a copy of the model (nnx.merge(graphdef, params, rest, "
-        "copy=True)) and, for dropout, nnx.Rngs(dropout=key) from one key "
-        "drawn outside per step and given to the gradient's loss too, so "
-        "that every evaluation uses the gradient's dropout mask "
-        "(docs/adaptive.md, 'Dropout and other stochastic layers').") from error
+      "SplitLoss.outputs_fn updates an NNX object made outside it (an "
+      "nnx.Rngs whose counter dropout advances, a model's BatchNorm "
+      "statistics): the adaptive mode evaluates it under jax.linearize "
+      "and lax.cond, where NNX refuses such updates. Build what it updates "
+      "inside it: a copy of the model (nnx.merge(graphdef, params, rest, "
+      "copy=True)) and, for dropout, nnx.Rngs(dropout=key) from one key "
+      "drawn outside per step and given to the gradient's loss too, so "
+      "that every evaluation uses the gradient's dropout mask "
+      "(docs/adaptive.md, 'Dropout and other stochastic layers')."
+    ) from error
 
 
 def loss_value(split_loss: SplitLoss, params: Any) -> jax.Array:
   """``loss_fn(outputs_fn(params)) + regularizer(params)`` (float32)."""
-  value = _real_scalar("loss_fn",
-                       split_loss.loss_fn(_outputs(split_loss, params)))
+  value = _real_scalar(
+    "loss_fn", split_loss.loss_fn(_outputs(split_loss, params))
+  )
   if split_loss.regularizer is not None:
     value = value + _real_scalar("regularizer", split_loss.regularizer(params))
   return jnp.asarray(value, jnp.float32)
 
 
 def curvature_products(
-    split_loss: SplitLoss, params: Any, vectors: Sequence[Any]
+  split_loss: SplitLoss, params: Any, vectors: Sequence[Any]
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The batch loss, ``[vᵢᵀ C vⱼ]`` (``[k, k]``) and ``[∇ᵀvᵢ]`` (``[k]``) of
   the ``SplitLoss`` for the k ``vectors``.
@@ -258,31 +283,40 @@ def curvature_products(
   output gives ``∇ᵀvᵢ = ∇loss_fn · J vᵢ`` (plus the regularizer's) for free.
   """
   outputs, jacobian_product = jax.linearize(
-      lambda p: _outputs(split_loss, p), params)
-  loss = jnp.asarray(_real_scalar("loss_fn", split_loss.loss_fn(outputs)),
-                     jnp.float32)
+    lambda p: _outputs(split_loss, p), params
+  )
+  loss = jnp.asarray(
+    _real_scalar("loss_fn", split_loss.loss_fn(outputs)), jnp.float32
+  )
   output_tangents = [jacobian_product(v) for v in vectors]
   output_gradient, hessian_product = jax.linearize(
-      jax.grad(split_loss.loss_fn), outputs)
+    jax.grad(split_loss.loss_fn), outputs
+  )
   curved = [hessian_product(t) for t in output_tangents]
   matrix = _cross_products(output_tangents, curved)
   gradient_products = _cross_products([output_gradient], output_tangents)[0]
   if split_loss.regularizer is not None:
     loss = loss + jnp.asarray(
-        _real_scalar("regularizer", split_loss.regularizer(params)),
-        jnp.float32)
+      _real_scalar("regularizer", split_loss.regularizer(params)), jnp.float32
+    )
     regularizer_gradient, regularizer_hessian = jax.linearize(
-        jax.grad(split_loss.regularizer), params)
+      jax.grad(split_loss.regularizer), params
+    )
     curved_params = [regularizer_hessian(v) for v in vectors]
     matrix = matrix + _cross_products(vectors, curved_params)
-    gradient_products = gradient_products + _cross_products(
-        [regularizer_gradient], vectors)[0]
+    gradient_products = (
+      gradient_products + _cross_products([regularizer_gradient], vectors)[0]
+    )
   return loss, (matrix + matrix.T) / 2, gradient_products
 
 
-def solve_step_sizes(curvature: jax.Array, inner_products: jax.Array,
-                     gradient_products: jax.Array, damping: jax.Array,
-                     use_momentum: bool) -> jax.Array:
+def solve_step_sizes(
+  curvature: jax.Array,
+  inner_products: jax.Array,
+  gradient_products: jax.Array,
+  damping: jax.Array,
+  use_momentum: bool,
+) -> jax.Array:
   """Minimiser ``c = [α, μ]`` of ``gᵀc + ½ cᵀ(Q + λ P)c``.
 
   Args:
@@ -298,9 +332,11 @@ def solve_step_sizes(curvature: jax.Array, inner_products: jax.Array,
     are 0.
   """
   system = curvature + damping * inner_products
-  alpha_only = jnp.where(system[0, 0] > 0,
-                         -gradient_products[0] / jnp.where(
-                             system[0, 0] > 0, system[0, 0], 1.0), 0.0)
+  alpha_only = jnp.where(
+    system[0, 0] > 0,
+    -gradient_products[0] / jnp.where(system[0, 0] > 0, system[0, 0], 1.0),
+    0.0,
+  )
   one_dimensional = jnp.stack([alpha_only, jnp.zeros([], alpha_only.dtype)])
   if not use_momentum:
     return one_dimensional
@@ -308,23 +344,31 @@ def solve_step_sizes(curvature: jax.Array, inner_products: jax.Array,
   # compiles an LU factorisation loop.
   determinant = system[0, 0] * system[1, 1] - system[0, 1] * system[1, 0]
   regular = determinant > _SINGULAR_TOLERANCE * jnp.abs(
-      system[0, 0] * system[1, 1])
-  adjugate_products = jnp.stack([
+    system[0, 0] * system[1, 1]
+  )
+  adjugate_products = jnp.stack(
+    [
       system[1, 1] * gradient_products[0] - system[0, 1] * gradient_products[1],
-      system[0, 0] * gradient_products[1] - system[1, 0] * gradient_products[0]])
+      system[0, 0] * gradient_products[1] - system[1, 0] * gradient_products[0],
+    ]
+  )
   two_dimensional = -adjugate_products / jnp.where(regular, determinant, 1.0)
   return jnp.where(regular, two_dimensional, one_dimensional)
 
 
-def quadratic_change(coefficients: jax.Array, curvature: jax.Array,
-                     gradient_products: jax.Array) -> jax.Array:
+def quadratic_change(
+  coefficients: jax.Array, curvature: jax.Array, gradient_products: jax.Array
+) -> jax.Array:
   """``gᵀc + ½ cᵀQc``: the model's change of the loss for ``v = Kc``."""
-  return (gradient_products @ coefficients +
-          0.5 * coefficients @ curvature @ coefficients)
+  return (
+    gradient_products @ coefficients
+    + 0.5 * coefficients @ curvature @ coefficients
+  )
 
 
-def adapt_damping(damping: jax.Array, reduction_ratio: jax.Array,
-                  config: AdaptiveConfig) -> jax.Array:
+def adapt_damping(
+  damping: jax.Array, reduction_ratio: jax.Array, config: AdaptiveConfig
+) -> jax.Array:
   """Levenberg-Marquardt: ``λ·ω`` if ``ρ > ¾``, ``λ/ω`` if ``ρ < ¼`` or ρ is NaN.
 
   ``ω = decay^interval``; the result is clipped to ``[min, max]``. A NaN λ
@@ -332,20 +376,32 @@ def adapt_damping(damping: jax.Array, reduction_ratio: jax.Array,
   rejected) restarts at ``max_damping``, the cautious end.
   """
   omega = config.damping_adaptation_decay**config.damping_adaptation_interval
-  new = jnp.where(reduction_ratio > 0.75, damping * omega,
-                  jnp.where(reduction_ratio >= 0.25, damping, damping / omega))
+  new = jnp.where(
+    reduction_ratio > 0.75,
+    damping * omega,
+    jnp.where(reduction_ratio >= 0.25, damping, damping / omega),
+  )
   return clip_damping(new, config)
 
 
 def clip_damping(damping: jax.Array, config: AdaptiveConfig) -> jax.Array:
   """λ clipped to ``[min_damping, max_damping]``; NaN to ``max_damping``."""
-  return jnp.where(jnp.isnan(damping), config.max_damping,
-                   jnp.clip(damping, config.min_damping, config.max_damping))
+  return jnp.where(
+    jnp.isnan(damping),
+    config.max_damping,
+    jnp.clip(damping, config.min_damping, config.max_damping),
+  )
 
 
-def step(state: QuadraticModelState, preconditioned: Any, gradients: Any,
-         params: Any, split_loss: SplitLoss, adapt: jax.Array,
-         config: AdaptiveConfig) -> tuple[Any, QuadraticModelState]:
+def step(
+  state: QuadraticModelState,
+  preconditioned: Any,
+  gradients: Any,
+  params: Any,
+  split_loss: SplitLoss,
+  adapt: jax.Array,
+  config: AdaptiveConfig,
+) -> tuple[Any, QuadraticModelState]:
   """The update ``α Δ + μ δ`` and the state after it.
 
   Args:
@@ -370,76 +426,107 @@ def step(state: QuadraticModelState, preconditioned: Any, gradients: Any,
   # The products are taken of −Δ, as given; `signs` turns them into Δ's.
   signs = jnp.asarray([-1.0, 1.0], jnp.float32)
   # Without momentum δ's curvature is not needed: zeros in its place.
-  vectors = (preconditioned, previous) if config.use_momentum else (
-      preconditioned,)
+  vectors = (
+    (preconditioned, previous) if config.use_momentum else (preconditioned,)
+  )
   padding = [(0, 2 - len(vectors))]
   loss, curvature, split_gradient_products = curvature_products(
-      split_loss, params, vectors)
+    split_loss, params, vectors
+  )
   curvature = jnp.pad(curvature, padding * 2) * jnp.outer(signs, signs)
   split_gradient_products = jnp.pad(split_gradient_products, padding) * signs
   # [∇, −Δ, δ]ᵀ[−Δ, δ]: the first row gives ∇ᵀvⱼ, the rest vᵢᵀvⱼ. δᵀδ even
   # without momentum: it tells whether δ is finite.
-  products = _cross_products((gradients, preconditioned, previous),
-                             (preconditioned, previous))
+  products = _cross_products(
+    (gradients, preconditioned, previous), (preconditioned, previous)
+  )
   inner_products = products[1:] * jnp.outer(signs, signs)
   gradient_products = products[0] * signs
-  coefficients = solve_step_sizes(curvature, inner_products,
-                                  gradient_products, state.damping,
-                                  config.use_momentum)
+  coefficients = solve_step_sizes(
+    curvature,
+    inner_products,
+    gradient_products,
+    state.damping,
+    config.use_momentum,
+  )
   predicted = quadratic_change(
-      coefficients, curvature + state.damping * inner_products
-      if config.include_damping_in_quadratic_change else curvature,
-      gradient_products)
+    coefficients,
+    curvature + state.damping * inner_products
+    if config.include_damping_in_quadratic_change
+    else curvature,
+    gradient_products,
+  )
   ok = jnp.isfinite(predicted) & _update_finite(
-      coefficients, inner_products, preconditioned, previous)
+    coefficients, inner_products, preconditioned, previous
+  )
   update = jax.tree.map(
-      lambda d, p: jnp.where(ok, _combination(coefficients, d, p),
-                             jnp.zeros([], p.dtype)),
-      preconditioned, previous)
+    lambda d, p: jnp.where(
+      ok, _combination(coefficients, d, p), jnp.zeros([], p.dtype)
+    ),
+    preconditioned,
+    previous,
+  )
 
   def measured_ratio():
-    new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params,
-                              update)
+    new_params = jax.tree.map(
+      lambda p, u: p + u.astype(p.dtype), params, update
+    )
     # The model's linear term is the passed gradients' (the whole batch);
     # the SplitLoss may cover part of it (a curvature mini-batch), whose own
     # change also moves with its own linear term, ∇_splitᵀv ≠ ∇ᵀv. Its
     # change less that term estimates the higher-order change; the whole
     # batch's ∇ᵀv completes it (M&G measure ρ on the gradient's batch).
     # With the SplitLoss on the whole batch the two terms cancel.
-    change = loss_value(split_loss, new_params) - loss + (
-        gradient_products - split_gradient_products) @ coefficients
+    change = (
+      loss_value(split_loss, new_params)
+      - loss
+      + (gradient_products - split_gradient_products) @ coefficients
+    )
     # predicted < 0 whenever the solve found a descent step; 0 when it
     # found none, in which case ρ is left NaN and λ grows.
     return change / jnp.where(predicted < 0, predicted, jnp.nan)
 
-  ratio = jax.lax.cond(adapt & ok, measured_ratio,
-                       lambda: state.reduction_ratio)
+  ratio = jax.lax.cond(
+    adapt & ok, measured_ratio, lambda: state.reduction_ratio
+  )
   damping = jnp.where(
-      ok, jnp.where(adapt, adapt_damping(state.damping, ratio, config),
-                    state.damping),
-      adapt_damping(state.damping, jnp.asarray(jnp.nan, jnp.float32), config))
+    ok,
+    jnp.where(
+      adapt, adapt_damping(state.damping, ratio, config), state.damping
+    ),
+    adapt_damping(state.damping, jnp.asarray(jnp.nan, jnp.float32), config),
+  )
   # A rejected step keeps δ, unless δ itself is what is non-finite (a
   # corrupted restore), which would reject every later step: then the
   # rejected step's zeros. One lax.cond for the whole tree: no per-leaf
   # select or zeros to compile.
   new_state = QuadraticModelState(
-      damping=damping,
-      previous_update=finite.keep(
-          ok | ~jnp.isfinite(inner_products[1, 1]), update, previous),
-      step_sizes=jnp.where(ok, coefficients, jnp.zeros_like(coefficients)),
-      reduction_ratio=ratio)
+    damping=damping,
+    previous_update=finite.keep(
+      ok | ~jnp.isfinite(inner_products[1, 1]), update, previous
+    ),
+    step_sizes=jnp.where(ok, coefficients, jnp.zeros_like(coefficients)),
+    reduction_ratio=ratio,
+  )
   return update, new_state
 
 
-def _combination(coefficients: jax.Array, preconditioned: jax.Array,
-                 previous: jax.Array) -> jax.Array:
+def _combination(
+  coefficients: jax.Array, preconditioned: jax.Array, previous: jax.Array
+) -> jax.Array:
   """One leaf of ``v = αΔ + μδ = −α(−Δ) + μδ``, in float32, cast to δ's dtype."""
-  return (-coefficients[0] * preconditioned.astype(jnp.float32) +
-          coefficients[1] * previous.astype(jnp.float32)).astype(previous.dtype)
+  return (
+    -coefficients[0] * preconditioned.astype(jnp.float32)
+    + coefficients[1] * previous.astype(jnp.float32)
+  ).astype(previous.dtype)
 
 
-def _update_finite(coefficients: jax.Array, inner_products: jax.Array,
-                   preconditioned: Any, previous: Any) -> jax.Array:
+def _update_finite(
+  coefficients: jax.Array,
+  inner_products: jax.Array,
+  preconditioned: Any,
+  previous: Any,
+) -> jax.Array:
   """Whether ``v = αΔ + μδ`` is finite, from scalars already at hand.
 
   ``‖v‖² = cᵀPc`` for ``c = [α, μ]``: a NaN or ±Inf in Δ or δ makes ``P``'s
@@ -451,9 +538,10 @@ def _update_finite(coefficients: jax.Array, inner_products: jax.Array,
   overflow ``‖v‖²``: leaves of such a dtype are checked themselves.
   """
   norm = jnp.isfinite(coefficients @ inner_products @ coefficients)
-  narrow = [_combination(coefficients, d, p) for d, p in zip(
-      jax.tree.leaves(preconditioned), jax.tree.leaves(previous))
-            if jnp.issubdtype(p.dtype, jnp.floating) and
-            float(jnp.finfo(p.dtype).max)**2 < float(
-                jnp.finfo(jnp.float32).max)]
+  narrow = [
+    _combination(coefficients, d, p)
+    for d, p in zip(jax.tree.leaves(preconditioned), jax.tree.leaves(previous))
+    if jnp.issubdtype(p.dtype, jnp.floating)
+    and float(jnp.finfo(p.dtype).max) ** 2 < float(jnp.finfo(jnp.float32).max)
+  ]
   return norm & finite.all_finite(narrow) if narrow else norm

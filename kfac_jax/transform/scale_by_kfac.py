@@ -47,18 +47,27 @@ from kfac_jax.transform import nnx_variables
 from kfac_jax.transform import quadratic_model
 from kfac_jax.transform import step
 from kfac_jax.transform.accumulation import accumulate
-from kfac_jax.transform.config import (DEFAULT_DAMPING, KFACConfig,
-                                       takes_config_arguments)
+from kfac_jax.transform.config import (
+  DEFAULT_DAMPING,
+  KFACConfig,
+  takes_config_arguments,
+)
 from kfac_jax.transform.quadratic_model import SplitLoss
 from kfac_jax.transform.state import AccumulatorState, ScaleByKFACState
 
-__all__ = ["AccumulatorState", "DEFAULT_DAMPING", "ScaleByKFACState",
-           "scale_by_kfac", "transformation"]
+__all__ = [
+  "AccumulatorState",
+  "DEFAULT_DAMPING",
+  "ScaleByKFACState",
+  "scale_by_kfac",
+  "transformation",
+]
 
 
 @takes_config_arguments
-def scale_by_kfac(*args: Any,
-                  **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+def scale_by_kfac(
+  *args: Any, **kwargs: Any
+) -> optax.GradientTransformationExtraArgs:
   """K-FAC gradient preconditioning (KAISA's algorithm) as an optax transform.
 
   Each registered layer's gradient ``∇`` is replaced by
@@ -102,7 +111,8 @@ def scale_by_kfac(*args: Any,
 def transformation(config: KFACConfig) -> optax.GradientTransformationExtraArgs:
   """``scale_by_kfac`` of an already built ``config``."""
   tx = optax.GradientTransformationExtraArgs(
-      functools.partial(init, config), functools.partial(update, config))
+    functools.partial(init, config), functools.partial(update, config)
+  )
   # Flax-boxed params (nn.with_logical_partitioning) in, boxed state out.
   return boxing.boxed_transformation(tx, config.mesh_axes)
 
@@ -118,49 +128,66 @@ def init(config: KFACConfig, params: Any) -> ScaleByKFACState:
     kernel = layers_lib.get_layer_params(params, layer)[layer.kernel_key]
     for block in layer.block_names:
       factors[block] = init_factors(
-          layer.activation_dim, layer.gradient_dim, config.factor_dtype or
-          jnp.promote_types(kernel.dtype, jnp.float32))
+        layer.activation_dim,
+        layer.gradient_dim,
+        config.factor_dtype or jnp.promote_types(kernel.dtype, jnp.float32),
+      )
   blocks = layers_lib.blocks_of(layers)
   accumulator = None
   if config.accumulation_steps > 1:
     accumulator = AccumulatorState(
-        micro_step=jnp.zeros([], jnp.int32),
-        gradients=step.constrain_to_params(config,
-                                           optax.tree.zeros_like(params)),
-        factors={
-            block: LayerFactors(jnp.zeros((a, a), jnp.float32),
-                                jnp.zeros((g, g), jnp.float32))
-            for block, (a, g) in blocks.items()
-        },
-        scales=(None if not config.eigenvalue_correction else {
-            block: jnp.zeros(dims, jnp.float32)
-            for block, dims in blocks.items()}))
+      micro_step=jnp.zeros([], jnp.int32),
+      gradients=step.constrain_to_params(config, optax.tree.zeros_like(params)),
+      factors={
+        block: LayerFactors(
+          jnp.zeros((a, a), jnp.float32), jnp.zeros((g, g), jnp.float32)
+        )
+        for block, (a, g) in blocks.items()
+      },
+      scales=(
+        None
+        if not config.eigenvalue_correction
+        else {
+          block: jnp.zeros(dims, jnp.float32) for block, dims in blocks.items()
+        }
+      ),
+    )
   return ScaleByKFACState(
-      count=jnp.zeros([], jnp.int32),
-      factors=factors,
-      preconditioners=config.placement.init(blocks),
-      accumulator=accumulator,
-      skipped_factor_updates=jnp.zeros([], jnp.int32),
-      rejected_decompositions=jnp.zeros([], jnp.int32),
-      quadratic_model=(None if config.adaptive is None else
-                       quadratic_model.init(
-                           step.constrain_to_params(config, params),
-                           config.damping.value, config.adaptive)),
-      eigh_fallbacks=(None if config.subspace_solver is None else
-                      jnp.zeros([], jnp.int32)),
-      eigenvalue_scales=(None if not config.eigenvalue_correction else {
-          block: ekfac.init_scales(*dims) for block, dims in blocks.items()}))
+    count=jnp.zeros([], jnp.int32),
+    factors=factors,
+    preconditioners=config.placement.init(blocks),
+    accumulator=accumulator,
+    skipped_factor_updates=jnp.zeros([], jnp.int32),
+    rejected_decompositions=jnp.zeros([], jnp.int32),
+    quadratic_model=(
+      None
+      if config.adaptive is None
+      else quadratic_model.init(
+        step.constrain_to_params(config, params),
+        config.damping.value,
+        config.adaptive,
+      )
+    ),
+    eigh_fallbacks=(
+      None if config.subspace_solver is None else jnp.zeros([], jnp.int32)
+    ),
+    eigenvalue_scales=(
+      None
+      if not config.eigenvalue_correction
+      else {block: ekfac.init_scales(*dims) for block, dims in blocks.items()}
+    ),
+  )
 
 
 def update(
-    config: KFACConfig,
-    updates: Any,
-    state: ScaleByKFACState,
-    params: Any = None,
-    *,
-    kfac_stats: Mapping[str, LayerStatistics] | checks.NoStats | None = None,
-    split_loss: SplitLoss | None = None,
-    **extra_args: Any,
+  config: KFACConfig,
+  updates: Any,
+  state: ScaleByKFACState,
+  params: Any = None,
+  *,
+  kfac_stats: Mapping[str, LayerStatistics] | checks.NoStats | None = None,
+  split_loss: SplitLoss | None = None,
+  **extra_args: Any,
 ) -> tuple[Any, ScaleByKFACState]:
   """The preconditioned ``updates`` and the state after them.
 
@@ -170,19 +197,26 @@ def update(
   """
   del extra_args
   new_updates, new_state = _update_values(
-      config, nnx_variables.values(updates), nnx_variables.values(state),
-      nnx_variables.values(params), kfac_stats, split_loss)
-  return (nnx_variables.like(updates, new_updates),
-          nnx_variables.like(state, new_state))
+    config,
+    nnx_variables.values(updates),
+    nnx_variables.values(state),
+    nnx_variables.values(params),
+    kfac_stats,
+    split_loss,
+  )
+  return (
+    nnx_variables.like(updates, new_updates),
+    nnx_variables.like(state, new_state),
+  )
 
 
 def _update_values(
-    config: KFACConfig,
-    updates: Any,
-    state: ScaleByKFACState,
-    params: Any,
-    kfac_stats: Mapping[str, LayerStatistics] | None,
-    split_loss: SplitLoss | None,
+  config: KFACConfig,
+  updates: Any,
+  state: ScaleByKFACState,
+  params: Any,
+  kfac_stats: Mapping[str, LayerStatistics] | None,
+  split_loss: SplitLoss | None,
 ) -> tuple[Any, ScaleByKFACState]:
   """``update`` on trees of arrays: the checks, then the step."""
   adaptive = config.adaptive
@@ -190,54 +224,96 @@ def _update_values(
   layers = config.find_layers(updates)
   sharded = {}
   if config.params_partition_specs is not None:
-    sharded = step.sharded_kernels(layers, sharding.check_params_specs(
-        updates, config.params_partition_specs))
+    sharded = step.sharded_kernels(
+      layers,
+      sharding.check_params_specs(updates, config.params_partition_specs),
+    )
   checks.check_state(layers, state, config)
   if adaptive is not None:
     # Only a restored λ can be out of range (NaN/Inf from a corrupted
     # checkpoint): it would enter this step's decompositions and step sizes
     # as it is until the next adaptation step cleaned it up.
-    state = state._replace(quadratic_model=state.quadratic_model._replace(
-        damping=quadratic_model.clip_damping(state.quadratic_model.damping,
-                                             adaptive)))
-  checks.check_preconditioners(state.preconditioners, jax.eval_shape(
-      lambda: config.placement.init(layers_lib.blocks_of(layers))))
+    state = state._replace(
+      quadratic_model=state.quadratic_model._replace(
+        damping=quadratic_model.clip_damping(
+          state.quadratic_model.damping, adaptive
+        )
+      )
+    )
+  checks.check_preconditioners(
+    state.preconditioners,
+    jax.eval_shape(lambda: config.placement.init(layers_lib.blocks_of(layers))),
+  )
   if kfac_stats is checks.NO_STATS:
     checks.check_no_stats(config)
-    active, batch_factors, batch_scales, factored = list(layers), None, None, None
+    active, batch_factors, batch_scales, factored = (
+      list(layers),
+      None,
+      None,
+      None,
+    )
   else:
     active, batch_factors, batch_scales, factored = _from_stats(
-        config, kfac_stats, layers, updates, sharded)
+      config, kfac_stats, layers, updates, sharded
+    )
   if config.accumulation_steps > 1:
-    return accumulate(config, state, updates, layers, active, batch_factors,
-                      sharded, batch_scales)
+    return accumulate(
+      config,
+      state,
+      updates,
+      layers,
+      active,
+      batch_factors,
+      sharded,
+      batch_scales,
+    )
   preconditioned, new_state = step.optimizer_step(
-      config, state, updates, layers, active, batch_factors, sharded, factored,
-      batch_scales)
+    config,
+    state,
+    updates,
+    layers,
+    active,
+    batch_factors,
+    sharded,
+    factored,
+    batch_scales,
+  )
   if adaptive is None:
     return preconditioned, new_state
-  return step.adaptive_step(config, state, new_state, preconditioned, updates,
-                            params, split_loss)
+  return step.adaptive_step(
+    config, state, new_state, preconditioned, updates, params, split_loss
+  )
 
 
-def _from_stats(config: KFACConfig, kfac_stats: Any,
-                layers: Mapping[str, layers_lib.LayerInfo], updates: Any,
-                sharded: Mapping[str, tuple[str, ...]]):
+def _from_stats(
+  config: KFACConfig,
+  kfac_stats: Any,
+  layers: Mapping[str, layers_lib.LayerInfo],
+  updates: Any,
+  sharded: Mapping[str, tuple[str, ...]],
+):
   """The layers to precondition and what the step reads from ``kfac_stats``:
   the batch factors and EKFAC's scales (as thunks), and the factored
   gradients of ``gradient_from_stats`` (else ``None``)."""
   active = checks.check_stats(kfac_stats, layers, config.skip_layers, updates)
   if config.layers is None:
     layers_lib.warn_unmatched_skips(
-        updates, config.skip_layers,
-        {s.signature.module_type or "" for s in kfac_stats.values()})
-  batch_factors = functools.partial(step.stats_factors, config, kfac_stats,
-                                    layers, active)
+      updates,
+      config.skip_layers,
+      {s.signature.module_type or "" for s in kfac_stats.values()},
+    )
+  batch_factors = functools.partial(
+    step.stats_factors, config, kfac_stats, layers, active
+  )
   batch_scales = None
   if config.eigenvalue_correction:
     checks.check_dense_only(kfac_stats, active, "eigenvalue_correction=True")
-    batch_scales = functools.partial(step.stats_scales, config, kfac_stats,
-                                     layers, active)
-  factored = (step.factored_gradients(kfac_stats, layers, active, sharded)
-              if config.gradient_from_stats else None)
+    batch_scales = functools.partial(
+      step.stats_scales, config, kfac_stats, layers, active
+    )
+  factored = (
+    step.factored_gradients(kfac_stats, layers, active, sharded)
+    if config.gradient_from_stats
+    else None
+  )
   return active, batch_factors, batch_scales, factored

@@ -17,8 +17,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from kfac_jax.distribution import placement as placement_lib
-from kfac_jax.distribution.placement import (DecompositionCounts,
-                                             ShardedPreconditioners)
+from kfac_jax.distribution.placement import (
+  DecompositionCounts,
+  ShardedPreconditioners,
+)
 from kfac_jax.factors.running import LayerFactors, factor_dims
 from kfac_jax.preconditioning.methods import Preconditioner
 from kfac_jax.transform.quadratic_model import QuadraticModelState
@@ -82,17 +84,19 @@ def decomposition_counts(state: ScaleByKFACState) -> DecompositionCounts:
   """The state's counters of decomposition outcomes."""
   fallbacks = state.eigh_fallbacks
   return DecompositionCounts(
-      state.rejected_decompositions,
-      jnp.zeros([], jnp.int32) if fallbacks is None else fallbacks)
+    state.rejected_decompositions,
+    jnp.zeros([], jnp.int32) if fallbacks is None else fallbacks,
+  )
 
 
-def with_counts(state: ScaleByKFACState,
-                counts: DecompositionCounts) -> ScaleByKFACState:
+def with_counts(
+  state: ScaleByKFACState, counts: DecompositionCounts
+) -> ScaleByKFACState:
   """``state`` with ``counts`` (fallbacks only where the state keeps them)."""
   return state._replace(
-      rejected_decompositions=counts.rejected,
-      eigh_fallbacks=(None if state.eigh_fallbacks is None else
-                      counts.fallbacks))
+    rejected_decompositions=counts.rejected,
+    eigh_fallbacks=(None if state.eigh_fallbacks is None else counts.fallbacks),
+  )
 
 
 def without_params_shaped(state: ScaleByKFACState) -> ScaleByKFACState:
@@ -100,16 +104,20 @@ def without_params_shaped(state: ScaleByKFACState) -> ScaleByKFACState:
   previous update), which a chain (``optax.multi_transform``) masks."""
   accumulator, model = state.accumulator, state.quadratic_model
   return state._replace(
-      accumulator=None if accumulator is None else accumulator._replace(
-          gradients=None),
-      quadratic_model=None if model is None else model._replace(
-          previous_update=None))
+    accumulator=None
+    if accumulator is None
+    else accumulator._replace(gradients=None),
+    quadratic_model=None
+    if model is None
+    else model._replace(previous_update=None),
+  )
 
 
-def state_partition_specs(state: ScaleByKFACState,
-                          placement: placement_lib.Placement,
-                          params_specs_of: Callable[[Any], Any]
-                          ) -> ScaleByKFACState:
+def state_partition_specs(
+  state: ScaleByKFACState,
+  placement: placement_lib.Placement,
+  params_specs_of: Callable[[Any], Any],
+) -> ScaleByKFACState:
   """``PartitionSpec``s of a state (or of its ``eval_shape``).
 
   Factors and counters are replicated; the preconditioners are laid out by
@@ -128,32 +136,40 @@ def state_partition_specs(state: ScaleByKFACState,
   accumulator = state.accumulator
   if accumulator is not None:
     accumulator = AccumulatorState(
-        micro_step=PartitionSpec(),
-        gradients=params_shaped(accumulator.gradients),
-        factors=replicated(accumulator.factors),
-        scales=(None if accumulator.scales is None else
-                replicated(accumulator.scales)))
+      micro_step=PartitionSpec(),
+      gradients=params_shaped(accumulator.gradients),
+      factors=replicated(accumulator.factors),
+      scales=(
+        None if accumulator.scales is None else replicated(accumulator.scales)
+      ),
+    )
   model = state.quadratic_model
   if model is not None:
     model = QuadraticModelState(
-        damping=PartitionSpec(),
-        previous_update=params_shaped(model.previous_update),
-        step_sizes=PartitionSpec(), reduction_ratio=PartitionSpec())
+      damping=PartitionSpec(),
+      previous_update=params_shaped(model.previous_update),
+      step_sizes=PartitionSpec(),
+      reduction_ratio=PartitionSpec(),
+    )
   return ScaleByKFACState(
-      count=PartitionSpec(),
-      factors=replicated(state.factors),
-      preconditioners=placement.partition_specs(dims),
-      accumulator=accumulator,
-      skipped_factor_updates=PartitionSpec(),
-      rejected_decompositions=PartitionSpec(),
-      quadratic_model=model,
-      eigh_fallbacks=(None if state.eigh_fallbacks is None else
-                      PartitionSpec()),
-      eigenvalue_scales=(None if state.eigenvalue_scales is None else
-                         replicated(state.eigenvalue_scales)))
+    count=PartitionSpec(),
+    factors=replicated(state.factors),
+    preconditioners=placement.partition_specs(dims),
+    accumulator=accumulator,
+    skipped_factor_updates=PartitionSpec(),
+    rejected_decompositions=PartitionSpec(),
+    quadratic_model=model,
+    eigh_fallbacks=(None if state.eigh_fallbacks is None else PartitionSpec()),
+    eigenvalue_scales=(
+      None
+      if state.eigenvalue_scales is None
+      else replicated(state.eigenvalue_scales)
+    ),
+  )
 
 
 def shapes_and_dtypes(tree: Any) -> Any:
   """``tree`` with each array as ``(shape, dtype)``: equal for like states."""
   return jax.tree.map(
-      lambda leaf: (tuple(leaf.shape), jnp.dtype(leaf.dtype)), tree)
+    lambda leaf: (tuple(leaf.shape), jnp.dtype(leaf.dtype)), tree
+  )

@@ -39,17 +39,23 @@ from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import ekfac
 from kfac_jax.preconditioning import inverse as inverse_lib
 from kfac_jax.preconditioning.eigen import EigenPreconditioner
-from kfac_jax.preconditioning.gradient_matrix import (FactoredGradient,
-                                                     divided,
-                                                     factored_is_cheaper,
-                                                     from_matrix, to_matrix)
+from kfac_jax.preconditioning.gradient_matrix import (
+  FactoredGradient,
+  divided,
+  factored_is_cheaper,
+  from_matrix,
+  to_matrix,
+)
 from kfac_jax.preconditioning.kl_clip import kl_clip_scale
 from kfac_jax import hyperparameters as hp
 from kfac_jax.transform import quadratic_model
 from kfac_jax.transform.config import KFACConfig
 from kfac_jax.transform.quadratic_model import SplitLoss
-from kfac_jax.transform.state import (ScaleByKFACState, decomposition_counts,
-                                     with_counts)
+from kfac_jax.transform.state import (
+  ScaleByKFACState,
+  decomposition_counts,
+  with_counts,
+)
 
 Blocks = dict[str, jax.Array]
 # {block: eigenbases} -> {block: EKFAC's S_batch} (``stats_scales``).
@@ -57,12 +63,15 @@ BatchScales = Callable[[Mapping[str, EigenPreconditioner]], Blocks]
 
 
 def optimizer_step(
-    config: KFACConfig, state: ScaleByKFACState, grads: Any,
-    layers: Mapping[str, LayerInfo], active: Sequence[str],
-    batch_factors: Callable[[], dict[str, LayerFactors]] | None,
-    sharded: Mapping[str, tuple[str, ...]],
-    factored: Mapping[str, FactoredGradient] | None = None,
-    batch_scales: BatchScales | None = None,
+  config: KFACConfig,
+  state: ScaleByKFACState,
+  grads: Any,
+  layers: Mapping[str, LayerInfo],
+  active: Sequence[str],
+  batch_factors: Callable[[], dict[str, LayerFactors]] | None,
+  sharded: Mapping[str, tuple[str, ...]],
+  factored: Mapping[str, FactoredGradient] | None = None,
+  batch_scales: BatchScales | None = None,
 ) -> tuple[Any, ScaleByKFACState]:
   """Factor update, decomposition and preconditioning of one optimizer step.
 
@@ -86,8 +95,11 @@ def optimizer_step(
     The updates and the state after the step (accumulator untouched).
   """
   count = state.count
-  damping = (config.damping(count) if config.adaptive is None else
-             state.quadratic_model.damping)
+  damping = (
+    config.damping(count)
+    if config.adaptive is None
+    else state.quadratic_model.damping
+  )
   dims = layers_lib.blocks_of(layers)
   active_blocks = block_names(layers, active)
   decomposition_step = count % config.inv_update_steps(count) == 0
@@ -95,55 +107,88 @@ def optimizer_step(
   # under jit: the parts of the step they feed leave the state as it was
   # and count it.
   scheduled_damping = config.damping if config.adaptive is None else None
-  factors, skipped = update_factors(config, state, batch_factors,
-                                    decomposition_step)
+  factors, skipped = update_factors(
+    config, state, batch_factors, decomposition_step
+  )
   preconditioners, counts = guarded_decomposition(
-      config.placement, dims,
-      {block: factors[block] for block in active_blocks},
-      state.preconditioners, decomposition_counts(state), damping,
-      hp.all_valid(count, scheduled_damping), config.factored_damping,
-      when=decomposition_step)
+    config.placement,
+    dims,
+    {block: factors[block] for block in active_blocks},
+    state.preconditioners,
+    decomposition_counts(state),
+    damping,
+    hp.all_valid(count, scheduled_damping),
+    config.factored_damping,
+    when=decomposition_step,
+  )
   scales, applied = None, preconditioners
   if config.eigenvalue_correction:
     # Every active basis on every device: S is kept replicated, as the
     # factors are, and each device preconditions every layer with it.
-    applied = config.placement.replicated(dims, preconditioners,
-                                          active_blocks)
-    scales = replicate(config, update_scales(
-        config, state, dims, applied, batch_scales, active_blocks,
-        decomposition_step))
+    applied = config.placement.replicated(dims, preconditioners, active_blocks)
+    scales = replicate(
+      config,
+      update_scales(
+        config,
+        state,
+        dims,
+        applied,
+        batch_scales,
+        active_blocks,
+        decomposition_step,
+      ),
+    )
   preconditioned, gradient_matrices = precondition(
-      config, grads, layers, active, applied, damping, sharded, factored,
-      scales)
+    config, grads, layers, active, applied, damping, sharded, factored, scales
+  )
   updates_ok = hp.all_valid(
-      count, scheduled_damping, config.kl_clip,
-      *((None, None) if config.kl_clip is None else
-        (config.learning_rate, config.momentum)))
+    count,
+    scheduled_damping,
+    config.kl_clip,
+    *(
+      (None, None)
+      if config.kl_clip is None
+      else (config.learning_rate, config.momentum)
+    ),
+  )
   if updates_ok is not None:
-    preconditioned = {b: jnp.where(updates_ok, p, 0.0)
-                      for b, p in preconditioned.items()}
+    preconditioned = {
+      b: jnp.where(updates_ok, p, 0.0) for b, p in preconditioned.items()
+    }
   if config.kl_clip is not None and active:
-    preconditioned = kl_clip(config, count, preconditioned, gradient_matrices,
-                             active_blocks)
+    preconditioned = kl_clip(
+      config, count, preconditioned, gradient_matrices, active_blocks
+    )
   layer_updates = {
-      name: from_matrix(
-          jnp.stack([preconditioned[b] for b in layers[name].block_names]),
-          layers[name], layers_lib.get_layer_params(grads, layers[name]))
-      for name in active
+    name: from_matrix(
+      jnp.stack([preconditioned[b] for b in layers[name].block_names]),
+      layers[name],
+      layers_lib.get_layer_params(grads, layers[name]),
+    )
+    for name in active
   }
-  factors, preconditioners = pin_to_specs(config, factors, preconditioners,
-                                          dims)
-  new_state = with_counts(state._replace(
-      count=count + 1, factors=factors, preconditioners=preconditioners,
-      skipped_factor_updates=skipped, eigenvalue_scales=scales), counts)
+  factors, preconditioners = pin_to_specs(
+    config, factors, preconditioners, dims
+  )
+  new_state = with_counts(
+    state._replace(
+      count=count + 1,
+      factors=factors,
+      preconditioners=preconditioners,
+      skipped_factor_updates=skipped,
+      eigenvalue_scales=scales,
+    ),
+    counts,
+  )
   updates = replace_layers(grads, layers, layer_updates)
   return constrain_to_params(config, updates), new_state
 
 
 def update_factors(
-    config: KFACConfig, state: ScaleByKFACState,
-    batch_factors: Callable[[], dict[str, LayerFactors]] | None,
-    decomposition_step: jax.Array,
+  config: KFACConfig,
+  state: ScaleByKFACState,
+  batch_factors: Callable[[], dict[str, LayerFactors]] | None,
+  decomposition_step: jax.Array,
 ) -> tuple[dict[str, LayerFactors], jax.Array]:
   """The running factors and skipped-update count after this step's update.
 
@@ -162,12 +207,15 @@ def update_factors(
   factor_step = count % config.factor_update_steps(count) == 0
   decay_ok = hp.all_valid(count, config.factor_decay)
   corrupted = lax.cond(
-      decomposition_step,
-      lambda: {b: running.non_finite(f) for b, f in state.factors.items()},
-      lambda: {b: LayerFactors(jnp.array(False), jnp.array(False))
-               for b in state.factors})
-  any_corrupted = functools.reduce(jnp.logical_or, jax.tree.leaves(corrupted),
-                                   jnp.array(False))  # no layers: False
+    decomposition_step,
+    lambda: {b: running.non_finite(f) for b, f in state.factors.items()},
+    lambda: {
+      b: LayerFactors(jnp.array(False), jnp.array(False)) for b in state.factors
+    },
+  )
+  any_corrupted = functools.reduce(
+    jnp.logical_or, jax.tree.leaves(corrupted), jnp.array(False)
+  )  # no layers: False
 
   def updated():
     # (The gradients are not checked: they do not enter the factors, and
@@ -176,8 +224,7 @@ def update_factors(
       new, ok = {}, jnp.array(False)
     else:
       new = batch_factors()
-      ok = linalg.psd_all_finite(
-          f for factors in new.values() for f in factors)
+      ok = linalg.psd_all_finite(f for factors in new.values() for f in factors)
     if decay_ok is not None:
       ok = ok & decay_ok
     decay = config.factor_decay(count)
@@ -185,20 +232,28 @@ def update_factors(
     for name, old in state.factors.items():
       start = running.restart(old, corrupted[name])
       # Selects, not conds: they fuse into the averaging pass.
-      factors[name] = (running.update_factors(start, new[name], decay,
-                                              apply=ok & factor_step)
-                       if name in new else start)
+      factors[name] = (
+        running.update_factors(start, new[name], decay, apply=ok & factor_step)
+        if name in new
+        else start
+      )
     skipped = state.skipped_factor_updates + (factor_step & ~ok).astype(
-        jnp.int32)
+      jnp.int32
+    )
     return factors, skipped
 
-  return lax.cond(factor_step | any_corrupted, updated,
-                  lambda: (dict(state.factors), state.skipped_factor_updates))
+  return lax.cond(
+    factor_step | any_corrupted,
+    updated,
+    lambda: (dict(state.factors), state.skipped_factor_updates),
+  )
 
 
 def decomposition_inputs(
-    factors: Mapping[str, LayerFactors], damping: jax.Array,
-    factored_damping: bool) -> tuple[dict[str, LayerFactors], jax.Array]:
+  factors: Mapping[str, LayerFactors],
+  damping: jax.Array,
+  factored_damping: bool,
+) -> tuple[dict[str, LayerFactors], jax.Array]:
   """The factors and λ a decomposition step hands to the placement.
 
   As given, or, for the adaptive mode's inverse method (``factored_damping``),
@@ -207,16 +262,22 @@ def decomposition_inputs(
   """
   if not factored_damping:
     return dict(factors), damping
-  return (inverse_lib.factored_damping_scaled(factors, damping),
-          jnp.ones([], jnp.float32))
+  return (
+    inverse_lib.factored_damping_scaled(factors, damping),
+    jnp.ones([], jnp.float32),
+  )
 
 
 def guarded_decomposition(
-    placement: placement_lib.Placement, dims: Dims,
-    factors: Mapping[str, LayerFactors], previous: Any,
-    counts: DecompositionCounts, damping: jax.Array,
-    damping_ok: jax.Array | None, factored_damping: bool,
-    when: jax.Array | bool = True,
+  placement: placement_lib.Placement,
+  dims: Dims,
+  factors: Mapping[str, LayerFactors],
+  previous: Any,
+  counts: DecompositionCounts,
+  damping: jax.Array,
+  damping_ok: jax.Array | None,
+  factored_damping: bool,
+  when: jax.Array | bool = True,
 ) -> tuple[Any, DecompositionCounts]:
   """A decomposition step's preconditioners and counts.
 
@@ -239,9 +300,11 @@ def guarded_decomposition(
 
   def decomposed():
     to_decompose, decomposition_damping = decomposition_inputs(
-        factors, damping, factored_damping)
+      factors, damping, factored_damping
+    )
     preconditioners, new_counts = placement.decompose(
-        dims, to_decompose, previous, decomposition_damping)
+      dims, to_decompose, previous, decomposition_damping
+    )
     return preconditioners, add(new_counts)
 
   if damping_ok is None:
@@ -250,15 +313,24 @@ def guarded_decomposition(
     return lax.cond(when, decomposed, lambda: (previous, counts))
   skipped = (when & ~damping_ok).astype(jnp.int32) * len(factors)
   return lax.cond(
-      when & damping_ok, decomposed,
-      lambda: (previous, add(DecompositionCounts(skipped, jnp.zeros_like(
-          skipped)))))
+    when & damping_ok,
+    decomposed,
+    lambda: (
+      previous,
+      add(DecompositionCounts(skipped, jnp.zeros_like(skipped))),
+    ),
+  )
 
 
-def update_scales(config: KFACConfig, state: ScaleByKFACState, dims: Dims,
-                  bases: Mapping[str, EigenPreconditioner],
-                  batch_scales: BatchScales, active_blocks: Sequence[str],
-                  decomposition_step: jax.Array) -> Blocks:
+def update_scales(
+  config: KFACConfig,
+  state: ScaleByKFACState,
+  dims: Dims,
+  bases: Mapping[str, EigenPreconditioner],
+  batch_scales: BatchScales,
+  active_blocks: Sequence[str],
+  decomposition_step: jax.Array,
+) -> Blocks:
   """EKFAC's running ``S`` after this step (``preconditioning.ekfac``).
 
   ``bases``: the active blocks' eigenbases after this step's decomposition,
@@ -278,8 +350,9 @@ def update_scales(config: KFACConfig, state: ScaleByKFACState, dims: Dims,
   refresh = decomposition_step if stale is None else decomposition_step | stale
 
   def reprojected():
-    old = config.placement.replicated(dims, state.preconditioners,
-                                      active_blocks)
+    old = config.placement.replicated(
+      dims, state.preconditioners, active_blocks
+    )
     carried = dict(current)
     for b in active_blocks:
       moved = ekfac.reproject(current[b], old[b], bases[b])
@@ -304,18 +377,24 @@ def update_scales(config: KFACConfig, state: ScaleByKFACState, dims: Dims,
     if decay_ok is not None:
       ok = ok & decay_ok
     decay = config.factor_decay(count)
-    return {b: (jnp.where(ok, decay * s + (1 - decay) * new[b], s)
-                if b in new else s) for b, s in scales.items()}
+    return {
+      b: (jnp.where(ok, decay * s + (1 - decay) * new[b], s) if b in new else s)
+      for b, s in scales.items()
+    }
 
   return lax.cond(factor_step, averaged, lambda: scales)
 
 
 def precondition(
-    config: KFACConfig, grads: Any, layers: Mapping[str, LayerInfo],
-    active: Sequence[str], preconditioners: Any, damping: jax.Array,
-    sharded: Mapping[str, tuple[str, ...]],
-    factored: Mapping[str, FactoredGradient] | None,
-    scales: Blocks | None = None,
+  config: KFACConfig,
+  grads: Any,
+  layers: Mapping[str, LayerInfo],
+  active: Sequence[str],
+  preconditioners: Any,
+  damping: jax.Array,
+  sharded: Mapping[str, tuple[str, ...]],
+  factored: Mapping[str, FactoredGradient] | None,
+  scales: Blocks | None = None,
 ) -> tuple[Blocks, Blocks]:
   """``P`` of every block of ``active``, and the blocks' gradient matrices.
 
@@ -328,8 +407,9 @@ def precondition(
   gradient_matrices = {}
   for name in active:
     layer = layers[name]
-    blocks = to_matrix(layers_lib.get_layer_params(grads, layer), layer,
-                       jnp.float32)
+    blocks = to_matrix(
+      layers_lib.get_layer_params(grads, layer), layer, jnp.float32
+    )
     gradient_matrices.update(zip(layer.block_names, blocks))
   gradients = {**gradient_matrices, **(factored or {})}
   if config.factored_damping:
@@ -341,46 +421,70 @@ def precondition(
     gradients = {b: divided(g, damping) for b, g in gradients.items()}
   if scales is None:
     preconditioned = config.placement.precondition(
-        layers_lib.blocks_of(layers), preconditioners, gradients, damping,
-        sharded)
+      layers_lib.blocks_of(layers), preconditioners, gradients, damping, sharded
+    )
   else:
     preconditioned = config.placement.precondition_replicated(
-        {b: ekfac.with_scales(p, scales[b], damping, config.relative_damping)
-         for b, p in preconditioners.items()}, gradients, damping, sharded)
+      {
+        b: ekfac.with_scales(p, scales[b], damping, config.relative_damping)
+        for b, p in preconditioners.items()
+      },
+      gradients,
+      damping,
+      sharded,
+    )
   return preconditioned, gradient_matrices
 
 
-def kl_clip(config: KFACConfig, count: jax.Array, preconditioned: Blocks,
-            gradient_matrices: Blocks, active_blocks: Sequence[str]) -> Blocks:
+def kl_clip(
+  config: KFACConfig,
+  count: jax.Array,
+  preconditioned: Blocks,
+  gradient_matrices: Blocks,
+  active_blocks: Sequence[str],
+) -> Blocks:
   """``preconditioned`` scaled by KL clipping's ``ν`` (``kl_clip_scale``),
   measured on the steady step of the chained momentum, ``lr / (1 − μ)``."""
   rate = config.learning_rate(count) / (1 - config.momentum(count))
-  nu = kl_clip_scale([preconditioned[b] for b in active_blocks],
-                     [gradient_matrices[b] for b in active_blocks], rate,
-                     config.kl_clip(count))
+  nu = kl_clip_scale(
+    [preconditioned[b] for b in active_blocks],
+    [gradient_matrices[b] for b in active_blocks],
+    rate,
+    config.kl_clip(count),
+  )
   return {b: nu * p for b, p in preconditioned.items()}
 
 
-def adaptive_step(config: KFACConfig, state: ScaleByKFACState,
-                  new_state: ScaleByKFACState, preconditioned: Any,
-                  grads: Any, params: Any, split_loss: SplitLoss
-                  ) -> tuple[Any, ScaleByKFACState]:
+def adaptive_step(
+  config: KFACConfig,
+  state: ScaleByKFACState,
+  new_state: ScaleByKFACState,
+  preconditioned: Any,
+  grads: Any,
+  params: Any,
+  split_loss: SplitLoss,
+) -> tuple[Any, ScaleByKFACState]:
   """The adaptive mode's update from ``P = −Δ`` and the previous update
   (``quadratic_model.step``), and ``new_state`` with its model state."""
   step_updates, model_state = quadratic_model.step(
-      state.quadratic_model, preconditioned, grads, params, split_loss,
-      state.count % config.adaptive.damping_adaptation_interval == 0,
-      config.adaptive)
+    state.quadratic_model,
+    preconditioned,
+    grads,
+    params,
+    split_loss,
+    state.count % config.adaptive.damping_adaptation_interval == 0,
+    config.adaptive,
+  )
   return constrain_to_params(config, step_updates), new_state._replace(
-      quadratic_model=model_state)
+    quadratic_model=model_state
+  )
 
 
 def constrain_to_params(config: KFACConfig, tree: Any) -> Any:
   """``tree`` (params-shaped) constrained to ``params_partition_specs``."""
   if config.params_partition_specs is None:
     return tree
-  return sharding.constrain_like_params(tree,
-                                             config.params_partition_specs)
+  return sharding.constrain_like_params(tree, config.params_partition_specs)
 
 
 def replicate(config: KFACConfig, tree: Any) -> Any:
@@ -389,11 +493,13 @@ def replicate(config: KFACConfig, tree: Any) -> Any:
   if config.params_partition_specs is None:
     return tree
   return jax.tree.map(
-      lambda x: sharding.constrain(x, PartitionSpec(), ()), tree)
+    lambda x: sharding.constrain(x, PartitionSpec(), ()), tree
+  )
 
 
-def pin_to_specs(config: KFACConfig, factors: Any, preconditioners: Any,
-                 dims: Dims) -> tuple[Any, Any]:
+def pin_to_specs(
+  config: KFACConfig, factors: Any, preconditioners: Any, dims: Dims
+) -> tuple[Any, Any]:
   """Factors replicated, preconditioners as ``placement.partition_specs``.
 
   With sharded kernels and no ``mesh_axes`` nothing else pins them: the
@@ -406,47 +512,66 @@ def pin_to_specs(config: KFACConfig, factors: Any, preconditioners: Any,
     return factors, preconditioners
   place = lambda spec, x: sharding.constrain(x, spec, ())
   is_spec = lambda x: isinstance(x, PartitionSpec)
-  preconditioners = jax.tree.map(place, config.placement.partition_specs(dims),
-                                 preconditioners, is_leaf=is_spec)
+  preconditioners = jax.tree.map(
+    place,
+    config.placement.partition_specs(dims),
+    preconditioners,
+    is_leaf=is_spec,
+  )
   return replicate(config, factors), preconditioners
 
 
-def stats_scales(config: KFACConfig, stats: Mapping[str, LayerStatistics],
-                 layers: Mapping[str, LayerInfo], active: Sequence[str],
-                 preconditioners: Mapping[str, EigenPreconditioner]) -> Blocks:
+def stats_scales(
+  config: KFACConfig,
+  stats: Mapping[str, LayerStatistics],
+  layers: Mapping[str, LayerInfo],
+  active: Sequence[str],
+  preconditioners: Mapping[str, EigenPreconditioner],
+) -> Blocks:
   """EKFAC's batch ``{block: S_batch}`` of ``active`` in ``preconditioners``'
   eigenbases, from the rows of the batch factors (``factors.batch``)."""
   blocks = {}
   for name in active:
-    calls = batch_lib.dense_calls(stats[name],
-                                  fisher_scaled=config.adaptive is not None,
-                                  examples=config.factor_batch_size,
-                                  reduce=config.reduce)
+    calls = batch_lib.dense_calls(
+      stats[name],
+      fisher_scaled=config.adaptive is not None,
+      examples=config.factor_batch_size,
+      reduce=config.reduce,
+    )
     for index, block in enumerate(layers[name].block_names):
       blocks[block] = ekfac.batch_scales(
-          [(a[index], g[index], scale) for a, g, scale in calls],
-          preconditioners[block])
+        [(a[index], g[index], scale) for a, g, scale in calls],
+        preconditioners[block],
+      )
   return blocks
 
 
-def stats_factors(config: KFACConfig, stats: Mapping[str, LayerStatistics],
-                  layers: Mapping[str, LayerInfo],
-                  active: Sequence[str]) -> dict[str, LayerFactors]:
+def stats_factors(
+  config: KFACConfig,
+  stats: Mapping[str, LayerStatistics],
+  layers: Mapping[str, LayerInfo],
+  active: Sequence[str],
+) -> dict[str, LayerFactors]:
   """The batch factors ``{block: LayerFactors}`` of ``active`` from the
   captured stats (``factors.batch.batch_factors``)."""
   blocks = {}
   for name in active:
-    factors = batch_lib.batch_factors(stats[name],
-                                      fisher_scaled=config.adaptive is not None,
-                                      examples=config.factor_batch_size,
-                                      reduce=config.reduce)
-    blocks.update((block, LayerFactors(a, g)) for block, a, g in zip(
-        layers[name].block_names, *factors))
+    factors = batch_lib.batch_factors(
+      stats[name],
+      fisher_scaled=config.adaptive is not None,
+      examples=config.factor_batch_size,
+      reduce=config.reduce,
+    )
+    blocks.update(
+      (block, LayerFactors(a, g))
+      for block, a, g in zip(layers[name].block_names, *factors)
+    )
   return blocks
 
 
-def sharded_kernels(layers: Mapping[str, LayerInfo],
-                     params_specs: Any) -> dict[str, tuple[str, ...]]:
+def sharded_kernels(
+  layers: Mapping[str, LayerInfo], params_specs: Any
+) -> dict[str, tuple[str, ...]]:
   """``{layer: mesh axes}`` of the layers whose kernel spec shards it."""
   sharded = {}
   for name, layer in layers.items():
@@ -459,16 +584,19 @@ def sharded_kernels(layers: Mapping[str, LayerInfo],
   return sharded
 
 
-def block_names(layers: Mapping[str, LayerInfo],
-                 names: Sequence[str]) -> list[str]:
+def block_names(
+  layers: Mapping[str, LayerInfo], names: Sequence[str]
+) -> list[str]:
   """State keys of the blocks of ``names``, in order."""
   return [block for name in names for block in layers[name].block_names]
 
 
 def factored_gradients(
-    stats: Mapping[str, LayerStatistics], layers: Mapping[str, LayerInfo],
-    active: Sequence[str],
-    sharded: Mapping[str, tuple[str, ...]]) -> dict[str, FactoredGradient]:
+  stats: Mapping[str, LayerStatistics],
+  layers: Mapping[str, LayerInfo],
+  active: Sequence[str],
+  sharded: Mapping[str, tuple[str, ...]],
+) -> dict[str, FactoredGradient]:
   """``{block: aᵀg}`` of the dense layers for which that form is cheaper.
 
   Decided per layer from static shapes (``factored_is_cheaper``); sharded
@@ -477,24 +605,36 @@ def factored_gradients(
   factored = {}
   for name in active:
     layer, signature = layers[name], stats[name].signature
-    if (name in sharded or signature.conv is not None or
-        signature.num_embeddings is not None):
+    if (
+      name in sharded
+      or signature.conv is not None
+      or signature.num_embeddings is not None
+    ):
       continue
     activation, gradient = batch_lib.gradient_rows_of_dense(stats[name])
-    if factored_is_cheaper(activation.shape[1], layer.activation_dim,
-                           layer.gradient_dim):
+    if factored_is_cheaper(
+      activation.shape[1], layer.activation_dim, layer.gradient_dim
+    ):
       factored.update(
-          (block, FactoredGradient(a, g))
-          for block, a, g in zip(layer.block_names, activation, gradient))
+        (block, FactoredGradient(a, g))
+        for block, a, g in zip(layer.block_names, activation, gradient)
+      )
   return factored
 
 
-def replace_layers(grads: Any, layers: Mapping[str, LayerInfo],
-                    layer_updates: Mapping[str, Mapping[str, jax.Array]]) -> Any:
+def replace_layers(
+  grads: Any,
+  layers: Mapping[str, LayerInfo],
+  layer_updates: Mapping[str, Mapping[str, jax.Array]],
+) -> Any:
   """``grads`` with each preconditioned layer's kernel/bias swapped in."""
+
   def replace(path, leaf):
     values = layer_updates.get(layers_lib.layer_name(path[:-1]))
-    return leaf if values is None else values.get(
-        layers_lib.path_key_name(path[-1]), leaf)
+    return (
+      leaf
+      if values is None
+      else values.get(layers_lib.path_key_name(path[-1]), leaf)
+    )
 
   return jax.tree_util.tree_map_with_path(replace, grads)
