@@ -54,7 +54,9 @@ part() {
 jax.devices())" 2>&1 | tee -a "$log"
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$log"
 
-part tests 200 "$python" -m pytest $tests -m "not multidevice" -n 12 -v \
+# Simulated CPU meshes and local processes are CPU tests: CI runs them.
+part tests 200 "$python" -m pytest $tests \
+  -m "not multidevice and not multiprocess" -n 12 -v \
   -p no:cacheprovider --timeout 120 -o addopts="-ra" \
   --junitxml="$out/junit.xml"
 part compile_time 60 "$python" -m benchmarks.compile_time --no-progress \
