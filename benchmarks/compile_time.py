@@ -15,9 +15,9 @@ left after XLA:CPU compiles identical ones once) and windowed (tree)
 reductions, the instructions XLA:CPU compiles one by one. Same
 models, data and optimizer settings as ``step_time.py`` (autoencoder).
 
-  python -m benchmarks.compile_time                         # sgd, K-FAC inverse -gfs
-  python -m benchmarks.compile_time --kfac-revs HEAD~1      # A/B against a commit
-  python -m benchmarks.compile_time --smoke --out /tmp/x    # CI-cheap
+  python -m benchmarks.compile_time                       # sgd, inverse -gfs
+  python -m benchmarks.compile_time --kfac-revs HEAD~1    # A/B: a commit
+  python -m benchmarks.compile_time --smoke --out /tmp/x  # CI-cheap
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ import jax
 from tqdm import tqdm
 
 import kfac_jax
-from benchmarks import step_time
-from benchmarks import step_variants
+from benchmarks import step_time, step_variants
 
 _FUSION = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = \S+ fusion\(", re.M)
 _REDUCE_WINDOW = re.compile(r"\breduce-window\(")

@@ -123,9 +123,7 @@ import optax
 from tqdm.auto import tqdm
 
 import kfac_jax
-from benchmarks import race
-from benchmarks import race_optimizers
-from benchmarks import race_report
+from benchmarks import race, race_optimizers, race_report
 from benchmarks.race_optimizers import (
   ADAPTIVE,
   CENTERS,

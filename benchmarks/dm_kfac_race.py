@@ -23,9 +23,6 @@ and kfac-jax's default curvature estimator (``ggn_curvature_prop``).
 
 from __future__ import annotations
 
-# DeepMind's kfac_jax first: nothing may import the repository's before it.
-from benchmarks.deepmind_kfac import check_deepmind_kfac, kfac_jax  # pylint: disable=g-bad-import-order
-
 # pylint: disable=g-import-not-at-top,wrong-import-order
 import argparse
 import json
@@ -36,14 +33,12 @@ from collections.abc import Sequence
 
 import jax
 
-from benchmarks import bench_common
-from benchmarks import race
-from benchmarks import race_report
-from benchmarks import race_runs
-from examples import models
-from examples import targets
-from examples import tasks
-from examples import training
+from benchmarks import bench_common, race, race_report, race_runs
+
+# DeepMind's kfac_jax first: nothing may import the repository's before it.
+from benchmarks.deepmind_kfac import check_deepmind_kfac, kfac_jax  # pylint: disable=g-bad-import-order
+from examples import models, targets, tasks, training
+
 # pylint: enable=g-import-not-at-top,wrong-import-order
 
 BURNIN_STEPS = 5

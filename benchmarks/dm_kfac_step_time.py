@@ -10,7 +10,8 @@ Runs in its own virtual environment, because DeepMind's PyPI package
 
 (kfac-jax 0.0.8 fails to trace under jax 0.9.2: ``benchmarks/README.md``,
 *DeepMind's kfac-jax*.)
-  /tmp/dm-venv/bin/python -m benchmarks.dm_kfac_step_time --out /tmp/dm.json  # from the repo root
+  # from the repository root:
+  /tmp/dm-venv/bin/python -m benchmarks.dm_kfac_step_time --out /tmp/dm.json
 
 ``step_time.py --dm`` runs it for you. Same autoencoder, batch, random data and
 timing loop as ``step_time.py`` (``bench_common``): SGD+momentum and the K-FAC
@@ -21,9 +22,6 @@ learning rate, momentum and damping are fixed (no adaptation), no burn-in.
 """
 
 from __future__ import annotations
-
-# DeepMind's kfac_jax first: nothing may import the repository's before it.
-from benchmarks.deepmind_kfac import check_deepmind_kfac, kfac_jax  # pylint: disable=g-bad-import-order
 
 import argparse  # pylint: disable=g-import-not-at-top,wrong-import-order
 import functools  # pylint: disable=g-import-not-at-top,wrong-import-order
@@ -40,6 +38,9 @@ import optax  # pylint: disable=g-import-not-at-top
 
 from benchmarks import bench_common  # pylint: disable=g-import-not-at-top
 from benchmarks.bench_common import Contestant  # pylint: disable=g-import-not-at-top
+
+# DeepMind's kfac_jax first: nothing may import the repository's before it.
+from benchmarks.deepmind_kfac import check_deepmind_kfac, kfac_jax  # pylint: disable=g-bad-import-order
 from examples import models  # pylint: disable=g-import-not-at-top
 
 

@@ -65,8 +65,7 @@ import optax
 from tqdm.auto import tqdm
 
 import kfac_jax
-from benchmarks import bench_common
-from benchmarks import phases_report
+from benchmarks import bench_common, phases_report
 from benchmarks.race import RACE_TASKS
 from benchmarks.race_optimizers import KFAC_SETTINGS
 from examples import tasks

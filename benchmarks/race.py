@@ -16,8 +16,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from benchmarks import race_optimizers
-from benchmarks import race_runs
+from benchmarks import race_optimizers, race_runs
 from benchmarks.race_optimizers import (
   ADAPTIVE,
   CENTERS,
@@ -69,7 +68,7 @@ def run_key(run: dict[str, Any]) -> tuple:
 
 
 class Race:
-  """Runs (or takes from a resumed JSON) every run; rewrites the JSON after each."""
+  """Runs (or reads from a resumed JSON) each run; saves the JSON after each."""
 
   def __init__(
     self, args: argparse.Namespace, path: pathlib.Path, meta: dict[str, Any]

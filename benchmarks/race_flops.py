@@ -42,9 +42,7 @@ import jax
 from tqdm import tqdm
 
 import kfac_jax
-from examples import flops
-from examples import tasks
-from examples import training
+from examples import flops, tasks, training
 from kfac_jax.transform import quadratic_model
 
 

@@ -17,8 +17,7 @@ import optax
 
 import kfac_jax
 from benchmarks import soap
-from examples import tasks
-from examples import training
+from examples import tasks, training
 
 # The adaptive mode with the eigen method (not raced unless asked for):
 # eigh, the subspace solver, and the subspace solver with EKFAC's scaling,

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks import race
-from examples.targets import first_reach, median_reach, readouts
 from examples import tasks
+from examples.targets import first_reach, median_reach, readouts
 
 
 def readouts_table(

@@ -22,8 +22,7 @@ import optax
 from tqdm.auto import tqdm
 
 import kfac_jax
-from examples import tasks
-from examples import training
+from examples import tasks, training
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 

@@ -64,6 +64,7 @@ def test_race_takes_the_sweeps_seed_zero_run_and_leaves_out_what_cannot_run(
   sweep's run (not trained again); a contestant the task cannot run
   (the adaptive mode without a split loss) is left out."""
   import json  # pylint: disable=g-import-not-at-top
+
   from benchmarks import race  # pylint: disable=g-import-not-at-top
 
   trained = []

@@ -41,9 +41,7 @@ import optax
 from tqdm import tqdm
 
 import kfac_jax
-
-from examples import datasets
-from examples import models
+from examples import datasets, models
 
 
 def load_dataset(name: str) -> tuple[np.ndarray, np.ndarray]:

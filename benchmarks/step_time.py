@@ -53,13 +53,18 @@ def _preset_blas_threads(argv: Sequence[str]) -> None:
 if __name__ == "__main__":
   _preset_blas_threads(sys.argv[1:])
 
-import kfac_jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-from benchmarks import bench_common  # pylint: disable=g-import-not-at-top,wrong-import-position
-from benchmarks import dm_comparison  # pylint: disable=g-import-not-at-top,wrong-import-position
-from benchmarks import step_time_report  # pylint: disable=g-import-not-at-top,wrong-import-position
-from benchmarks import step_variants  # pylint: disable=g-import-not-at-top,wrong-import-position
-from benchmarks.step_variants import Config  # pylint: disable=g-import-not-at-top,wrong-import-position
-from examples import flops  # pylint: disable=g-import-not-at-top,wrong-import-position
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import kfac_jax
+from benchmarks import (
+  bench_common,
+  dm_comparison,
+  step_time_report,
+  step_variants,
+)
+from benchmarks.step_variants import Config
+from examples import flops
+
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 ALL_MODELS = ("autoencoder", "resnet")
 # "-gfs": scale_by_kfac(gradient_from_stats=True), the dense layers'
@@ -291,7 +296,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # Checked now: the DeepMind run comes after all of ours (~15 min).
     p.error(
       f"--dm: {args.dm_python} not found. Create it with "
-      f"{dm_comparison.DM_VENV_COMMAND}, or pass --dm-create-venv or --dm-python."
+      f"{dm_comparison.DM_VENV_COMMAND}, or pass --dm-create-venv or "
+      "--dm-python."
     )
   if args.smoke:
     args.batch_sizes = [16]

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(DOCS))  # api_coverage
 
 import api_coverage  # noqa: E402  pylint: disable=g-import-not-at-top
+
 import kfac_jax  # noqa: E402  pylint: disable=g-import-not-at-top
 
 logger = logging.getLogger(__name__)

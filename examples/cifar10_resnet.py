@@ -29,12 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from examples import datasets
-from examples import flags
-from examples import mnist_classifier
-from examples import models
-from examples import reporting
-from examples import training
+from examples import (
+  datasets,
+  flags,
+  mnist_classifier,
+  models,
+  reporting,
+  training,
+)
 
 # Defaults sized for 2 CPU cores, where one SGD step of ResNet-20 at batch 128
 # takes ~2 s: 3 epochs (234 steps). The factors of the 32x32 stage (131,072

@@ -170,7 +170,7 @@ def load_mnist(verify: bool = True) -> MNIST:
 
 
 class ImageData(NamedTuple):
-  """An image classification set, channels last, float32, per-channel standardized."""
+  """An image classification set: channels last, float32, standardized."""
 
   name: str
   x_train: np.ndarray  # [N, H, W, C]
@@ -190,7 +190,7 @@ def _standardize(train: np.ndarray, test: np.ndarray):
 
 
 def load_image_classification(verify: bool = True) -> ImageData:
-  """The CIFAR-10 subset (10k/1k, 32x32x3), or sklearn's digits (8x8x1) if absent."""
+  """The CIFAR-10 subset (10k/1k, 32x32x3), else sklearn's digits (8x8x1)."""
   folder = find_dataset_dir("cifar10", CIFAR10_FILES, required=False)
   if folder is not None:
     train = np.load(_verified(folder, "cifar10", CIFAR10_FILES[0], verify))

@@ -74,7 +74,7 @@ class DeviceCost:
   decomposition_flops: float = 0.0
   collective_bytes: int = 0
 
-  def __add__(self, other: "DeviceCost") -> "DeviceCost":
+  def __add__(self, other: DeviceCost) -> DeviceCost:
     return DeviceCost(
       self.decomposition_flops + other.decomposition_flops,
       self.collective_bytes + other.collective_bytes,

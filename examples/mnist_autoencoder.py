@@ -17,7 +17,7 @@ and vs seconds) to ``<out>/mnist_autoencoder.png``.
 
 Run from the repository root::
 
-  python -m examples.mnist_autoencoder             # defaults, a few minutes on 2 cores
+  python -m examples.mnist_autoencoder             # defaults, minutes (2 cores)
   python -m examples.mnist_autoencoder --steps 20  # smoke run
   python -m examples.mnist_autoencoder --help
 
@@ -32,11 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import kfac_jax
-from examples import datasets
-from examples import flags
-from examples import models
-from examples import reporting
-from examples import training
+from examples import datasets, flags, models, reporting, training
 
 # Defaults: batch 1000 (the benchmark's), 2 epochs (120 steps); SGD lr 3e-3
 # with momentum 0.9 and Adam lr 1e-3 (the best of 3e-4..1e-2 after 60

@@ -8,7 +8,7 @@ seconds) to ``<out>/mnist_classifier.png``.
 
 Run from the repository root::
 
-  python -m examples.mnist_classifier             # defaults, a few minutes on 2 cores
+  python -m examples.mnist_classifier             # defaults, minutes (2 cores)
   python -m examples.mnist_classifier --steps 20  # smoke run
   python -m examples.mnist_classifier --help
 
@@ -30,11 +30,7 @@ import jax.numpy as jnp
 import optax
 
 import kfac_jax
-from examples import datasets
-from examples import flags
-from examples import models
-from examples import reporting
-from examples import training
+from examples import datasets, flags, models, reporting, training
 
 # Defaults: SGD lr 0.1 with momentum 0.9 and Adam lr 1e-3, the usual good
 # settings for this MLP; K-FAC the dense-network recipe of the configuration

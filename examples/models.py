@@ -135,7 +135,11 @@ class CifarResNet(nn.Module):
 
 
 def resnet_loss_fn(model: CifarResNet):
-  """``loss(variables_params, batch_stats, images, labels) -> (loss, new_batch_stats)``."""
+  """The loss with batch statistics.
+
+  ``loss(variables_params, batch_stats, images, labels)
+  -> (loss, new_batch_stats)``.
+  """
 
   def loss_fn(
     params: Any, batch_stats: Any, images: jax.Array, labels: jax.Array

@@ -9,8 +9,8 @@ in the shardings ``kfac_jax.get_opt_state_partition_specs`` gives, and
 ``kfac_jax.checkpoint`` saves and restores it from every process. Run again,
 it resumes from the latest checkpoint in ``--checkpoint-dir``.
 
-  python -m examples.multihost --num-processes 2   # here: 2 processes x 4 CPU devices
-  python -m examples.multihost                     # on each host of a pod or cluster
+  python -m examples.multihost --num-processes 2  # 2 processes x 4 CPU devices
+  python -m examples.multihost                    # on each host of a cluster
 
 With ``--num-processes`` it launches that many copies of itself on this
 machine, each with ``--local-devices`` simulated CPU devices and a local
@@ -170,12 +170,12 @@ def train(args: argparse.Namespace) -> int:
   import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from etils import epath  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P
 
   import kfac_jax  # pylint: disable=g-import-not-at-top
+  from examples import datasets, models  # pylint: disable=g-import-not-at-top
   from kfac_jax import checkpoint  # pylint: disable=g-import-not-at-top
-  from examples import datasets  # pylint: disable=g-import-not-at-top
-  from examples import models  # pylint: disable=g-import-not-at-top
 
   process, processes = jax.process_index(), jax.process_count()
   report = print if process == 0 else lambda *_, **__: None
@@ -294,6 +294,7 @@ def resume(directory, params, opt_state, kfac_kwargs, report):
   ``directory``, each array in the sharding of the fresh one given (called
   by every process, under the mesh); ``(0, params, opt_state)`` if none."""
   import jax  # pylint: disable=g-import-not-at-top
+
   from kfac_jax import checkpoint  # pylint: disable=g-import-not-at-top
 
   steps = (

@@ -21,19 +21,15 @@ from __future__ import annotations
 import sys
 import time
 
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from tqdm.auto import tqdm
 
 import kfac_jax
-from examples import datasets
-from examples import flags
-from examples import mnist_classifier
-from examples import reporting
-from examples import training
+from examples import datasets, flags, mnist_classifier, reporting, training
 
 # The MNIST classifier's settings (see mnist_classifier.py), 2 epochs.
 DEFAULTS = dict(

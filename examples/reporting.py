@@ -171,7 +171,7 @@ def report(
   ylabel: str,
   log_y: bool = False,
 ) -> str:
-  """Prints the table and hyper-parameters; writes ``<stem>.md`` and ``.png``."""
+  """Prints the table and hyper-parameters; writes ``<stem>.md``, ``.png``."""
   table = format_table(results, columns)
   details = "\n".join(
     f"- {o.name}: {o.description}" for o in optimizers if o.description

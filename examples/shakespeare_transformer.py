@@ -15,7 +15,7 @@ training loss, time) and writes the loss curves to
 
 Run from the repository root::
 
-  python -m examples.shakespeare_transformer             # defaults, ~15 min on 2 cores
+  python -m examples.shakespeare_transformer  # defaults, ~15 min on 2 cores
   python -m examples.shakespeare_transformer --steps 20  # smoke run
   python -m examples.shakespeare_transformer --help
 """
@@ -30,12 +30,14 @@ import numpy as np
 import optax
 
 import kfac_jax
-from examples import datasets
-from examples import flags
-from examples import mnist_classifier
-from examples import models
-from examples import reporting
-from examples import training
+from examples import (
+  datasets,
+  flags,
+  mnist_classifier,
+  models,
+  reporting,
+  training,
+)
 
 # Baseline rates from a 60-step sweep on 2 CPU cores (validation loss):
 # SGD+momentum lr 0.01/0.03/0.1/0.3/1.0 -> 2.98/2.75/3.06/3.36/NaN; AdamW
@@ -53,7 +55,7 @@ DEFAULTS = dict(
 
 
 def sequences(ids: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray]:
-  """Non-overlapping windows: inputs ``[n, context]``, next characters ``[n, context]``."""
+  """Non-overlapping windows: inputs, next characters, ``[n, context]`` each."""
   n = (len(ids) - 1) // context
   inputs = ids[: n * context].reshape(n, context)
   targets = ids[1 : n * context + 1].reshape(n, context)
@@ -133,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     f"{args.width} x {args.depth} scanned blocks: {args.epochs} epoch(s) "
     f"capped at {steps} steps of {args.batch_size} x {args.context} "
     f"characters; K-FAC preconditions {len(preconditioned)} layers "
-    f"({sum(l.num_blocks for l in preconditioned)} Kronecker blocks; "
+    f"({sum(layer.num_blocks for layer in preconditioned)} Kronecker "
+    "blocks; "
     "not the embedding); "
     f"{flags.describe_setup()}",
     flush=True,

@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 
   import kfac_jax  # pylint: disable=g-import-not-at-top
-  from examples import datasets  # pylint: disable=g-import-not-at-top
-  from examples import models  # pylint: disable=g-import-not-at-top
+  from examples import datasets, models  # pylint: disable=g-import-not-at-top
   from examples.mnist_classifier import DEFAULTS  # pylint: disable=g-import-not-at-top
 
   mesh = jax.make_mesh(
@@ -192,9 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     simulated = jax.default_backend() == "cpu"
     rng = np.random.default_rng(args.seed)
     losses, start = [], time.perf_counter()
-    for step in tqdm(
-      range(args.steps), desc=f"sharded K-FAC ({args.strategy})"
-    ):
+    for _ in tqdm(range(args.steps), desc=f"sharded K-FAC ({args.strategy})"):
       index = rng.choice(len(mnist.x_train), args.batch_size, replace=False)
       x, y = jax.device_put(
         (mnist.x_train[index], mnist.y_train[index]), batch_sharding
@@ -216,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     f"{dict(mesh.shape)}, {args.strategy}, batch {args.batch_size}, seed "
     f"{args.seed}; test accuracy over {min(n, len(mnist.x_test)):,} images; "
     "seconds include compilation.\n\n"
-    f"| strategy | steps | first loss | last-{window} mean loss | test acc (%) | seconds |\n"
+    "| strategy | steps | first loss "
+    f"| last-{window} mean loss | test acc (%) | seconds |\n"
     "|---|---|---|---|---|---|\n"
     f"| {args.strategy} | {args.steps} | {losses[0]:.4f} | "
     f"{losses[-window:].mean():.4f} | {100 * test_accuracy:.2f} | "

@@ -24,11 +24,7 @@ import numpy as np
 import optax
 
 import kfac_jax
-from examples import datasets
-from examples import flags
-from examples import models
-from examples import reporting
-from examples import shakespeare_transformer
+from examples import datasets, flags, models, reporting, shakespeare_transformer
 
 # The autoencoder objective's L2 coefficient (the 1e-5·½‖θ‖²).
 AUTOENCODER_WEIGHT_DECAY = 1e-5

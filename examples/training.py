@@ -226,7 +226,7 @@ def curvature_batch(batch: Sequence[Any], examples: int) -> tuple[Any, ...]:
 
 
 def curvature_shared_loss(loss_fn: LossFn, examples: int) -> LossFn:
-  """``loss_fn`` on a batch of ``N`` as ``(M/N)·loss(head) + (1 − M/N)·loss(rest)``.
+  """``loss_fn`` on ``N`` examples: ``(M/N)·loss(head) + (1−M/N)·loss(rest)``.
 
   The same objective for a ``loss_fn`` that is a mean over the batch's
   examples plus terms that do not depend on the batch (every task's is), with

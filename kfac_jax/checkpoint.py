@@ -33,21 +33,20 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from etils import epath
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
+from kfac_jax import hyperparameters as hp
 from kfac_jax.capture.layers import path_key_name
 from kfac_jax.distribution.placement import ShardedPreconditioners
 from kfac_jax.distribution.sharding import using_mesh
 from kfac_jax.factors.running import factor_dims
-from kfac_jax import hyperparameters as hp
-from kfac_jax.transform import quadratic_model
-from kfac_jax.transform import boxing
-from kfac_jax.transform.config import KFACConfig
 from kfac_jax.hyperparameters import ComputeMethod, ScalarOrSchedule
+from kfac_jax.transform import boxing, quadratic_model
+from kfac_jax.transform.config import KFACConfig
 from kfac_jax.transform.state import (
   ScaleByKFACState,
   decomposition_counts,
@@ -147,10 +146,10 @@ def restore(directory: epath.PathLike, target: Any) -> Any:
   Raises:
     ValueError: a leaf is sharded over an abstract mesh other than the
       mesh set (or none is set); a K-FAC state of ``target`` has no saved
-      counterpart at the same place, or registers other layers than it (the message lists the
-      missing and the extra ones); an array has another shape than the saved
-      one (the message lists them); Orbax's own ValueError when the rest of
-      the structure disagrees.
+      counterpart at the same place, or registers other layers than it (the
+      message lists the missing and the extra ones); an array has another shape
+      than the saved one (the message lists them); Orbax's own ValueError when
+      the rest of the structure disagrees.
     FileNotFoundError: ``directory`` does not exist.
   """
   directory = _path(directory)
@@ -481,8 +480,8 @@ def _check_fields(
       + (
         ""
         if not any(p.startswith("preconditioners") for p in missing + extra)
-        else " A state moves between mesh_axes (packed rows) and one device, or "
-        "between methods, by its factors: restore onto a target with "
+        else " A state moves between mesh_axes (packed rows) and one device, "
+        "or between methods, by its factors: restore onto a target with "
         "preconditioners=None, then call recompute_preconditioners under "
         "the new settings."
       )

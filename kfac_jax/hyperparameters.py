@@ -6,8 +6,9 @@ construction; schedules are called once at step 0 at construction to check the
 type and range of what they return. Inside ``jit`` their later values (and
 values ``optax.inject_hyperparams`` traces) cannot raise, so they are guarded
 where they are used: an interval below 1 counts as 1, and ``all_valid``
-tells the update whether real values are in range (``scale_by_kfac`` then skips the
-parts of the step it feeds: factor update, decompositions, the update).
+tells the update whether real values are in range (``scale_by_kfac`` then
+skips the parts of the step it feeds: factor update, decompositions, the
+update).
 
 Arguments that fix the program (enums, flags, integers) are Python-side
 values checked when the transformation is built: enums given as the member or
@@ -24,14 +25,14 @@ import enum
 import numbers
 import operator
 from collections.abc import Callable
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 Schedule = Callable[[jax.Array], jax.typing.ArrayLike]
-ScalarOrSchedule = Union[float, int, Schedule]
+ScalarOrSchedule = float | int | Schedule
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -115,7 +116,7 @@ class ComputeMethod(enum.Enum):
   INVERSE = "inverse"
 
   @classmethod
-  def parse(cls, value: "ComputeMethod | str") -> "ComputeMethod":
+  def parse(cls, value: ComputeMethod | str) -> ComputeMethod:
     return parse_enum(cls, "compute_method", value)
 
 
@@ -128,7 +129,7 @@ class WeightSharing(enum.Enum):
   REDUCE = "reduce"
 
   @classmethod
-  def parse(cls, value: "WeightSharing | str") -> "WeightSharing":
+  def parse(cls, value: WeightSharing | str) -> WeightSharing:
     return parse_enum(cls, "weight_sharing", value)
 
 
@@ -146,7 +147,7 @@ class DampingMode(enum.Enum):
   ABSOLUTE = "absolute"
 
   @classmethod
-  def parse(cls, value: "DampingMode | str") -> "DampingMode":
+  def parse(cls, value: DampingMode | str) -> DampingMode:
     return parse_enum(cls, "damping_mode", value)
 
 
@@ -289,7 +290,7 @@ def all_valid(
 
 
 def _call_schedule(name: str, schedule: Schedule) -> jax.typing.ArrayLike:
-  """Calls ``schedule`` at step 0, concretely and traced, naming ``name`` on error."""
+  """Calls ``schedule`` at step 0, concrete and traced; errors name ``name``."""
   step = jnp.asarray(0, jnp.int32)
   try:
     sample = schedule(step)

@@ -21,7 +21,7 @@ COMPUTE_DTYPE = jnp.float32
 
 
 def contract_rows(left: jax.Array, right: jax.Array) -> jax.Array:
-  """``leftᵀ right`` over the rows: ``[..., N, d1], [..., N, d2] -> [..., d1, d2]``.
+  """``leftᵀ right`` over rows: ``[..., N, d1], [..., N, d2] -> [..., d1, d2]``.
 
   Accumulated and returned in float32, for float32 or narrower operands.
   Leading axes are batch axes. On a mesh with Explicit axes and batch-sharded
@@ -46,18 +46,17 @@ def inner_products(
 ) -> jax.Array:
   """``[Σ arrays[i] ⊙ arrays[j] for (i, j) in pairs]`` over every axis, float32.
 
-  ``arrays`` share one shape; the result is ``[len(pairs)]``. Several pairs
-  make variadic reductions (each row's sums, then theirs), so each array is
-  read once however many pairs use it (a ``dot_general`` per pair reads
-  both operands every time, and on XLA:CPU runs single-threaded once fused
-  with the sum over leaves). On a mesh, a leaf sharded on another axis than its first exchanges its row
-  sums (``rows`` floats per device and pair) where one sum would do: small
-  beside the leaf itself. One pair stays a ``dot_general``:
-  it reads the same two arrays, and is one kernel where XLA:CPU compiles a
-  large reduction as a windowed tree reduction and a reduce (KL clipping's
-  inner product on every step). Not ``jnp.vdot``: flattening a sharded
-  kernel's gradient gathers it whole; both forms stay on each device's shard
-  and the result is replicated.
+  ``arrays`` share one shape; the result is ``[len(pairs)]``. Several pairs make
+  variadic reductions (each row's sums, then theirs), so each array is read once
+  however many pairs use it (a ``dot_general`` per pair reads both operands
+  every time, and on XLA:CPU runs single-threaded once fused with the sum over
+  leaves). On a mesh, a leaf sharded on another axis than its first exchanges
+  its row sums (``rows`` floats per device and pair) where one sum would do:
+  small beside the leaf itself. One pair stays a ``dot_general``: it reads the
+  same two arrays, and is one kernel where XLA:CPU compiles a large reduction as
+  a windowed tree reduction and a reduce (KL clipping's inner product on every
+  step). Not ``jnp.vdot``: flattening a sharded kernel's gradient gathers it
+  whole; both forms stay on each device's shard and the result is replicated.
   """
   arrays = [a.astype(COMPUTE_DTYPE) for a in arrays]
   axes = tuple(range(arrays[0].ndim))

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import optax
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
-import optax
 
 from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.transform.checks import NoStats

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import jax
-from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 
 import kfac_jax
 from examples import models

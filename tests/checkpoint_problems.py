@@ -43,7 +43,8 @@ def batches(seed=0):
     )
 
 
-def make_training(model=MLP(), **kfac_kwargs):
+# A flax module is a frozen dataclass: the shared default is not mutated.
+def make_training(model=MLP(), **kfac_kwargs):  # noqa: B008
   """(params, tx, jitted step) for a K-FAC + SGD-momentum chain."""
   params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 5)))["params"]
   tx = optax.chain(

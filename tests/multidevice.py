@@ -27,7 +27,6 @@ import kfac_jax
 from kfac_jax.factors.running import factor_dims
 from kfac_jax.transform.config import KFACConfig
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -137,7 +136,7 @@ def train(
   params_sharding=None,
   split_loss=None,
 ):
-  """``STEPS`` steps of K-FAC + SGD; returns (updates per step, K-FAC state, tx).
+  """``STEPS`` steps of K-FAC + SGD: (updates per step, K-FAC state, tx).
 
   With ``split_loss(x, y) -> SplitLoss``: K-FAC's adaptive mode alone.
   """

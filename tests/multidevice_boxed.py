@@ -1,6 +1,7 @@
-"""Flax logical partitioning on 8 simulated CPU devices (``tests/multidevice.py``
-runs it; ``tests/test_boxed_params.py`` holds the test): a model whose
-kernels carry logical axis names trains sharded from
+"""Flax logical partitioning on 8 simulated CPU devices.
+
+``tests/multidevice.py`` runs it; ``tests/test_boxed_params.py`` holds the
+test: a model whose kernels carry logical axis names trains sharded from
 ``nn.get_partition_spec`` and the logical axis rules alone."""
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import kfac_jax
-
-from tests import multidevice
 from kfac_jax.factors.running import factor_dims
 from kfac_jax.transform.config import KFACConfig
+from tests import multidevice
 from tests.multidevice import STEPS, TOLERANCE, comparable
 
 # Kernels' 'mlp' dimensions over 'fsdp' (FSDP), the batch over both axes.

@@ -12,7 +12,6 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import kfac_jax
-
 from tests import multidevice
 from tests.multidevice import (
   TOLERANCE,
@@ -45,6 +44,7 @@ def checkpoint(axis_type: AxisType) -> None:
   recomputes from the same factors.
   """
   import tempfile  # pylint: disable=g-import-not-at-top
+
   from kfac_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
 
   params, loss_fn, batches = conv_problem()
@@ -143,6 +143,7 @@ def saved_and_restored(state, params, mesh, kwargs):
   """``state`` saved by ``kfac_jax.checkpoint`` and restored as the state of
   ``scale_by_kfac(**kwargs)`` on ``mesh``."""
   import tempfile  # pylint: disable=g-import-not-at-top
+
   from kfac_jax import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
 
   directory = tempfile.mkdtemp() + "/ckpt"

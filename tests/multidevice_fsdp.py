@@ -12,7 +12,6 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import kfac_jax
 from examples.hlo_cost import per_device_costs
-
 from tests import multidevice
 from tests.multidevice import (
   MESHES,
@@ -118,8 +117,9 @@ def assert_no_full_gradient_copies(params, specs, mesh) -> None:
         placed, *batch
       )
       grads = jax.device_put(grads, shardings)
+      # B023: compiled here, within this iteration.
       text = (
-        jax.jit(lambda g, s, st: tx.update(g, s, kfac_stats=st))
+        jax.jit(lambda g, s, st: tx.update(g, s, kfac_stats=st))  # noqa: B023
         .lower(grads, state, stats)
         .compile()
         .as_text()
@@ -224,7 +224,8 @@ def local_fsdp(axis_type: AxisType) -> None:
     return PartitionSpec(*([None] * (p.ndim - 2)), rows, "fsdp")
 
   for rows_axis in (None, "data"):
-    specs = jax.tree.map(lambda p: kernel_spec(p, rows_axis), params)
+    # B023: called within this iteration, before the variable changes.
+    specs = jax.tree.map(lambda p: kernel_spec(p, rows_axis), params)  # noqa: B023
     sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     for method, method_kwargs in methods.items():
       kwargs = dict(method_kwargs, params_partition_specs=specs)

@@ -3,8 +3,8 @@ its loss, and ``as_pure`` across the supported flax releases."""
 
 from __future__ import annotations
 
-from flax import nnx
 import jax.numpy as jnp
+from flax import nnx
 
 # flax 0.12.12 renamed nnx.pure to nnx.as_pure (the old name warns); 0.12.2
 # has only nnx.pure.

@@ -58,7 +58,7 @@ def im2col(
   strides: tuple[int, int],
   padding: tuple[tuple[int, int], tuple[int, int]],
 ) -> np.ndarray:
-  """Loop im2col of NHWC ``x``: ``[B, Ho, Wo, kh*kw*C]`` in (kh, kw, C) order."""
+  """Loop im2col of NHWC ``x``: ``[B, Ho, Wo, kh*kw*C]``, (kh, kw, C) order."""
   x = np.pad(x, ((0, 0), padding[0], padding[1], (0, 0)))
   b, h, w, c = x.shape
   kh, kw = window
@@ -223,7 +223,7 @@ def _with_ones(x: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass
 class KFACReference:
-  """Float64 K-FAC following the documented algorithm, one layer dict at a time."""
+  """Float64 K-FAC after the documented algorithm, one layer dict at a time."""
 
   damping: float
   factor_decay: float
@@ -242,7 +242,7 @@ class KFACReference:
   def update(
     self, batches: list[dict[str, LayerTensors]]
   ) -> dict[str, np.ndarray]:
-    """One optimizer step over one or more micro-batches; returns P per layer."""
+    """One optimizer step over one or more micro-batches: P per layer."""
     names = list(batches[0])
     for name in names:
       if name not in self.factors:

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kfac_jax.factors.running import LayerFactors
 from kfac_jax.distribution import placement
+from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import batched, eigen, inverse, methods
 from tests import reference
 
@@ -108,7 +108,7 @@ def test_on_cpu_each_factor_is_its_own_call_and_stacks_group_by_size():
 
 
 def _decomposition_batch_ranks(use_eigen: bool, platform: str) -> set[int]:
-  """Stack ranks of the solver calls in a decomposition lowered for ``platform``.
+  """Stack ranks of the solver calls in a decomposition lowered on ``platform``.
 
   ``0``: one call per factor; ``1``: factors stacked by size. Lowering for
   a platform needs no device of it, so every platform is checked here.

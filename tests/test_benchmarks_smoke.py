@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
 import re
-import importlib.util
 import subprocess
 import sys
 
 import kfac_jax
-
-from examples import flops
-from examples import models
-from examples import targets
-from examples import tasks
-from examples import training
+from examples import flops, models, targets, tasks, training
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -439,6 +434,7 @@ def test_curvature_shared_loss_is_the_same_objective():
   curvature examples is passed whole."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   from tests import reference  # pylint: disable=g-import-not-at-top
 
   rng = np.random.default_rng(0)
@@ -548,6 +544,7 @@ def test_batch_norm_state_is_threaded_through_every_contestant():
   convolution's batch mean computed here by hand (0.9·0 + 0.1·mean)."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   from benchmarks import race_optimizers  # pylint: disable=g-import-not-at-top
   from examples import datasets  # pylint: disable=g-import-not-at-top
   from tests import reference  # pylint: disable=g-import-not-at-top
@@ -608,6 +605,7 @@ def test_muon_orthogonalizes_the_kernels_of_the_layer_table():
   import jax  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   import pytest  # pylint: disable=g-import-not-at-top
+
   from benchmarks import race_optimizers  # pylint: disable=g-import-not-at-top
 
   if not hasattr(optax.contrib, "MuonDimensionNumbers"):

@@ -1,6 +1,8 @@
-"""Params boxed with Flax's partitioning metadata (``nn.with_logical_partitioning``,
-``nn.with_partitioning``): captured, preconditioned and checkpointed as their
-arrays, with the state boxed where it is params-shaped.
+"""Params boxed with Flax's partitioning metadata.
+
+``nn.with_logical_partitioning`` and ``nn.with_partitioning`` params: captured,
+preconditioned and checkpointed as their arrays, with the state boxed where it
+is params-shaped.
 
 Boxing adds no operation on the arrays, so on one device a boxed run is
 compared with the unboxed one bit for bit. The sharded run (8 simulated

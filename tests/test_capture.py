@@ -1,4 +1,4 @@
-"""value_grad_and_stats: gradients, inputs and output cotangents of each call."""
+"""value_grad_and_stats: each call's gradients, inputs and output cotangents."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def test_each_call_is_captured_with_its_cotangent():
   assert layer.signature.module_type == "Dense" and layer.signature.has_bias
   np.testing.assert_array_equal(layer.inputs[0], x1)
   np.testing.assert_array_equal(layer.inputs[1], x2)
-  # dL/d(out_1) = 2y and dL/d(out_2) = 2 * 2y, from L = sum((out_1 + 2 out_2)^2).
+  # dL/d(out_1) = 2y and dL/d(out_2) = 2 * 2y, from
+  # L = sum((out_1 + 2 out_2)^2).
   # 2y and 4y are exact of the backward pass's y, which XLA may compute again:
   # the dot of 5, the bias, the sum.
   close(layer.output_cotangents[0], 2 * y, terms=5 + 1 + 2)

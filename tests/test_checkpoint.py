@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-
 import os
 import subprocess
 import sys
@@ -18,8 +17,7 @@ import pytest
 
 import kfac_jax
 from kfac_jax import checkpoint
-from tests import multidevice
-from tests import reference
+from tests import multidevice, reference
 from tests.checkpoint_problems import (
   DAMPING,
   MLP,
@@ -227,7 +225,8 @@ MULTIDEVICE_PROGRAM = textwrap.dedent("""
     from jax.sharding import SingleDeviceSharding
 
     from kfac_jax import checkpoint
-    from tests.checkpoint_problems import assert_bit_exact, batches, make_training
+    from tests.checkpoint_problems import (
+      assert_bit_exact, batches, make_training)
 
     directory, axis_type = sys.argv[1], getattr(AxisType, sys.argv[2])
     assert jax.device_count() == 8, jax.devices()

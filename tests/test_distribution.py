@@ -7,7 +7,6 @@ runs here on one.
 
 from __future__ import annotations
 
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,10 +21,12 @@ from kfac_jax.distribution import layout as layout_lib
 from kfac_jax.distribution import strategy as strategy_lib
 from kfac_jax.distribution.assignment import assign_layers, layer_cost
 from kfac_jax.preconditioning.methods import make_method
-from tests import multidevice
-from tests import multidevice_checkpoint
-from tests import multidevice_fsdp
-from tests import reference
+from tests import (
+  multidevice,
+  multidevice_checkpoint,
+  multidevice_fsdp,
+  reference,
+)
 
 # Each program by the module that holds it.
 MODULES = {
@@ -151,7 +152,7 @@ def test_rows_restored_under_another_assignment_are_decomposed_again():
 
 
 @pytest.mark.multidevice
-def test_ekfac_restored_under_another_assignment_leaves_stale_micro_batches_out():
+def test_ekfac_restored_elsewhere_leaves_stale_micro_batches_out():
   """Micro-batch S summed in bases of another layout never enters S."""
   run_on_eight_devices("restored_ekfac_accumulation", "Explicit")
 

@@ -1,4 +1,4 @@
-"""eigenvalue_correction=True (EKFAC) against per-example gradients in float64."""
+"""eigenvalue_correction=True (EKFAC) against float64 per-example gradients."""
 
 import flax.linen as nn
 import jax
@@ -79,10 +79,11 @@ def test_scales_are_second_moments_of_per_example_gradients(name):
   params, x, y, _, _, state = one_step()
   per_example = jax.vmap(jax.grad(example_loss), (None, 0, 0))(params, x, y)
   q_a, q_g = bases(state, name)
+  # B023: tree.map calls the lambda at once, per example n.
   rotated = np.stack(
     [
       q_a.T
-      @ gradient_matrix(jax.tree.map(lambda g: g[n], per_example[name]))
+      @ gradient_matrix(jax.tree.map(lambda g: g[n], per_example[name]))  # noqa: B023
       @ q_g
       for n in range(BATCH)
     ]
@@ -143,10 +144,11 @@ def test_a_scanned_stacks_blocks_get_their_own_second_moments():
   chain = IN + 5 * HIDDEN + 2 * OUT
   for i, block in enumerate(blocks):
     q_a, q_g = bases(state, block)
+    # B023: tree.map calls the lambda at once, per example n.
     rotated = np.stack(
       [
         q_a.T
-        @ gradient_matrix(jax.tree.map(lambda g: g[n, i], per_example))
+        @ gradient_matrix(jax.tree.map(lambda g: g[n, i], per_example))  # noqa: B023
         @ q_g
         for n in range(BATCH)
       ]

@@ -5,12 +5,12 @@ the chain withholds them, and not captured when also used through
 from __future__ import annotations
 
 import flax.linen as nn
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import kfac_jax
 from tests import reference

@@ -1,4 +1,4 @@
-"""``factor_batch_size``: batch factors from an evenly spaced subset of examples.
+"""``factor_batch_size``: batch factors from evenly spaced examples.
 
 The reference is a second capture: the same model's loss on the sub-batch
 alone (its own mean), whose factors must equal the subset's factors of the

@@ -259,8 +259,9 @@ def test_a_decay_below_zero_later_skips_those_factor_updates_only():
       damping=DAMPING, kl_clip=None, factor_decay=decay
     )
     state = tx.init(params)
+    # B023: params is read when traced, within this iteration.
     update = jax.jit(
-      lambda g, s, st, tx=tx: tx.update(g, s, params, kfac_stats=st)
+      lambda g, s, st, tx=tx: tx.update(g, s, params, kfac_stats=st)  # noqa: B023
     )
     for _ in range(steps):
       _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(

@@ -34,7 +34,7 @@ class Block(nn.Module):
 
 
 class Mixed(nn.Module):
-  """[B, T, C] -> Conv -> DenseGeneral(T, C) -> Dense ×2 (shared) -> scan -> 2."""
+  """[B, T, C] -> Conv -> DenseGeneral(T, C) -> Dense ×2 (shared) -> scan."""
 
   @nn.compact
   def __call__(self, x):
@@ -113,7 +113,7 @@ def test_sandwich_of_factors_equals_the_dense_product(left_dim, right_dim):
 
 
 def test_captured_rows_multiply_to_the_gradients():
-  """``aᵀg`` of every dense layer's stats is ``value_grad_and_stats``'s gradient."""
+  """``aᵀg`` of each dense layer's stats is the gradient, as captured."""
   params, grads, stats, layers = _problem()
   for name in FACTORED | {"head"}:
     activation, gradient = batch_lib.gradient_rows_of_dense(stats[name])

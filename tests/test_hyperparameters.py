@@ -32,7 +32,7 @@ def test_schedules_are_called_with_the_step():
     damping_mode="absolute",
   )
   state = tx.init(params)
-  for step in range(3):
+  for _ in range(3):
     x, y = next(batches)
     _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
     updates, state = tx.update(grads, state, params, kfac_stats=stats)

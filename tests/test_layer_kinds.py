@@ -1,10 +1,10 @@
 """Every layer kind against float64 NumPy: convolutions of all shapes,
 DenseGeneral/attention projections, scanned layers (against the unrolled model).
 
-Each case runs one K-FAC step through ``trace_layers`` + ``value_grad_and_stats``
-+ ``scale_by_kfac`` and compares, per Kronecker block, the running factors and
-the preconditioned gradient with ``reference.KFACReference`` fed by an explicit
-loop im2col / reshape in NumPy.
+Each case runs one K-FAC step through ``trace_layers`` +
+``value_grad_and_stats`` + ``scale_by_kfac`` and compares, per Kronecker block,
+the running factors and the preconditioned gradient with
+``reference.KFACReference`` fed by an explicit loop im2col / reshape in NumPy.
 """
 
 from __future__ import annotations
@@ -275,7 +275,10 @@ def test_dense_general_contracts_its_axes():
 
 
 def test_attention_projections_are_preconditioned():
-  """MultiHeadDotProductAttention: q/k/v [in, heads, head_dim], out [heads, head_dim, out]."""
+  """MultiHeadDotProductAttention's projections.
+
+  q/k/v [in, heads, head_dim], out [heads, head_dim, out].
+  """
 
   class SelfAttention(nn.Module):
     @nn.compact
@@ -291,7 +294,7 @@ def test_attention_projections_are_preconditioned():
   weights = rng.uniform(0.5, 1.5, size=(3, 5, 6)).astype(np.float32)
   _, table, state, updates = _kfac_step(model, params, x, weights)
   assert {
-    n: (l.contracted_shape, l.output_shape) for n, l in table.items()
+    n: (info.contracted_shape, info.output_shape) for n, info in table.items()
   } == {
     "attention/query": ((6,), (2, 4)),
     "attention/key": ((6,), (2, 4)),
@@ -510,7 +513,7 @@ def test_a_cell_broadcast_over_scan_steps_is_read_per_step_or_skipped():
 
 
 def test_partition_specs_follow_the_layer_table():
-  """get_opt_state_partition_specs(params, layers=...) mirrors tx.init's blocks."""
+  """get_opt_state_partition_specs(params, layers=...) has tx.init's blocks."""
   x = jnp.ones((4, 6, 4))
   model = Scanned()
   params = model.init(jax.random.PRNGKey(0), x)["params"]

@@ -10,7 +10,6 @@ that need no mesh axes run here.
 
 from __future__ import annotations
 
-
 import jax
 import numpy as np
 import optax
@@ -108,8 +107,11 @@ def check_mismatches(mesh, call) -> None:
   )
   with jax.set_mesh(mesh):
     for other in others:
+      # B023: expect_error calls the lambda at once.
       expect_error(
-        ValueError, "is not the mesh set by jax.set_mesh", lambda: call(other)
+        ValueError,
+        "is not the mesh set by jax.set_mesh",
+        lambda: call(other),  # noqa: B023
       )
     expect_error(
       TypeError, "mesh must be a jax.sharding.Mesh", lambda: call("data")

@@ -1,4 +1,7 @@
-"""bfloat16 params, activations, factors and preconditioners: dtypes, training, accuracy."""
+"""bfloat16 params, activations, factors, preconditioners.
+
+Their dtypes, training and accuracy.
+"""
 
 from __future__ import annotations
 
@@ -223,10 +226,11 @@ def test_bf16_factors_change_the_step_by_their_rounding_only():
   _, ((p32, s32), (p16, s16)) = steps(params)
   norm2 = lambda m: np.linalg.norm(m, 2)
   for name in s32.factors:
+    # B023: used only within this iteration.
     matrix = lambda tree: np.concatenate(
       [
-        np.asarray(tree[name]["kernel"], np.float64),
-        np.asarray(tree[name]["bias"], np.float64)[None],
+        np.asarray(tree[name]["kernel"], np.float64),  # noqa: B023
+        np.asarray(tree[name]["bias"], np.float64)[None],  # noqa: B023
       ]
     )
     p, p_bf16 = matrix(p32), matrix(p16)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import warnings
 
 import flax.linen as nn
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec
 
 import kfac_jax

@@ -15,12 +15,12 @@ import tempfile
 import warnings
 
 import flax.linen as nn
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import kfac_jax

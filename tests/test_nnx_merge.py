@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import warnings
 
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import kfac_jax
 from kfac_jax.capture import nnx_merge

@@ -4,11 +4,11 @@ cannot be told apart."""
 
 from __future__ import annotations
 
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import kfac_jax
 from tests import reference
@@ -102,7 +102,8 @@ def _unroll(model: ScannedBlocks) -> ScannedBlocks:
   unrolled = ScannedBlocks(nnx.Rngs(1), unrolled=True)
   stacked = nnx.state(model.blocks, nnx.Param)
   for i, block in enumerate(unrolled.blocks):
-    nnx.update(block, jax.tree.map(lambda p: p[i], stacked))
+    # B023: called within this iteration, before the variable changes.
+    nnx.update(block, jax.tree.map(lambda p: p[i], stacked))  # noqa: B023
   nnx.update(unrolled.head, nnx.state(model.head))
   return unrolled
 
@@ -164,7 +165,8 @@ def test_nnx_scan_over_stacked_layers_matches_the_unrolled_layers():
   )
   for i in range(3):
     jax.tree.map(
-      lambda a, b: close(a[i], b, **tolerance),
+      # B023: tree.map calls it at once.
+      lambda a, b: close(a[i], b, **tolerance),  # noqa: B023
       updates["blocks"]["lin"],
       unrolled_updates["blocks"][i]["lin"],
     )

@@ -3,11 +3,11 @@ subclasses and NNX objects among the loss's arguments."""
 
 from __future__ import annotations
 
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import kfac_jax
 from kfac_jax.factors.batch import batch_factors

@@ -10,10 +10,10 @@ from __future__ import annotations
 import warnings
 
 import flax.linen as nn
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 import kfac_jax
 

@@ -1,4 +1,4 @@
-"""Non-finite safety: NaN/Inf batches, gradients and factors leave the state usable."""
+"""Non-finite safety: NaN/Inf batches, gradients, factors: a usable state."""
 
 from __future__ import annotations
 

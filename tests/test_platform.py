@@ -31,7 +31,8 @@ PROGRAM = textwrap.dedent("""
         elif i % 3 == 1:
           chol = jax.vmap(jnp.linalg.cholesky)(m)
           outs.append(jax.vmap(
-              lambda l, b: jsl.solve_triangular(l, b, lower=True))(chol, s).sum())
+              lambda c, b: jsl.solve_triangular(c, b, lower=True))(
+                  chol, s).sum())
         else:
           outs.append(jax.vmap(jnp.linalg.eigh)(m)[0].sum())
       return sum(outs)

@@ -1,4 +1,4 @@
-"""``capture.sampled_curvature`` against the losses' Hessians and a dense GGN."""
+"""``capture.sampled_curvature`` against the losses' Hessians, a dense GGN."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ CASES = {
 
 
 def sampled_cotangents(surrogate, logits: jax.Array) -> jax.Array:
-  """``u`` for ``KEYS`` keys, ``[keys, examples, outputs]``: N·∇ of the surrogate."""
+  """``u`` of ``KEYS`` keys, ``[keys, examples, outputs]``: surrogate's N·∇."""
   keys = jax.random.split(jax.random.key(1), KEYS)
   gradient = jax.vmap(jax.grad(surrogate), in_axes=(None, 0))(logits, keys)
   return gradient * logits.shape[0]
@@ -83,7 +83,10 @@ class MLP(nn.Module):
 
 
 def test_stats_sample_the_gauss_newton_factors_of_every_layer():
-  """E[N²·cov(g)] = (1/N) Σᵢ Jᵢᵀ Hᵢ Jᵢ per layer, J = ∂logits/∂(layer output)."""
+  """E[N²·cov(g)] = (1/N) Σᵢ Jᵢᵀ Hᵢ Jᵢ per layer.
+
+  J = ∂logits/∂(layer output).
+  """
   model = MLP()
   x = jnp.asarray(RNG.normal(size=(6, 4)), jnp.float32)
   params = model.init(jax.random.PRNGKey(0), x)["params"]

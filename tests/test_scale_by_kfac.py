@@ -1,4 +1,4 @@
-"""scale_by_kfac against the independent float64 reference (tests/reference.py)."""
+"""scale_by_kfac against the independent float64 reference (reference.py)."""
 
 from __future__ import annotations
 
@@ -201,12 +201,13 @@ def test_accumulation_steps_equal_one_step_on_the_concatenated_batch(kind):
       len(expected_state.factors[name].gradient_factor),
     )
     jax.tree.map(
+      # B023: tree.map calls it at once.
       lambda a, b, shape=shape: close(
         a,
         b,
         terms=update_terms(kind, shape, micro_batches=3),
         condition=condition,
-        scale=reference.largest(jax.tree.leaves(update)),
+        scale=reference.largest(jax.tree.leaves(update)),  # noqa: B023
       ),
       updates[name],
       update,

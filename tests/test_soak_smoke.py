@@ -1,4 +1,4 @@
-"""``python -m benchmarks.soak`` runs end to end (50 steps) and reports success."""
+"""``python -m benchmarks.soak`` runs end to end (50 steps), reports success."""
 
 from __future__ import annotations
 

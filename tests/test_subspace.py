@@ -1,4 +1,4 @@
-"""eigen_solver="subspace": warm-started subspace iteration against float64 eigh."""
+"""eigen_solver="subspace": warm-started subspace iteration vs float64 eigh."""
 
 import flax.linen as nn
 import jax
@@ -26,7 +26,7 @@ def random_orthogonal(rng, dim):
 
 
 def drifting_factors(steps, seed=0):
-  """``F_t = U_t diag(λ) U_tᵀ`` with ``U_{t+1} = exp(DRIFT·K) U_t``, ‖K‖₂ = 1."""
+  """``F_t = U_t diag(λ) U_tᵀ``, ``U_{t+1} = exp(DRIFT·K) U_t``, ‖K‖₂ = 1."""
   rng = np.random.default_rng(seed)
   eigenvalues = R ** np.arange(DIM)
   generator = rng.standard_normal((DIM, DIM))

@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
-from flax.training import train_state
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax.training import train_state
 
 import kfac_jax
 

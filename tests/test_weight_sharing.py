@@ -54,7 +54,7 @@ def _sequence_problem():
   return stats["shared"], inputs, cotangents
 
 
-def test_reduce_of_a_dense_on_sequences_is_the_mean_input_and_summed_cotangent():
+def test_reduce_of_dense_on_sequences_means_inputs_and_sums_cotangents():
   stats, inputs, cotangents = _sequence_problem()
   (a,), (g,) = batch_lib.batch_factors(stats, reduce=True)
   mean_inputs = inputs.mean(axis=1)  # â_n, [B, IN + 1]

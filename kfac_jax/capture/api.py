@@ -7,8 +7,7 @@ from typing import Any
 
 from flax import nnx
 
-from kfac_jax.capture import flax_linen
-from kfac_jax.capture import flax_nnx
+from kfac_jax.capture import flax_linen, flax_nnx
 from kfac_jax.capture.layers import TracedLayers, compile_patterns
 from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.hyperparameters import static_bool

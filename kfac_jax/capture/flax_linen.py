@@ -19,10 +19,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from kfac_jax.capture import layers
-from kfac_jax.capture import loops
+from kfac_jax.capture import layers, loops, signatures
 from kfac_jax.capture import probes as probes_lib
-from kfac_jax.capture import signatures
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
 
 # Module classes whose calls are captured. Subclasses count too.

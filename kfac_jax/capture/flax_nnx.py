@@ -2,12 +2,12 @@
 
 NNX has no method interceptors, so the capture works on a private copy of the
 model: the loss runs on ``nnx.merge(nnx.split(model))``, whose ``nnx.Linear``,
-``nnx.LinearGeneral``, ``nnx.Conv`` and ``nnx.Embed`` instances are switched to a subclass
-that applies the call's probes (``capture.probes``) to the output of that
-Flax class's call (under a user subclass's own ``__call__``). The user's
+``nnx.LinearGeneral``, ``nnx.Conv`` and ``nnx.Embed`` instances are switched to
+a subclass that applies the call's probes (``capture.probes``) to the output of
+that Flax class's call (under a user subclass's own ``__call__``). The user's
 model object is never modified; state the loss updates on the copy (batch
-statistics, RNG counters) is written back to it, as ``nnx.value_and_grad``
-does; so is that of the NNX objects among the loss's other arguments.
+statistics, RNG counters) is written back to it, as ``nnx.value_and_grad`` does;
+so is that of the NNX objects among the loss's other arguments.
 
 Each captured layer's probes are set on the copy as ``Probes``, a
 ``Param``, so a lifted transform that slices the params (``nnx.scan`` over
@@ -35,14 +35,11 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from flax import nnx
 import jax
+from flax import nnx
 
-from kfac_jax.capture import layers
-from kfac_jax.capture import loops
-from kfac_jax.capture import nnx_merge
+from kfac_jax.capture import layers, loops, nnx_merge, signatures
 from kfac_jax.capture import probes as probes_lib
-from kfac_jax.capture import signatures
 from kfac_jax.capture.probes import ProbePair
 from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
 

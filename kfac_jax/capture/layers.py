@@ -365,9 +365,9 @@ def find_layers(
       - set(layers)
       - {
         n
-        for n, l in table.items()
-        if is_skipped_layer(l.path, l.module_type or "", skip)
-        or (l.kernel_key != KERNEL and not include_embeddings)
+        for n, info in table.items()
+        if is_skipped_layer(info.path, info.module_type or "", skip)
+        or (info.kernel_key != KERNEL and not include_embeddings)
         or any(n == m or n.startswith(m + "/") or not m for m in masked)
       }
     )

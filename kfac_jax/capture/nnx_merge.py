@@ -35,8 +35,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from flax import nnx
 import jax
+from flax import nnx
 
 # The Flax methods routed, by class: the calls the NNX capture captures.
 ROUTED_METHODS: dict[type[nnx.Module], tuple[str, ...]] = {

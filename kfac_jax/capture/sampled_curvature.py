@@ -66,7 +66,7 @@ def _check(outputs: jax.Array, key: jax.Array, caller: str) -> None:
 
 
 def _surrogate(outputs: jax.Array, cotangents: jax.Array) -> jax.Array:
-  """``Σ stop_gradient(u) ⊙ f / N``, float32, ``N`` = examples of ``outputs``."""
+  """``Σ stop_gradient(u) ⊙ f / N``, float32; ``N``: examples in ``outputs``."""
   examples = math.prod(outputs.shape[:-1])
   cotangents = jax.lax.stop_gradient(cotangents).astype(outputs.dtype)
   return jnp.sum(cotangents * outputs, dtype=jnp.float32) / examples
@@ -111,7 +111,7 @@ def softmax_cross_entropy(logits: jax.Array, key: jax.Array) -> jax.Array:
 
 
 def squared_error(outputs: jax.Array, key: jax.Array) -> jax.Array:
-  """For ``ℓ = ½ Σ_k (f_k − y_k)²``: ``H = I``, sampled as ``u = ε`` (Rademacher).
+  """For ``ℓ = ½ Σ_k (f_k − y_k)²``: ``H = I``, sampled as Rademacher ``u = ε``.
 
   Args:
     outputs: ``[..., outputs]``.

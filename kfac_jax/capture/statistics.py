@@ -1,4 +1,4 @@
-"""What the capture hands to the optimizer: per-layer inputs and output cotangents.
+"""What the capture hands the optimizer: layers' inputs and output cotangents.
 
 ``value_grad_and_stats`` returns ``{layer_name: LayerStatistics}``. The arrays
 are the raw tensors of each call of the layer, so the factors
@@ -8,7 +8,6 @@ are the raw tensors of each call of the layer, so the factors
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
 
 import jax
 
@@ -16,7 +15,7 @@ from kfac_jax.capture.layers import EMBEDDING, KERNEL
 
 # Flax's canonical padding: a lax padding string, "CIRCULAR"/"REFLECT"/"CAUSAL",
 # or explicit (low, high) pairs per spatial dimension.
-Padding = Union[str, tuple[tuple[int, int], ...]]
+Padding = str | tuple[tuple[int, int], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +72,7 @@ class LayerSignature:
 
   @property
   def contracted_ndim(self) -> int:
-    """Kernel axes contracted with the input (window and channels for a conv)."""
+    """Kernel axes contracted with the input (a conv's window and channels)."""
     if self.conv is not None:
       return len(self.conv.window) + 1
     if self.num_embeddings is not None:

@@ -139,7 +139,7 @@ def decompose_checked(
   previous: Mapping[str, Preconditioner],
   damping: jax.Array,
 ) -> tuple[dict[str, Preconditioner], DecompositionCounts]:
-  """Decomposes ``factors`` (batched by size); non-finite results keep ``previous``.
+  """Decomposes ``factors`` batched by size; non-finite ones keep ``previous``.
 
   A method's ``prepare`` (relative damping) transforms the factors and λ
   first; one with a ``warm_start`` refines ``previous``'s eigenbases, and its
@@ -605,7 +605,7 @@ def _share_from_owners(
   compute: Callable[[str], jax.Array],
   dtype: jnp.dtype,
 ) -> dict[str, jax.Array]:
-  """Inside ``shard_map``: each layer's ``compute(name)`` from its owner, everywhere.
+  """In ``shard_map``: each layer's ``compute(name)`` from its owner, on all.
 
   Every device computes only the layers it owns (a ``lax.switch`` on its
   index), packs them into a segment and one ``all_gather`` shares all

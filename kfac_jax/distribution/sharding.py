@@ -14,9 +14,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 from jax.sharding import PartitionSpec
-import optax
 
 
 def context_mesh(axes: tuple[str, ...]) -> jax.sharding.AbstractMesh:

@@ -32,7 +32,7 @@ class DistributedStrategy(enum.Enum):
 
 
 class AssignmentStrategy(enum.Enum):
-  """What the greedy layer assignment balances: ``dim³`` or ``dim²`` per factor."""
+  """What the greedy layer assignment balances: a factor's ``dim³``/``dim²``."""
 
   COMPUTE = "compute"
   MEMORY = "memory"
@@ -138,11 +138,12 @@ def group_size(
     fraction = 0.5
   g = round(fraction * n)
   if abs(fraction * n - g) > 1e-9 or g < 1 or n % g:
+    divisors = ", ".join(f"{d}/{n}" for d in range(1, n + 1) if n % d == 0)
     raise ValueError(
       f"grad_worker_fraction={config.grad_worker_fraction!r} on {n} devices "
       f"(mesh_axes {list(config.mesh_axes)}) gives groups of "
       f"{fraction * n:g} devices; f·n must be a whole divisor of {n} "
-      f"(f in {{{', '.join(f'{d}/{n}' for d in range(1, n + 1) if n % d == 0)}}})."
+      f"(f in {{{divisors}}})."
     )
   return n, g
 

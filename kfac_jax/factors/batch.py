@@ -46,7 +46,7 @@ from kfac_jax.linalg import COMPUTE_DTYPE, contract_rows
 
 
 def covariance(rows: jax.Array) -> jax.Array:
-  """``rowsᵀ rows / N`` for ``rows: [..., N, d]``; returns ``[..., d, d]`` float32.
+  """``rowsᵀ rows / N`` for ``rows: [..., N, d]``: ``[..., d, d]``, float32.
 
   Not symmetrized here: a pass over every factor on every factor step
   (~25 % of the product's time at d ≈ N); ``eigh`` and the inverse
@@ -66,7 +66,7 @@ def _shared_axes(tensor: jax.Array, trailing: int) -> tuple[int, ...]:
 def activation_rows(
   inputs: jax.Array, signature: LayerSignature, reduce: bool = False
 ) -> jax.Array:
-  """The rows ``a`` of each group of one layer slice: ``[groups, N, activation_dim]``.
+  """Rows ``a`` of each group of a layer slice: ``[groups, N, activation_dim]``.
 
   ``reduce``: one row per example, the mean over its shared positions
   (KFAC-reduce, module docstring).
@@ -104,7 +104,7 @@ def activation_rows(
 def token_frequencies(
   token_ids: jax.Array, signature: LayerSignature
 ) -> jax.Array:
-  """``A = cov(one_hot(ids)) = diag(counts / N)`` of one slice: ``[1, V, V]``."""
+  """``A = cov(one_hot(ids)) = diag(counts / N)`` of a slice: ``[1, V, V]``."""
   ids = token_ids.reshape(-1).astype(jnp.int32)
   counts = jnp.zeros((signature.num_embeddings,), COMPUTE_DTYPE).at[ids].add(1)
   return jnp.diag(counts / ids.shape[0])[None]
@@ -113,7 +113,7 @@ def token_frequencies(
 def gradient_rows(
   output_cotangents: jax.Array, signature: LayerSignature, reduce: bool = False
 ) -> jax.Array:
-  """The rows ``g`` of each group of one layer slice: ``[groups, N, gradient_dim]``.
+  """Rows ``g`` of each group of a layer slice: ``[groups, N, gradient_dim]``.
 
   ``reduce``: one row per example, the sum over its shared positions
   (KFAC-reduce, module docstring).
@@ -199,7 +199,7 @@ def fisher_scales(
 def example_subset(
   tensor: jax.Array, axis: int | None, examples: int | float | None
 ) -> jax.Array:
-  """``examples`` evenly spaced entries of ``tensor`` along its example ``axis``.
+  """``examples`` evenly spaced entries of ``tensor`` along its ``axis``.
 
   Entries ``0, s, 2s, …`` with stride ``s = ⌊B / examples⌋`` are kept, rather
   than the first ``examples``: on a batch-sharded array, each device then
@@ -310,7 +310,7 @@ def batch_factors(
   examples: int | float | None = None,
   reduce: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """``(A [blocks, dA, dA], G [blocks, dG, dG])`` of one batch, summed over calls.
+  """``(A [blocks, dA, dA], G [blocks, dG, dG])`` of a batch, summed over calls.
 
   ``fisher_scaled`` scales each call's factors by ``fisher_scales``, so that
   ``A ⊗ G`` estimates the Fisher of the mean loss rather than KAISA's

@@ -1,4 +1,4 @@
-"""Convolution patches (im2col) with XLA's own patch op, in Flax kernel order."""
+"""Convolution patches (im2col) by XLA's own patch op, in Flax kernel order."""
 
 from __future__ import annotations
 

@@ -31,8 +31,7 @@ and larger stacks, for one row and column more of arithmetic.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -177,7 +176,7 @@ def decompose_layers(
   each_on: Sequence[str] = EACH_ON_CPU,
   warm: WarmStarts | None = None,
 ) -> Decomposed:
-  """Applies ``factor_fn`` to every A and G: one by one on ``each_on``, else stacked.
+  """Applies ``factor_fn`` to each A and G: singly on ``each_on``, else stacked.
 
   Args:
     factors: ``{layer: LayerFactors(A [dA, dA], G [dG, dG])}``.

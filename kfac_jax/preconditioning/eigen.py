@@ -59,7 +59,7 @@ class EigenPreconditioner(NamedTuple):
 def eigh_factor(
   factor: jax.Array, damping: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-  """``(d, Q)`` of one symmetric factor ``[d, d]`` in float32, ``d`` clamped ≥ 0.
+  """``(d, Q)`` of a symmetric factor ``[d, d]`` in float32, ``d`` clamped ≥ 0.
 
   ``damping`` is unused (the eigenbasis does not depend on it); it keeps the
   signature of ``inverse.damped_inverse`` so both batch the same way. As the

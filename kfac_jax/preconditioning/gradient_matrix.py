@@ -53,7 +53,7 @@ class FactoredGradient(NamedTuple):
 def divided(
   gradient: jax.Array | FactoredGradient, divisor: jax.Array
 ) -> jax.Array | FactoredGradient:
-  """``∇ / divisor`` in ``gradient``'s form (a factored one divides its ``g``)."""
+  """``∇ / divisor`` in ``gradient``'s form (a factored one: its ``g``)."""
   if isinstance(gradient, FactoredGradient):
     return gradient._replace(gradient_rows=gradient.gradient_rows / divisor)
   return gradient / divisor
@@ -134,7 +134,7 @@ def sandwich(
 def to_matrix(
   layer_grads: Mapping[str, jax.Array], layer: LayerInfo, dtype: jnp.dtype
 ) -> jax.Array:
-  """``[num_blocks, activation_dim, gradient_dim]`` blocks of a layer's gradient."""
+  """A layer's gradient as ``[num_blocks, activation_dim, gradient_dim]``."""
   stack = layer.num_blocks // layer.groups
   rows = layer.activation_dim - int(layer.has_bias)
 

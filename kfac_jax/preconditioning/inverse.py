@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kfac_jax.linalg import diagonal_sums, scalars
 from kfac_jax.factors.running import LayerFactors
+from kfac_jax.linalg import diagonal_sums, scalars
 from kfac_jax.preconditioning.eigen import DECOMPOSITION_DTYPE
 from kfac_jax.preconditioning.gradient_matrix import (
   FactoredGradient,

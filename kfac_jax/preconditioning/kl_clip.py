@@ -1,4 +1,4 @@
-"""KL clipping (KAISA): bound the step's predicted change of the model output."""
+"""KL clipping (KAISA): bounds the step's predicted change of the output."""
 
 from __future__ import annotations
 

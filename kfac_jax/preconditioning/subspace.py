@@ -71,7 +71,7 @@ class SubspaceSolver(NamedTuple):
 
 
 def rayleigh_quotients(basis: jax.Array, product: jax.Array) -> jax.Array:
-  """``diag(Qᵀ F Q)`` from ``Q`` and ``F Q`` (both ``[d, d]``): ``[d]``, O(d²)."""
+  """``diag(Qᵀ F Q)`` from ``Q`` and ``F Q`` (``[d, d]``): ``[d]``, in O(d²)."""
   return jnp.sum(basis * product, axis=0)
 
 

@@ -1,1 +1,1 @@
-"""Optax glue: the scale_by_kfac transformation, its hyper-parameters, aliases."""
+"""Optax glue: the scale_by_kfac transformation, hyper-parameters, aliases."""

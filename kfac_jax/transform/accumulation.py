@@ -12,8 +12,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import optax
+from jax import lax
 
 from kfac_jax.capture import layers as layers_lib
 from kfac_jax.capture.layers import LayerInfo

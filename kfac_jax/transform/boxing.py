@@ -29,10 +29,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from flax.core import meta
-from flax.linen import spmd
 import jax
 import optax
+from flax.core import meta
+from flax.linen import spmd
 from jax.sharding import PartitionSpec
 
 from kfac_jax.distribution.placement import ShardedPreconditioners

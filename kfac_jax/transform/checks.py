@@ -133,7 +133,7 @@ def check_state(
 def check_dense_only(
   stats: Mapping[str, LayerStatistics], active: Sequence[str], setting: str
 ) -> None:
-  """``setting`` reads dense layers' rows: refuses convolutions and embeddings."""
+  """``setting`` reads dense layers' rows: refuses convs and embeddings."""
   for name in active:
     signature = stats[name].signature
     if signature.conv is not None or signature.num_embeddings is not None:

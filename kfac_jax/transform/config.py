@@ -4,8 +4,9 @@ The argument list of ``scale_by_kfac``, with its defaults and documentation,
 is the field list of ``KFACConfig``. Building one checks every argument and
 normalizes it (hyper-parameters as ``Hyperparameter`` callables of the step
 count, enums parsed, skip patterns compiled, the preconditioners'
-``Placement`` made), so that ``scale_by_kfac``, ``get_opt_state_partition_specs``
-and ``checkpoint.recompute_preconditioners`` read one frozen value built from
+``Placement`` made), so that ``scale_by_kfac``,
+``get_opt_state_partition_specs`` and ``checkpoint.recompute_preconditioners``
+read one frozen value built from
 the same keyword arguments.
 """
 
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 
+from kfac_jax import hyperparameters as hp
 from kfac_jax.capture import layers as layers_lib
 from kfac_jax.capture.layers import LayerInfo, LayerTable
 from kfac_jax.distribution import placement as placement_lib
@@ -29,16 +31,15 @@ from kfac_jax.distribution.strategy import (
   AssignmentStrategy,
   DistributedStrategy,
 )
-from kfac_jax.preconditioning.methods import make_method
-from kfac_jax.preconditioning.subspace import SubspaceSolver
-from kfac_jax import hyperparameters as hp
-from kfac_jax.transform import nnx_variables
 from kfac_jax.hyperparameters import (
   ComputeMethod,
   DampingMode,
   ScalarOrSchedule,
   WeightSharing,
 )
+from kfac_jax.preconditioning.methods import make_method
+from kfac_jax.preconditioning.subspace import SubspaceSolver
+from kfac_jax.transform import nnx_variables
 from kfac_jax.transform.quadratic_model import AdaptiveConfig
 
 # scale_by_kfac's λ (relative) and κ unless given (the kfac alias's too).
@@ -85,10 +86,10 @@ class KFACConfig:
     kl_clip: KL-clipping bound κ. Constant or schedule, > 0; ``None``
       turns clipping off.
     momentum: the chained optimizer's heavy-ball momentum μ in [0, 1)
-      (constant or schedule; ``None``: 0), read only by KL clipping: the step actually taken settles at
-      ``lr·ν·P / (1 − μ)`` while ``P`` keeps its direction, so the clip
-      measures ``vg = (lr / (1 − μ))² Σ P ⊙ ∇`` and κ bounds that step.
-      ``kfac_jax.kfac`` passes its own.
+      (constant or schedule; ``None``: 0), read only by KL clipping: the step
+      actually taken settles at ``lr·ν·P / (1 − μ)`` while ``P`` keeps its
+      direction, so the clip measures ``vg = (lr / (1 − μ))² Σ P ⊙ ∇`` and κ
+      bounds that step. ``kfac_jax.kfac`` passes its own.
     factor_update_steps: factors update when ``step % factor_update_steps ==
       0``. Positive integer or schedule.
     inv_update_steps: eigendecompositions (or inverses) are recomputed when

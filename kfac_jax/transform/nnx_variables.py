@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from flax import nnx
 import jax
+from flax import nnx
 
 
 def _is_variable(node: Any) -> bool:

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec
 import optax
+from jax.sharding import PartitionSpec
 
 from kfac_jax.distribution.sharding import check_params_specs, using_mesh
 from kfac_jax.transform import boxing

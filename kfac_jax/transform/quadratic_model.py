@@ -1,4 +1,6 @@
-"""Adaptive step sizes and damping from an exact quadratic model (Martens & Grosse).
+"""Adaptive step sizes and damping from an exact quadratic model.
+
+After Martens & Grosse (2015).
 
 With ``adaptive=AdaptiveConfig(...)``, ``scale_by_kfac`` turns the K-FAC
 direction ``Δ = −(F̂ + λI)⁻¹ ∇`` and the previous update ``δ`` into the update
@@ -369,7 +371,7 @@ def quadratic_change(
 def adapt_damping(
   damping: jax.Array, reduction_ratio: jax.Array, config: AdaptiveConfig
 ) -> jax.Array:
-  """Levenberg-Marquardt: ``λ·ω`` if ``ρ > ¾``, ``λ/ω`` if ``ρ < ¼`` or ρ is NaN.
+  """Levenberg-Marquardt: ``λ·ω`` if ``ρ > ¾``, ``λ/ω`` if ``ρ < ¼`` or NaN.
 
   ``ω = decay^interval``; the result is clipped to ``[min, max]``. A NaN λ
   (a corrupted restore: clipping keeps NaN, and every step would be
@@ -514,7 +516,7 @@ def step(
 def _combination(
   coefficients: jax.Array, preconditioned: jax.Array, previous: jax.Array
 ) -> jax.Array:
-  """One leaf of ``v = αΔ + μδ = −α(−Δ) + μδ``, in float32, cast to δ's dtype."""
+  """A leaf of ``v = αΔ + μδ = −α(−Δ) + μδ``, in float32, cast to δ's dtype."""
   return (
     -coefficients[0] * preconditioned.astype(jnp.float32)
     + coefficients[1] * previous.astype(jnp.float32)

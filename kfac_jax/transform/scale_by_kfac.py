@@ -41,11 +41,13 @@ from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.distribution import sharding
 from kfac_jax.factors.running import LayerFactors, init_factors
 from kfac_jax.preconditioning import ekfac
-from kfac_jax.transform import boxing
-from kfac_jax.transform import checks
-from kfac_jax.transform import nnx_variables
-from kfac_jax.transform import quadratic_model
-from kfac_jax.transform import step
+from kfac_jax.transform import (
+  boxing,
+  checks,
+  nnx_variables,
+  quadratic_model,
+  step,
+)
 from kfac_jax.transform.accumulation import accumulate
 from kfac_jax.transform.config import (
   DEFAULT_DAMPING,

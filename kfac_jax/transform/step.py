@@ -26,13 +26,14 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from kfac_jax import finite, linalg
+from kfac_jax import hyperparameters as hp
 from kfac_jax.capture import layers as layers_lib
 from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.distribution import placement as placement_lib
-from kfac_jax.distribution.placement import DecompositionCounts
 from kfac_jax.distribution import sharding
 from kfac_jax.distribution.layout import Dims
+from kfac_jax.distribution.placement import DecompositionCounts
 from kfac_jax.factors import batch as batch_lib
 from kfac_jax.factors import running
 from kfac_jax.factors.running import LayerFactors
@@ -47,7 +48,6 @@ from kfac_jax.preconditioning.gradient_matrix import (
   to_matrix,
 )
 from kfac_jax.preconditioning.kl_clip import kl_clip_scale
-from kfac_jax import hyperparameters as hp
 from kfac_jax.transform import quadratic_model
 from kfac_jax.transform.config import KFACConfig
 from kfac_jax.transform.quadratic_model import SplitLoss
