@@ -27,12 +27,10 @@ demo: install-examples
 # Tests run on PYTEST_WORKERS processes (pytest-xdist): XLA compiles on one
 # thread, so two tests at a time keep both cores of the CI machine busy,
 # and one OpenBLAS thread each keeps their LAPACK calls from oversubscribing
-# them (pytest took 11.3 min this way against 17.5 min one at a time with the
-# default threads, on that 2-core machine).
+# them (faster than one test at a time with the default threads).
 PYTEST_WORKERS ?= 2
 # Tests compile with XLA's LLVM optimizations off: the same HLO programs,
-# compiled faster (an 8-device test program: 60 s -> 33 s; the suite on a
-# 2-core AVX2 machine: 19.1 against 27.9 min), and the tests' models are too
+# compiled faster, which shortens the suite, and the tests' models are too
 # small for the generated code's speed to matter.
 # TEST_XLA_FLAGS= (empty) runs them as users' programs are compiled.
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true

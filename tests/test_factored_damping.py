@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kfac_jax
-from kfac_jax.capture.statistics import ConvGeometry, LayerSignature
+from kfac_jax.capture.layers import ConvGeometry, LayerSignature
 from kfac_jax.factors import batch as batch_lib
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import inverse as inverse_lib

@@ -21,7 +21,8 @@ import jax
 
 from kfac_jax.capture import layers, loops, signatures
 from kfac_jax.capture import probes as probes_lib
-from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
+from kfac_jax.capture.layers import LayerSignature
+from kfac_jax.capture.statistics import LayerStatistics
 
 # Module classes whose calls are captured. Subclasses count too.
 CAPTURED_MODULES: tuple[type[nn.Module], ...] = (
@@ -319,7 +320,6 @@ def _inject(params: Any, path: tuple[str, ...], value: Any) -> Any:
 def _shape_pass(
   fun: Callable[..., Any], params: Any, skip, args, kwargs
 ) -> tuple[_ShapeRecorder, Any]:
-  layers.check_unboxed(params, "value_grad_and_stats")
   recorder = _ShapeRecorder(
     params, skip, probes_lib.vmap_traces((params, args, kwargs))
   )

@@ -40,8 +40,9 @@ from flax import nnx
 
 from kfac_jax.capture import layers, loops, nnx_merge, signatures
 from kfac_jax.capture import probes as probes_lib
+from kfac_jax.capture.layers import LayerSignature
 from kfac_jax.capture.probes import ProbePair
-from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
+from kfac_jax.capture.statistics import LayerStatistics
 
 # Module classes whose calls are captured. Subclasses count too.
 CAPTURED_MODULES: tuple[type[nnx.Module], ...] = (

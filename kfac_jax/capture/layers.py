@@ -37,15 +37,86 @@ import math
 import re
 import warnings
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-  # Annotation only: this module imports neither jax nor flax.
-  from kfac_jax.capture.statistics import LayerSignature
+from typing import Any
 
 KERNEL = "kernel"
 BIAS = "bias"
 EMBEDDING = "embedding"
+
+# Flax's canonical padding: a lax padding string, "CIRCULAR"/"REFLECT"/"CAUSAL",
+# or explicit (low, high) pairs per spatial dimension.
+Padding = str | tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvGeometry:
+  """Static hyper-parameters of a convolution, as the layer applied them.
+
+  Attributes:
+    window: kernel spatial size ``(kh, kw, ...)``.
+    strides: window strides, one per spatial dimension.
+    padding: Flax's canonical padding (see ``Padding``).
+    input_dilation: lhs dilation, one per spatial dimension.
+    kernel_dilation: rhs dilation, one per spatial dimension.
+    feature_group_count: grouped convolution factor (1 for a plain conv).
+  """
+
+  window: tuple[int, ...]
+  strides: tuple[int, ...]
+  padding: Padding
+  input_dilation: tuple[int, ...]
+  kernel_dilation: tuple[int, ...]
+  feature_group_count: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSignature:
+  """Static identity of a captured layer: how its call reads its kernel.
+
+  The stats carry it alone, so it holds all that the factors need. It is
+  also the one description of how the kernel's axes read: a layer table's
+  ``LayerInfo`` holds the traced signature and derives its stack,
+  contracted and group axes, class name and kernel entry from it.
+
+  Attributes:
+    module_type: the Flax class name (``"Dense"``, ``"Conv"``); ``skip_layers``
+      patterns are matched against it.
+    has_bias: whether the layer added a bias.
+    conv: the convolution geometry, ``None`` for a dense layer.
+    input_axes: dense layers: the input axes contracted with the kernel,
+      negative (``(-1,)`` for ``Dense``; ``DenseGeneral``'s ``axis``).
+    output_ndim: dense layers: number of output feature axes (``len(features)``
+      of ``DenseGeneral``).
+    stack_ndim: leading layer axes of the captured tensors (``nn.scan``).
+    num_embeddings: an ``Embed`` lookup's vocabulary size (its inputs are
+      token ids, carried as float32), else ``None``.
+  """
+
+  module_type: str
+  has_bias: bool
+  conv: ConvGeometry | None = None
+  input_axes: tuple[int, ...] = (-1,)
+  output_ndim: int = 1
+  stack_ndim: int = 0
+  num_embeddings: int | None = None
+
+  @property
+  def contracted_ndim(self) -> int:
+    """Kernel axes contracted with the input (a conv's window and channels)."""
+    if self.conv is not None:
+      return len(self.conv.window) + 1
+    if self.num_embeddings is not None:
+      return 1
+    return len(self.input_axes)
+
+  @property
+  def groups(self) -> int:
+    return 1 if self.conv is None else self.conv.feature_group_count
+
+  @property
+  def kernel_key(self) -> str:
+    """The params entry holding the layer's kernel."""
+    return EMBEDDING if self.num_embeddings is not None else KERNEL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,30 +330,6 @@ def is_skipped_layer(
   return is_skipped_path(path, skip) or matches_any(skip, module_type)
 
 
-def _is_boxed(node: Any) -> bool:
-  """Whether ``node`` is a Flax metadata box (``flax.core.meta.AxisMetadata``:
-  ``nn.Partitioned`` from ``nn.with_partitioning``), by its interface: this
-  module imports neither jax nor flax."""
-  return hasattr(node, "unbox") and hasattr(node, "replace_boxed")
-
-
-def check_unboxed(params: Any, caller: str, path: tuple[str, ...] = ()) -> None:
-  """Refuses params boxed with Flax's partitioning metadata: jax
-  differentiates through the boxes, but K-FAC reads each kernel's shape, and
-  a boxed kernel would be taken for one the chain withholds
-  (``optax.MaskedNode``)."""
-  if _is_boxed(params):
-    raise ValueError(
-      f"{caller}: the params at {'/'.join(path) or 'the root'} are boxed "
-      f"({type(params).__name__}, from nn.with_partitioning). Pass the "
-      "arrays, nn.unbox(params), to the loss and the optimizer; "
-      "nn.get_partition_spec(params) gives their PartitionSpecs."
-    )
-  if isinstance(params, Mapping):
-    for key, child in params.items():
-      check_unboxed(child, caller, path + (str(key),))
-
-
 def find_layers(
   params: Any,
   skip: Sequence[re.Pattern[str]] = (),
@@ -310,7 +357,6 @@ def find_layers(
   Returns:
     ``{name: LayerInfo}`` in params-tree order.
   """
-  check_unboxed(params, "scale_by_kfac")
   layers: dict[str, LayerInfo] = {}
   masked: set[str] = set()  # withheld by optax.masked/multi_transform
 

@@ -31,8 +31,8 @@ import jax.extend.core
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kfac_jax.capture.layers import LayerInfo, skip_pattern
-from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
+from kfac_jax.capture.layers import LayerInfo, LayerSignature, skip_pattern
+from kfac_jax.capture.statistics import LayerStatistics
 
 if TYPE_CHECKING:
   # Annotation only: loops imports this module.

@@ -13,7 +13,7 @@ import jax
 from flax.linen import linear as flax_linear
 
 from kfac_jax.capture import probes as probes_lib
-from kfac_jax.capture.statistics import ConvGeometry, LayerSignature
+from kfac_jax.capture.layers import ConvGeometry, LayerSignature
 
 
 def _broadcast(

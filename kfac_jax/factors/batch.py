@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kfac_jax.capture.statistics import LayerSignature, LayerStatistics
+from kfac_jax.capture.layers import LayerSignature
+from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.factors.patches import conv_patches
 from kfac_jax.linalg import COMPUTE_DTYPE, contract_rows
 
@@ -48,8 +49,8 @@ from kfac_jax.linalg import COMPUTE_DTYPE, contract_rows
 def covariance(rows: jax.Array) -> jax.Array:
   """``rowsᵀ rows / N`` for ``rows: [..., N, d]``: ``[..., d, d]``, float32.
 
-  Not symmetrized here: a pass over every factor on every factor step
-  (~25 % of the product's time at d ≈ N); ``eigh`` and the inverse
+  Not symmetrized here: that is a pass over every factor on every factor
+  step, comparable to the product itself when d ≈ N; ``eigh`` and the inverse
   method's Cholesky read one triangle, and the subspace solver symmetrizes
   what it refines.
   """

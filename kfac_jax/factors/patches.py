@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kfac_jax.capture.statistics import ConvGeometry
+from kfac_jax.capture.layers import ConvGeometry
 
 
 def _pre_pad(

@@ -12,10 +12,9 @@ on its own:
   thread, while independent calls run concurrently on XLA:CPU's thread
   pool. Same-sized factors still share their compiled kernels (XLA:CPU
   compiles identical kernels once), and no stacking copies are made.
-* CUDA GPUs, for eigendecompositions: cuSOLVER's ``syevd`` on stacks took
-  3.9 times as long as one call per factor (the MNIST autoencoder's 16
-  factors on an H100: 337 against 87 ms), while its Cholesky is faster
-  stacked (11 against 15 ms), so the inverse method stacks there.
+* CUDA GPUs, for eigendecompositions: cuSOLVER's ``syevd`` on stacks is
+  slower than one call per factor, while its Cholesky is faster stacked,
+  so the inverse method stacks there.
 
 ``benchmarks/README.md``, *Decompositions one by one on CPU* and *NVIDIA
 H100*, has the measurements (``benchmarks/decomposition_time.py``).

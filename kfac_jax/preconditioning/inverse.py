@@ -49,12 +49,11 @@ def init_inverse(
 # About this many columns per triangular-solve block of ``damped_inverse``:
 # small enough that skipping the zero upper part of ``L⁻¹`` pays, large
 # enough that each LAPACK call still runs at speed and that few factor sizes
-# get the blocked form's extra kernels (slices, the assembly: ~0.1 s of XLA
-# compile per size on CPU). Factors of 501, 785 and 1001 rows get 2, 3 and 4
-# blocks, 251 rows one. Against 350 (2 blocks for 785, 3 for 1001, 1 for
-# 501), the autoencoder's decomposition steps took ~5 % less time for 0.1 s
-# more XLA compile; 200 and 150 gained no more (``benchmarks/README.md``,
-# *Blocked triangular solves*).
+# get the blocked form's extra kernels (slices, the assembly: XLA compiles
+# them once per factor size). Factors of 501, 785 and 1001 rows get 2, 3 and
+# 4 blocks, 251 rows one. Larger blocks (350) made the decomposition steps
+# slower; smaller ones (200, 150) gained nothing more and compile more
+# kernels (``benchmarks/README.md``, *Blocked triangular solves*).
 INVERSE_BLOCK_SIZE = 250
 
 

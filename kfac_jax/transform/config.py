@@ -95,9 +95,9 @@ class KFACConfig:
     inv_update_steps: eigendecompositions (or inverses) are recomputed when
       ``step % inv_update_steps == 0``. Positive integer or schedule.
     compute_method: ``"eigen"`` or ``"inverse"``. ``None``: ``"inverse"``
-      (a Cholesky inverse costs 1/4 to 1/7 of an ``eigh`` of the same
-      factor on CPU, and it preconditions with one pair of products instead
-      of two), or ``"eigen"`` where another argument needs eigenbases
+      (a Cholesky inverse costs a fraction of an ``eigh`` of the same
+      factor, and it preconditions with one pair of products instead of
+      two), or ``"eigen"`` where another argument needs eigenbases
       (``eigenvalue_correction``, ``eigen_solver="subspace"``, bfloat16
       ``factor_dtype``).
     compute_eigenvalue_outer_product: eigen method only: store

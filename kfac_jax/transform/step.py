@@ -219,7 +219,7 @@ def update_factors(
 
   def updated():
     # (The gradients are not checked: they do not enter the factors, and
-    # the check cost ~10 % of a step and of its compile time.)
+    # the check would add to every step and to its compile time.)
     if batch_factors is None:  # a step without statistics (NO_STATS)
       new, ok = {}, jnp.array(False)
     else:
