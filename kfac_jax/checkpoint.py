@@ -218,8 +218,10 @@ def restore(directory: epath.PathLike, target: Any) -> Any:
       return state
     # No layout fingerprint is negative: the next update decomposes them.
     spec = unfingerprinted[path]
+    preconditioners = state.preconditioners
+    assert isinstance(preconditioners, ShardedPreconditioners)  # packed rows
     return state._replace(
-      preconditioners=state.preconditioners._replace(
+      preconditioners=preconditioners._replace(
         layout_fingerprint=jax.device_put(np.int32(-1), spec.sharding)
       )
     )
@@ -331,14 +333,13 @@ def _decompose_all(
       "adaptive mode's (no quadratic_model); drop adaptive, and pass the "
       "damping it was trained with."
     )
-  if not is_adaptive:
+  model = state.quadratic_model
+  if model is None:
     damping = config.damping(state.count)
   elif config.adaptive is None:
-    damping = state.quadratic_model.damping
+    damping = model.damping
   else:
-    damping = quadratic_model.clip_damping(
-      state.quadratic_model.damping, config.adaptive
-    )
+    damping = quadratic_model.clip_damping(model.damping, config.adaptive)
   placement = config.placement
   preconditioners, counts = guarded_decomposition(
     placement,

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -91,7 +92,7 @@ def static_bool(
 
 
 def static_positive_integer(
-  name: str, value: object, static_arg: str | None = None
+  name: str, value: Any, static_arg: str | None = None
 ) -> int:
   """A positive integer (NumPy integers and 0-d arrays accepted, bools not)."""
   value = static_scalar(name, value, static_arg)
@@ -183,7 +184,7 @@ class Hyperparameter:
 def hyperparameter(
   name: str,
   value: ScalarOrSchedule,
-  is_valid: Callable[[jax.typing.ArrayLike], jax.typing.ArrayLike],
+  is_valid: Callable[[float | jax.Array], bool | jax.Array],
   requirement: str,
   integer: bool = False,
 ) -> Hyperparameter:
@@ -372,7 +373,9 @@ def _check_storage(name: str, dtype: jnp.dtype) -> jnp.dtype:
       f"{name}={dtype} cannot store K-FAC's factors or preconditioners; use "
       "jnp.float32 (the default), jnp.bfloat16 or jnp.float64."
     )
-  if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+  # jax's Config makes its option attributes at run time.
+  x64 = jax.config.jax_enable_x64  # pyright: ignore[reportAttributeAccessIssue]
+  if dtype == jnp.float64 and not x64:
     # jax would store float32 instead, with only its generic warning.
     raise ValueError(
       f"{name}=float64 needs 64-bit mode: call "

@@ -108,6 +108,7 @@ def _signature(
       module.out_features,
       stack_ndim,
     )
+  assert isinstance(module, nnx.Linear)  # the last of CAPTURED_MODULES
   return signatures.dense_signature(
     module_type, module.use_bias, inputs, stack_ndim=stack_ndim
   )
@@ -237,7 +238,7 @@ def _probed_class(cls: type[nnx.Module]) -> type[nnx.Module]:
       base.__call__, self, getattr(self, _CAPTURE), inputs, *args, **kwargs
     )
 
-  methods = {"__call__": call}
+  methods: dict[str, Callable[..., Any]] = {"__call__": call}
   if issubclass(base, nnx.Embed):
 
     def attend(self, query, *args, **kwargs):
@@ -377,7 +378,7 @@ def _run(
   merged = not isinstance(first, nnx.Module)
   leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_graph_node)
   node_indices = [i for i, leaf in enumerate(leaves) if _is_graph_node(leaf)]
-  objects = (() if merged else (first,)) + tuple(
+  objects: tuple[Any, ...] = (() if merged else (first,)) + tuple(
     leaves[i] for i in node_indices
   )
   differentiated = nnx.Nothing if merged else _model_param

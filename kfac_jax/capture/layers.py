@@ -240,7 +240,7 @@ class TracedLayers(dict):
 
 
 def class_skipped(
-  path: tuple[str, ...], module_type: str, skip: Sequence[re.Pattern[str]]
+  path: tuple[Any, ...], module_type: str, skip: Sequence[re.Pattern[str]]
 ) -> bool:
   """Whether ``skip`` leaves the layer out by its class name alone."""
   return matches_any(skip, module_type) and not is_skipped_path(path, skip)
@@ -314,7 +314,7 @@ def compile_patterns(
 
 
 def is_skipped_path(
-  path: tuple[str, ...], skip: Sequence[re.Pattern[str]]
+  path: tuple[Any, ...], skip: Sequence[re.Pattern[str]]
 ) -> bool:
   # A skipped module hides everything under it: test every prefix of the path
   # (the root layer's path is empty: test its empty name).
@@ -323,7 +323,7 @@ def is_skipped_path(
 
 
 def is_skipped_layer(
-  path: tuple[str, ...], module_type: str, skip: Sequence[re.Pattern[str]]
+  path: tuple[Any, ...], module_type: str, skip: Sequence[re.Pattern[str]]
 ) -> bool:
   """Whether ``skip`` matches the layer's path (or a module's above it) or
   its Flax class name."""

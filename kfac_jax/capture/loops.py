@@ -50,7 +50,8 @@ def _loop_steps(frames: Sequence[Frame]) -> tuple[int | None, ...]:
   return tuple(
     steps
     for primitive, steps in frames
-    if primitive == "while" or (primitive == "scan" and steps > 1)
+    if primitive == "while"
+    or (primitive == "scan" and steps is not None and steps > 1)
   )
 
 

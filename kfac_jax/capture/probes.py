@@ -26,6 +26,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.core
 import jax.extend
 import jax.extend.core
 import jax.numpy as jnp

@@ -53,9 +53,7 @@ def _check(outputs: jax.Array, key: jax.Array, caller: str) -> None:
       "axis (the last); got a scalar."
     )
   dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
-  typed = dtype is not None and jax.dtypes.issubdtype(
-    dtype, jax.dtypes.prng_key
-  )
+  typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
   # jax.random.PRNGKey(seed): uint32 [2] for threefry, [4] for rbg.
   raw = dtype == jnp.uint32 and shape is not None and len(shape) == 1
   if not ((typed and shape == ()) or raw):

@@ -7,6 +7,7 @@ attribute names, so one reader serves both capture front ends.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -26,7 +27,7 @@ def _broadcast(
   return tuple(int(v) for v in value)
 
 
-def as_tuple(value: int | tuple[int, ...]) -> tuple[int, ...]:
+def as_tuple(value: int | Sequence[int]) -> tuple[int, ...]:
   return (
     (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
   )
@@ -85,8 +86,8 @@ def dense_signature(
   module_type: str,
   use_bias: bool,
   inputs: jax.Array,
-  axis: int | tuple[int, ...] = -1,
-  features: int | tuple[int, ...] = 1,
+  axis: int | Sequence[int] = -1,
+  features: int | Sequence[int] = 1,
   stack_ndim: int = 0,
 ) -> LayerSignature:
   """A dense call contracting the input's ``axis`` into ``features``."""

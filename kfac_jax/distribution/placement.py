@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -36,6 +36,7 @@ from kfac_jax.distribution.sharding import constrain, context_mesh
 from kfac_jax.distribution.strategy import DistributionConfig, group_size
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import batched
+from kfac_jax.preconditioning.gradient_matrix import FactoredGradient
 from kfac_jax.preconditioning.methods import Method, Preconditioner
 
 
@@ -95,7 +96,7 @@ class Placement(NamedTuple):
     [
       Dims,
       Any,
-      Mapping[str, jax.Array],
+      Mapping[str, jax.Array | FactoredGradient],
       jax.Array,
       Mapping[str, tuple[str, ...]],
     ],
@@ -104,11 +105,11 @@ class Placement(NamedTuple):
   per_layer: Callable[[Dims, Any], dict[str, Preconditioner]]
   partition_specs: Callable[[Dims], Any]
   stale: Callable[[Dims, Any], jax.Array | None]
-  replicated: Callable[[Dims, Any, list[str]], dict[str, Preconditioner]]
+  replicated: Callable[[Dims, Any, Sequence[str]], dict[str, Preconditioner]]
   precondition_replicated: Callable[
     [
       Mapping[str, Preconditioner],
-      Mapping[str, jax.Array],
+      Mapping[str, jax.Array | FactoredGradient],
       jax.Array,
       Mapping[str, tuple[str, ...]],
     ],
@@ -160,17 +161,22 @@ def decompose_checked(
     warm=warm,
   )
   candidates, counts = {}, no_counts()
+  finish = method.finish
   for name, pair in decomposed.items():
-    if method.finish is not None:
+    if finish is not None:
+      assert warm is not None  # a method that finishes warm-starts (subspace)
       finished = [
-        method.finish(factor, results, start)
+        finish(factor, results, start)
         for factor, results, start in zip(factors[name], pair, warm[name])
       ]
       pair = tuple(results for results, _ in finished)
       counts = counts._replace(
         fallbacks=counts.fallbacks + sum(fell_back for _, fell_back in finished)
       )
-    candidates[name] = method.assemble(*pair, damping)
+    activation_results, gradient_results = pair
+    candidates[name] = method.assemble(
+      activation_results, gradient_results, damping
+    )
   ok = method.are_finite(list(candidates.values()))
   new = {
     name: method.keep(flag, candidate, previous[name])
@@ -214,22 +220,25 @@ def local_placement(method: Method) -> Placement:
 def precondition_each(
   method: Method,
   preconditioners: Mapping[str, Preconditioner],
-  gradients: Mapping[str, jax.Array],
+  gradients: Mapping[str, jax.Array | FactoredGradient],
   damping: jax.Array,
   sharded: Mapping[str, tuple[str, ...]],
 ) -> dict[str, jax.Array]:
   """``P`` of every gradient from its layer's preconditioner at hand (a
   sharded kernel's in place, ``precondition_in_place``)."""
-  return {
-    name: (
-      precondition_in_place(
+  preconditioned = {}
+  for name, gradient in gradients.items():
+    if name in sharded:
+      # Sharded kernels keep the dense form (step.factored_gradients).
+      assert not isinstance(gradient, FactoredGradient), name
+      preconditioned[name] = precondition_in_place(
         method, preconditioners[name], gradient, damping, sharded[name]
       )
-      if name in sharded
-      else method.precondition(preconditioners[name], gradient, damping)
-    )
-    for name, gradient in gradients.items()
-  }
+    else:
+      preconditioned[name] = method.precondition(
+        preconditioners[name], gradient, damping
+      )
+  return preconditioned
 
 
 def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
@@ -335,7 +344,10 @@ def mesh_placement(method: Method, config: DistributionConfig) -> Placement:
 
   def partition_specs(dims: Dims) -> ShardedPreconditioners:
     layout(dims)  # Validates the axes and the fraction against the mesh.
-    return ShardedPreconditioners(rows_spec, PartitionSpec())
+    # ShardedPreconditioners types its leaves as arrays; the spec tree
+    # reuses it with a PartitionSpec at each leaf.
+    specs: Any = (rows_spec, PartitionSpec())
+    return ShardedPreconditioners(*specs)
 
   def replicated(dims, preconditioners, names):
     if not names:
@@ -446,7 +458,10 @@ def _decompose_rows(
 
 
 def _fetch_replicated(
-  axes: tuple[str, ...], plan: ShardedLayout, rows: jax.Array, names: list[str]
+  axes: tuple[str, ...],
+  plan: ShardedLayout,
+  rows: jax.Array,
+  names: Sequence[str],
 ) -> dict[str, Preconditioner]:
   """``names``' preconditioners on every device (a gather unless ``g = n``)."""
 
@@ -478,7 +493,7 @@ def _precondition_gathered(
   axes: tuple[str, ...],
   plan: ShardedLayout,
   rows: jax.Array,
-  gradients: Mapping[str, jax.Array],
+  gradients: Mapping[str, jax.Array | FactoredGradient],
   damping: jax.Array,
 ) -> dict[str, jax.Array]:
   """Replicated ``P`` of replicated gradients (see the module docstring)."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -208,9 +209,11 @@ def example_subset(
   A float ``examples`` in (0, 1) is a fraction: ``max(1, round(f·B))``.
   ``examples`` None or ``≥ B``, or ``axis`` None: unchanged.
   """
-  if isinstance(examples, float) and axis is not None:
+  if examples is None or axis is None:
+    return tensor
+  if isinstance(examples, float):
     examples = max(1, round(examples * tensor.shape[axis]))
-  if examples is None or axis is None or examples >= tensor.shape[axis]:
+  if examples >= tensor.shape[axis]:
     return tensor
   stride = tensor.shape[axis] // examples
   return lax.slice_in_dim(
@@ -361,7 +364,8 @@ def batch_factors(
       factor * jnp.any(g != 0, axis=(1, 2))[:, None, None].astype(factor.dtype)
       for factor, g in zip(activations, reached)
     ]
-  return sum(activations), gradient_factor
+  # A captured layer has calls: sum's start 0 meets arrays.
+  return cast(jax.Array, sum(activations)), cast(jax.Array, gradient_factor)
 
 
 def gradient_rows_of_dense(

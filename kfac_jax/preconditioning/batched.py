@@ -98,14 +98,18 @@ def decompose_each(
     size = factor.shape[-1]
     if size not in targets:
       return factor_fn(factor, damping, *start)
+    assert crop is not None  # sizes are padded only with a crop
     return crop(
       factor_fn(pad_with_identity(factor, targets[size]), damping), size
     )
 
+  def start(name: str, which: int) -> tuple[jax.Array, ...]:
+    return () if warm is None else (warm[name][which],)
+
   return {
-    name: tuple(
-      decompose(factor, *([] if warm is None else [warm[name][which]]))
-      for which, factor in enumerate(pair)
+    name: (
+      decompose(pair[0], *start(name, 0)),
+      decompose(pair[1], *start(name, 1)),
     )
     for name, pair in factors.items()
   }
@@ -156,9 +160,16 @@ def decompose_stacked(
     for index, (name, which, factor) in enumerate(members):
       member = tuple(array[index] for array in decomposed)
       if factor.shape[-1] != size:
+        assert crop is not None  # sizes are padded only with a crop
         member = crop(member, factor.shape[-1])
       results[name][which] = member
-  return {name: (pair[0], pair[1]) for name, pair in results.items()}
+
+  def filled(pair: list[Results | None]) -> tuple[Results, Results]:
+    activation, gradient = pair
+    assert activation is not None and gradient is not None  # all grouped
+    return activation, gradient
+
+  return {name: filled(pair) for name, pair in results.items()}
 
 
 # Platforms (``lax.platform_dependent`` names) where factors are decomposed

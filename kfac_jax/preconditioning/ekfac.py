@@ -75,13 +75,15 @@ def batch_scales(
   """
   q_a = preconditioner.activation_eigenvectors.astype(DECOMPOSITION_DTYPE)
   q_g = preconditioner.gradient_eigenvectors.astype(DECOMPOSITION_DTYPE)
-  total = 0.0
+  total = None
   for activation, gradient, scale in calls:
     rotated_a = jnp.square(activation.astype(DECOMPOSITION_DTYPE) @ q_a)
     rotated_g = jnp.square(gradient.astype(DECOMPOSITION_DTYPE) @ q_g)
-    total = total + linalg.contract_rows(rotated_a, rotated_g) * (
+    term = linalg.contract_rows(rotated_a, rotated_g) * (
       scale / activation.shape[0]
     )
+    total = term if total is None else total + term
+  assert total is not None  # a captured layer was called at least once
   return total
 
 

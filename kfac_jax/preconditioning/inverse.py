@@ -123,7 +123,7 @@ def damped_inverse(factor: jax.Array, damping: jax.Array) -> tuple[jax.Array]:
   return (jnp.concatenate(block_columns, axis=1).T,)
 
 
-def crop(padded: tuple[jax.Array], size: int) -> tuple[jax.Array]:
+def crop(padded: tuple[jax.Array, ...], size: int) -> tuple[jax.Array, ...]:
   """``damped_inverse`` of ``F [size, size]`` from that of ``diag(F, I)``.
 
   ``(diag(F, I) + λI)⁻¹ = diag((F + λI)⁻¹, I/(1 + λ))``: its leading block,
@@ -215,7 +215,10 @@ def normalized(factors: Mapping[str, LayerFactors]) -> dict[str, LayerFactors]:
     ``{layer: LayerFactors(Â, Ĝ)}``, float32, each of mean eigenvalue 1.
   """
   cast, activation_mean, gradient_mean = _mean_eigenvalues(factors)
-  safe = lambda mean: jnp.where(mean > 0, mean, 1.0)
+
+  def safe(mean: jax.Array) -> jax.Array:
+    return jnp.where(mean > 0, mean, 1.0)
+
   return {
     name: LayerFactors(pair.activation_factor / a, pair.gradient_factor / g)
     for a, g, (name, pair) in zip(

@@ -59,9 +59,11 @@ class Method(NamedTuple):
 
   init: Callable[[int, int], Preconditioner]
   factor_fn: FactorFn
-  assemble: Callable[[Results, Results, jax.Array], Preconditioner]
+  # Typed by the method's own preconditioner type, which this record
+  # does not carry: ``...`` for their arguments.
+  assemble: Callable[..., Preconditioner]
   precondition: Callable[..., jax.Array]
-  are_finite: Callable[[Sequence[Preconditioner]], Sequence[jax.Array]]
+  are_finite: Callable[..., Sequence[jax.Array]]
   decomposition_batch_size: int | None = None
   crop: Crop | None = None
   decompose_each_on: tuple[str, ...] = batched.EACH_ON_CPU

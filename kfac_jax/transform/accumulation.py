@@ -53,6 +53,8 @@ def accumulate(
     The updates (zeros before the last micro-batch) and the new state.
   """
   accumulator = state.accumulator
+  # accumulation_steps > 1: init made the accumulator (checks.py checks).
+  assert accumulator is not None
   batch_blocks = step.block_names(layers, active)
   factor_step = state.count % config.factor_update_steps(state.count) == 0
   # Off factor steps the sums are not used; adding zeros keeps the factor
@@ -65,21 +67,22 @@ def accumulate(
   )
   scale_sums = accumulator.scales
   # The state's eigenbases on every device (``Placement.replicated``).
-  state_bases = lambda: config.placement.replicated(
-    layers_lib.blocks_of(layers), state.preconditioners, batch_blocks
+  state_bases = lambda: step.eigenbases(
+    config.placement.replicated(
+      layers_lib.blocks_of(layers), state.preconditioners, batch_blocks
+    )
   )
   if batch_scales is not None:
+    sums = accumulator.scales
+    assert sums is not None  # EKFAC: init made the sums of S_batch
     batch_s = lax.cond(
       factor_step,
       lambda: batch_scales(state_bases()),
-      lambda: zeros(accumulator.scales),
+      lambda: zeros(sums),
     )
     scale_sums = step.replicate(
       config,
-      {
-        b: s + batch_s[b] if b in batch_s else s
-        for b, s in accumulator.scales.items()
-      },
+      {b: s + batch_s[b] if b in batch_s else s for b, s in sums.items()},
     )
   # Pinned: G's sums followed a sharded kernel's sharding, off the specs.
   factor_sums = step.replicate(
@@ -119,6 +122,7 @@ def accumulate(
 
     def mean_scales(bases):
       # S_batch is quadratic in the cotangents, as G is.
+      assert scale_sums is not None  # batch_scales given: EKFAC's sums
       old = state_bases()
       return {
         b: ekfac.reproject(scale_sums[b] / k**3, old[b], bases[b])

@@ -88,7 +88,9 @@ def kfac(
     if is_zero(weight_decay)
     else optax.add_decayed_weights(weight_decay),
     optax.sgd(
-      learning_rate,
+      # optax types a schedule as a callable of any ArrayLike; ours take the
+      # step count, which is what optax calls them with.
+      learning_rate,  # pyright: ignore[reportArgumentType]
       momentum=None if is_zero(momentum) else momentum,
       nesterov=nesterov,
     ),

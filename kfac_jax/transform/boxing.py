@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import optax
 from flax.core import meta
@@ -125,10 +126,14 @@ def box_rows(
     preconditioners.rows
   ):
     return preconditioners
+  assert mesh_axes is not None  # packed rows are spread over mesh_axes
   axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
   rows = preconditioners.rows
   names = (axes,) + (None,) * (rows.ndim - 1)
-  return preconditioners._replace(rows=meta.Partitioned(rows, names))
+  # Flax types a box's names as one axis each; an entry of several mesh
+  # axes passes through nn.logical_to_mesh unchanged (see above).
+  boxed = meta.Partitioned(rows, names)  # pyright: ignore[reportArgumentType]
+  return preconditioners._replace(rows=boxed)
 
 
 def box_state(
@@ -165,7 +170,8 @@ def boxed_transformation(
     state = tx.init(unbox(params))
     if not has_boxes(params):
       return state
-    return box_state(state, params, mesh_axes)
+    # tx is scale_by_kfac's, whose state optax types as a generic ArrayTree.
+    return box_state(state, params, mesh_axes)  # pyright: ignore[reportArgumentType]
 
   def update(
     updates: Any, state: Any, params: Any = None, **extra_args: Any
@@ -197,7 +203,7 @@ def partition_specs(tree: Any, rules: LogicalRules | None) -> Any:
       node_rules = (
         rules
         if rules is not None
-        else (node.rules or spmd.get_logical_axis_rules())
+        else (node.rules or nn.get_logical_axis_rules())
       )
       if not node_rules:
         raise ValueError(
@@ -207,7 +213,9 @@ def partition_specs(tree: Any, rules: LogicalRules | None) -> Any:
           "logical_axis_rules=[(logical name, mesh axis), ...], or call it "
           "inside `with nn.logical_axis_rules(rules):`."
         )
-      return spmd.logical_to_mesh_axes(node.names, node_rules)
+      # The user's rules, passed on as given (Flax types a rule's mesh axes
+      # as a string, a tuple or None; ours admit any sequence).
+      return spmd.logical_to_mesh_axes(node.names, node_rules)  # pyright: ignore[reportArgumentType]
     if isinstance(node, meta.Partitioned):
       return node.get_partition_spec()
     if is_box(node):  # Another kind of box: what it holds is replicated.

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.core
 
 from kfac_jax.capture import layers as layers_lib
 from kfac_jax.capture.layers import LayerInfo

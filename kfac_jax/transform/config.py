@@ -17,9 +17,10 @@ import functools
 import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
+import jax.core
 import jax.numpy as jnp
 
 from kfac_jax import hyperparameters as hp
@@ -238,18 +239,39 @@ class KFACConfig:
       or two that do not work together; the message names them.
   """
 
-  learning_rate: ScalarOrSchedule = 0.1
-  damping: ScalarOrSchedule = DEFAULT_DAMPING
-  damping_mode: DampingMode | str | None = None
-  factor_decay: ScalarOrSchedule = 0.95
-  kl_clip: ScalarOrSchedule | None = DEFAULT_KL_CLIP
-  momentum: ScalarOrSchedule | None = 0.0
-  factor_update_steps: ScalarOrSchedule = 1
-  inv_update_steps: ScalarOrSchedule = 1
-  compute_method: ComputeMethod | str | None = None
+  # The fields are the arguments, as scale_by_kfac's signature shows them;
+  # for those whose normalized value has another type, the type checker
+  # reads the declarations under TYPE_CHECKING (what __post_init__ stores),
+  # and the constructor's arguments are checked at run time.
+  if TYPE_CHECKING:
+    learning_rate: hp.Hyperparameter
+    damping: hp.Hyperparameter
+    damping_mode: DampingMode
+    factor_decay: hp.Hyperparameter
+    kl_clip: hp.Hyperparameter | None
+    momentum: hp.Hyperparameter
+    factor_update_steps: hp.Hyperparameter
+    inv_update_steps: hp.Hyperparameter
+    compute_method: ComputeMethod
+    skip_layers: tuple[re.Pattern[str], ...]
+    weight_sharing: WeightSharing
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+  if not TYPE_CHECKING:
+    learning_rate: ScalarOrSchedule = 0.1
+    damping: ScalarOrSchedule = DEFAULT_DAMPING
+    damping_mode: DampingMode | str | None = None
+    factor_decay: ScalarOrSchedule = 0.95
+    kl_clip: ScalarOrSchedule | None = DEFAULT_KL_CLIP
+    momentum: ScalarOrSchedule | None = 0.0
+    factor_update_steps: ScalarOrSchedule = 1
+    inv_update_steps: ScalarOrSchedule = 1
+    compute_method: ComputeMethod | str | None = None
   compute_eigenvalue_outer_product: bool = True
   accumulation_steps: int = 1
-  skip_layers: Sequence[str] | str | None = None
+  if not TYPE_CHECKING:
+    skip_layers: Sequence[str] | str | None = None
   factor_dtype: jnp.dtype | None = None
   inv_dtype: jnp.dtype = jnp.dtype(jnp.float32)
   mesh_axes: str | Sequence[str] | None = None
@@ -262,7 +284,8 @@ class KFACConfig:
   precondition_embeddings: bool = False
   decomposition_batch_size: int | None = None
   factor_batch_size: int | float | None = None
-  weight_sharing: WeightSharing | str = WeightSharing.EXPAND
+  if not TYPE_CHECKING:
+    weight_sharing: WeightSharing | str = WeightSharing.EXPAND
   gradient_from_stats: bool = False
   adaptive: AdaptiveConfig | None = None
   eigen_solver: str | SubspaceSolver = "eigh"
@@ -271,6 +294,9 @@ class KFACConfig:
 
   def __post_init__(self) -> None:
     set_ = functools.partial(object.__setattr__, self)
+    # Until set_ stores a field's normalized value it holds the argument as
+    # given, of the type the dataclass field declares.
+    given: Any = self
     for name, value in _hyperparameters(self).items():
       set_(name, value)
     set_("compute_method", _compute_method(self))
@@ -279,10 +305,10 @@ class KFACConfig:
       "accumulation_steps",
       hp.static_positive_integer("accumulation_steps", self.accumulation_steps),
     )
-    set_("skip_layers", layers_lib.compile_patterns(self.skip_layers))
+    set_("skip_layers", layers_lib.compile_patterns(given.skip_layers))
     _check_layer_table(self.layers)
     if self.adaptive is not None:
-      _check_adaptive(self)
+      _check_adaptive(self, self.adaptive)
     set_(
       "precondition_embeddings",
       hp.static_bool("precondition_embeddings", self.precondition_embeddings),
@@ -464,9 +490,8 @@ def _check_layer_table(layers: Any) -> None:
     )
 
 
-def _check_adaptive(config: KFACConfig) -> None:
+def _check_adaptive(config: KFACConfig, adaptive: AdaptiveConfig) -> None:
   """The adaptive mode's constraints on the other arguments."""
-  adaptive = config.adaptive
   AdaptiveConfig.check(adaptive)
   if config.kl_clip is not None:
     raise ValueError(
@@ -610,6 +635,8 @@ def takes_config_arguments(fn: F) -> F:
   fn.__signature__ = signature.replace(
     return_annotation=inspect.signature(fn).return_annotation
   )
-  args = re.search(r"\n  Args:\n.*?\n\n", KFACConfig.__doc__, re.S).group(0)
-  fn.__doc__ = fn.__doc__.replace("\n  Args: KFACConfig's.\n\n", args)
+  args = re.search(r"\n  Args:\n.*?\n\n", KFACConfig.__doc__ or "", re.S)
+  if args is None or fn.__doc__ is None:
+    raise AssertionError("KFACConfig and fn must have docstrings.")
+  fn.__doc__ = fn.__doc__.replace("\n  Args: KFACConfig's.\n\n", args.group(0))
   return fn

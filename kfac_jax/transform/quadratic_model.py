@@ -121,7 +121,8 @@ class AdaptiveConfig(NamedTuple):
           f"{getattr(self, name)!r} "
           f"({type(getattr(self, name)).__name__})."
         )
-      if not np.isfinite(value):
+      # NumPy's stubs take its own scalar types, not numbers.Real.
+      if not np.isfinite(value):  # pyright: ignore[reportCallIssue, reportArgumentType]
         raise ValueError(
           f"AdaptiveConfig.{name} must be finite; got {value!r}."
         )

@@ -112,8 +112,11 @@ def scale_by_kfac(
 
 def transformation(config: KFACConfig) -> optax.GradientTransformationExtraArgs:
   """``scale_by_kfac`` of an already built ``config``."""
+  # optax types every transformation's state as a generic ArrayTree; this
+  # one's is a ScaleByKFACState.
   tx = optax.GradientTransformationExtraArgs(
-    functools.partial(init, config), functools.partial(update, config)
+    functools.partial(init, config),  # pyright: ignore[reportArgumentType]
+    functools.partial(update, config),  # pyright: ignore[reportArgumentType]
   )
   # Flax-boxed params (nn.with_logical_partitioning) in, boxed state out.
   return boxing.boxed_transformation(tx, config.mesh_axes)
@@ -161,15 +164,7 @@ def init(config: KFACConfig, params: Any) -> ScaleByKFACState:
     accumulator=accumulator,
     skipped_factor_updates=jnp.zeros([], jnp.int32),
     rejected_decompositions=jnp.zeros([], jnp.int32),
-    quadratic_model=(
-      None
-      if config.adaptive is None
-      else quadratic_model.init(
-        step.constrain_to_params(config, params),
-        config.damping.value,
-        config.adaptive,
-      )
-    ),
+    quadratic_model=_init_quadratic_model(config, params),
     eigh_fallbacks=(
       None if config.subspace_solver is None else jnp.zeros([], jnp.int32)
     ),
@@ -178,6 +173,20 @@ def init(config: KFACConfig, params: Any) -> ScaleByKFACState:
       if not config.eigenvalue_correction
       else {block: ekfac.init_scales(*dims) for block, dims in blocks.items()}
     ),
+  )
+
+
+def _init_quadratic_model(
+  config: KFACConfig, params: Any
+) -> quadratic_model.QuadraticModelState | None:
+  """The adaptive mode's state, ``None`` without it."""
+  if config.adaptive is None:
+    return None
+  damping = config.damping.value
+  # The initial λ of the adaptive mode is a number (KFACConfig checks).
+  assert not callable(damping)
+  return quadratic_model.init(
+    step.constrain_to_params(config, params), damping, config.adaptive
   )
 
 
@@ -217,7 +226,7 @@ def _update_values(
   updates: Any,
   state: ScaleByKFACState,
   params: Any,
-  kfac_stats: Mapping[str, LayerStatistics] | None,
+  kfac_stats: Mapping[str, LayerStatistics] | checks.NoStats | None,
   split_loss: SplitLoss | None,
 ) -> tuple[Any, ScaleByKFACState]:
   """``update`` on trees of arrays: the checks, then the step."""
@@ -235,11 +244,11 @@ def _update_values(
     # Only a restored λ can be out of range (NaN/Inf from a corrupted
     # checkpoint): it would enter this step's decompositions and step sizes
     # as it is until the next adaptation step cleaned it up.
+    model = state.quadratic_model
+    assert model is not None  # check_state: the adaptive mode's state
     state = state._replace(
-      quadratic_model=state.quadratic_model._replace(
-        damping=quadratic_model.clip_damping(
-          state.quadratic_model.damping, adaptive
-        )
+      quadratic_model=model._replace(
+        damping=quadratic_model.clip_damping(model.damping, adaptive)
       )
     )
   checks.check_preconditioners(
@@ -259,6 +268,8 @@ def _update_values(
       config, kfac_stats, layers, updates, sharded
     )
   if config.accumulation_steps > 1:
+    # check_no_stats refuses NO_STATS with accumulation_steps > 1.
+    assert batch_factors is not None
     return accumulate(
       config,
       state,
@@ -282,6 +293,7 @@ def _update_values(
   )
   if adaptive is None:
     return preconditioned, new_state
+  assert split_loss is not None  # check_split_loss: the adaptive mode's
   return step.adaptive_step(
     config, state, new_state, preconditioned, updates, params, split_loss
   )

@@ -125,6 +125,9 @@ def state_partition_specs(
   previous update) get ``params_specs_of(part)``.
   """
   replicated = lambda tree: jax.tree.map(lambda _: PartitionSpec(), tree)
+  # The state's NamedTuples type their leaves as arrays; the spec tree
+  # reuses them with a PartitionSpec at each leaf.
+  leaf: Any = PartitionSpec()
 
   def params_shaped(part: Any) -> Any:
     specs = params_specs_of(part)
@@ -136,7 +139,7 @@ def state_partition_specs(
   accumulator = state.accumulator
   if accumulator is not None:
     accumulator = AccumulatorState(
-      micro_step=PartitionSpec(),
+      micro_step=leaf,
       gradients=params_shaped(accumulator.gradients),
       factors=replicated(accumulator.factors),
       scales=(
@@ -146,20 +149,20 @@ def state_partition_specs(
   model = state.quadratic_model
   if model is not None:
     model = QuadraticModelState(
-      damping=PartitionSpec(),
+      damping=leaf,
       previous_update=params_shaped(model.previous_update),
-      step_sizes=PartitionSpec(),
-      reduction_ratio=PartitionSpec(),
+      step_sizes=leaf,
+      reduction_ratio=leaf,
     )
   return ScaleByKFACState(
-    count=PartitionSpec(),
+    count=leaf,
     factors=replicated(state.factors),
     preconditioners=placement.partition_specs(dims),
     accumulator=accumulator,
-    skipped_factor_updates=PartitionSpec(),
-    rejected_decompositions=PartitionSpec(),
+    skipped_factor_updates=leaf,
+    rejected_decompositions=leaf,
     quadratic_model=model,
-    eigh_fallbacks=(None if state.eigh_fallbacks is None else PartitionSpec()),
+    eigh_fallbacks=(None if state.eigh_fallbacks is None else leaf),
     eigenvalue_scales=(
       None
       if state.eigenvalue_scales is None

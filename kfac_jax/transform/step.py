@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,7 @@ from kfac_jax.preconditioning.gradient_matrix import (
   to_matrix,
 )
 from kfac_jax.preconditioning.kl_clip import kl_clip_scale
+from kfac_jax.preconditioning.methods import Preconditioner
 from kfac_jax.transform import quadratic_model
 from kfac_jax.transform.config import KFACConfig
 from kfac_jax.transform.quadratic_model import SplitLoss
@@ -60,6 +61,15 @@ from kfac_jax.transform.state import (
 Blocks = dict[str, jax.Array]
 # {block: eigenbases} -> {block: EKFAC's S_batch} (``stats_scales``).
 BatchScales = Callable[[Mapping[str, EigenPreconditioner]], Blocks]
+
+
+def eigenbases(
+  preconditioners: Mapping[str, Preconditioner],
+) -> Mapping[str, EigenPreconditioner]:
+  """``preconditioners`` as the eigen method's, which EKFAC's are: it needs
+  that method (``KFACConfig`` checks), which a placement's type does not
+  carry."""
+  return cast(Mapping[str, EigenPreconditioner], preconditioners)
 
 
 def optimizer_step(
@@ -95,11 +105,12 @@ def optimizer_step(
     The updates and the state after the step (accumulator untouched).
   """
   count = state.count
-  damping = (
-    config.damping(count)
-    if config.adaptive is None
-    else state.quadratic_model.damping
-  )
+  if config.adaptive is None:
+    damping = config.damping(count)
+  else:
+    # The adaptive mode's state carries λ (init made it, checks.py checks).
+    assert state.quadratic_model is not None
+    damping = state.quadratic_model.damping
   dims = layers_lib.blocks_of(layers)
   active_blocks = block_names(layers, active)
   decomposition_step = count % config.inv_update_steps(count) == 0
@@ -132,7 +143,7 @@ def optimizer_step(
         config,
         state,
         dims,
-        applied,
+        eigenbases(applied),
         batch_scales,
         active_blocks,
         decomposition_step,
@@ -327,7 +338,7 @@ def update_scales(
   state: ScaleByKFACState,
   dims: Dims,
   bases: Mapping[str, EigenPreconditioner],
-  batch_scales: BatchScales,
+  batch_scales: BatchScales | None,
   active_blocks: Sequence[str],
   decomposition_step: jax.Array,
 ) -> Blocks:
@@ -345,13 +356,15 @@ def update_scales(
   (its micro-batches were summed in the old bases).
   """
   count = state.count
+  # EKFAC's state carries S (init made it, checks.py checks).
+  assert state.eigenvalue_scales is not None
   current = dict(state.eigenvalue_scales)
   stale = config.placement.stale(dims, state.preconditioners)
   refresh = decomposition_step if stale is None else decomposition_step | stale
 
   def reprojected():
-    old = config.placement.replicated(
-      dims, state.preconditioners, active_blocks
+    old = eigenbases(
+      config.placement.replicated(dims, state.preconditioners, active_blocks)
     )
     carried = dict(current)
     for b in active_blocks:
@@ -445,6 +458,7 @@ def kl_clip(
 ) -> Blocks:
   """``preconditioned`` scaled by KL clipping's ``ν`` (``kl_clip_scale``),
   measured on the steady step of the chained momentum, ``lr / (1 − μ)``."""
+  assert config.kl_clip is not None  # called only with KL clipping on
   rate = config.learning_rate(count) / (1 - config.momentum(count))
   nu = kl_clip_scale(
     [preconditioned[b] for b in active_blocks],
@@ -466,14 +480,17 @@ def adaptive_step(
 ) -> tuple[Any, ScaleByKFACState]:
   """The adaptive mode's update from ``P = −Δ`` and the previous update
   (``quadratic_model.step``), and ``new_state`` with its model state."""
+  adaptive, model = config.adaptive, state.quadratic_model
+  # Called in the adaptive mode only, whose state init made.
+  assert adaptive is not None and model is not None
   step_updates, model_state = quadratic_model.step(
-    state.quadratic_model,
+    model,
     preconditioned,
     grads,
     params,
     split_loss,
-    state.count % config.adaptive.damping_adaptation_interval == 0,
-    config.adaptive,
+    state.count % adaptive.damping_adaptation_interval == 0,
+    adaptive,
   )
   return constrain_to_params(config, step_updates), new_state._replace(
     quadratic_model=model_state
