@@ -9,7 +9,7 @@ VENV ?= .venv
 PIP = $(VENV)/bin/python -m pip
 INSTALL = $(PIP) install -q -c constraints.txt
 
-.PHONY: demo test install-examples install-test
+.PHONY: demo test lint install-examples install-test install-lint
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,19 @@ PYTEST_ARGS ?=
 
 test: install-test
 	OPENBLAS_NUM_THREADS=1 $(if $(TEST_XLA_ENV),XLA_FLAGS="$(TEST_XLA_ENV)") $(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+# make lint: ruff (lint and format) over the Python files and pyright over
+# the package, zero findings; the tools are pinned in pyproject's lint extra.
+# pyright reads jax, flax and optax from the venv's python.
+LINT_PATHS = kfac_jax tests examples benchmarks docs
+
+install-lint: $(VENV)/bin/python
+	$(INSTALL) -e ".[lint]"
+
+lint: install-lint
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/pyright --pythonpath $(abspath $(VENV))/bin/python
 
 # make docs: the Sphinx site (docs/) into docs/_build/html, warnings as
 # errors; a name of kfac_jax.__all__ missing from docs/api.md fails it too
