@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import warnings
 
 import flax.linen as nn
@@ -13,6 +15,7 @@ import pytest
 
 import kfac_jax
 from kfac_jax import checkpoint
+from kfac_jax.transform.config import KFACConfig
 
 
 @pytest.mark.parametrize(
@@ -468,3 +471,24 @@ def test_schedules_are_accepted():
     learning_rate=0.0,
     inv_update_steps=lambda step: jnp.where(step < 100, 1, 10),
   )
+
+
+def test_scale_by_kfac_signature_is_kfac_config_fields():
+  """scale_by_kfac declares KFACConfig's fields as its keyword-only arguments
+  (same names, order, defaults and annotations): the two cannot drift."""
+  fields = [f for f in dataclasses.fields(KFACConfig) if f.init]
+  parameters = list(
+    inspect.signature(kfac_jax.scale_by_kfac).parameters.values()
+  )
+  assert [p.name for p in parameters] == [f.name for f in fields]
+  for parameter, field in zip(parameters, fields, strict=True):
+    assert parameter.kind is inspect.Parameter.KEYWORD_ONLY, parameter.name
+    assert parameter.annotation == field.type, parameter.name
+    assert parameter.default == field.default, parameter.name
+    assert type(parameter.default) is type(field.default), parameter.name
+  with pytest.raises(TypeError):
+    kfac_jax.scale_by_kfac(0.1)  # pyright: ignore[reportCallIssue]
+  assert "learning_rate: the learning rate" in (
+    kfac_jax.scale_by_kfac.__doc__ or ""
+  )
+  assert "Args: KFACConfig's." not in (kfac_jax.scale_by_kfac.__doc__ or "")

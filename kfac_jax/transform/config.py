@@ -1,20 +1,20 @@
 """``KFACConfig``: the arguments of ``scale_by_kfac``, validated once.
 
-The argument list of ``scale_by_kfac``, with its defaults and documentation,
-is the field list of ``KFACConfig``. Building one checks every argument and
-normalizes it (hyper-parameters as ``Hyperparameter`` callables of the step
-count, enums parsed, skip patterns compiled, the preconditioners'
+The keyword-only arguments of ``scale_by_kfac`` are the fields of
+``KFACConfig``, with the same names, order, annotations and defaults
+(``tests/test_validation.py`` checks it), and their documentation is
+``KFACConfig``'s (``with_config_args_doc``). Building one checks every
+argument and normalizes it (hyper-parameters as ``Hyperparameter`` callables
+of the step count, enums parsed, skip patterns compiled, the preconditioners'
 ``Placement`` made), so that ``scale_by_kfac``,
 ``get_opt_state_partition_specs`` and ``checkpoint.recompute_preconditioners``
-read one frozen value built from
-the same keyword arguments.
+read one frozen value built from the same keyword arguments.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -46,6 +46,9 @@ from kfac_jax.transform.quadratic_model import AdaptiveConfig
 # scale_by_kfac's λ (relative) and κ unless given (the kfac alias's too).
 DEFAULT_DAMPING = 0.01
 DEFAULT_KL_CLIP = 0.1
+# The dtype of the preconditioners unless given: a dtype instance, not the
+# callable jnp.float32 (see inv_dtype).
+DEFAULT_INV_DTYPE = jnp.dtype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -239,7 +242,7 @@ class KFACConfig:
       or two that do not work together; the message names them.
   """
 
-  # The fields are the arguments, as scale_by_kfac's signature shows them;
+  # The fields are the arguments, as scale_by_kfac's signature repeats them;
   # for those whose normalized value has another type, the type checker
   # reads the declarations under TYPE_CHECKING (what __post_init__ stores),
   # and the constructor's arguments are checked at run time.
@@ -273,7 +276,7 @@ class KFACConfig:
   if not TYPE_CHECKING:
     skip_layers: Sequence[str] | str | None = None
   factor_dtype: jnp.dtype | None = None
-  inv_dtype: jnp.dtype = jnp.dtype(jnp.float32)
+  inv_dtype: jnp.dtype = DEFAULT_INV_DTYPE
   mesh_axes: str | Sequence[str] | None = None
   grad_worker_fraction: DistributedStrategy | float = (
     DistributedStrategy.COMM_OPT
@@ -626,15 +629,10 @@ def make_placement(
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def takes_config_arguments(fn: F) -> F:
-  """Gives ``fn(*args, **kwargs)``, which builds a ``KFACConfig`` from its
-  arguments, ``KFACConfig``'s signature (for ``optax.inject_hyperparams``,
-  ``help`` and Sphinx) and its ``Args`` in place of the line
-  ``Args: KFACConfig's.`` of ``fn``'s docstring."""
-  signature = inspect.signature(KFACConfig)
-  fn.__signature__ = signature.replace(
-    return_annotation=inspect.signature(fn).return_annotation
-  )
+def with_config_args_doc(fn: F) -> F:
+  """Puts ``KFACConfig``'s ``Args`` in place of the line
+  ``Args: KFACConfig's.`` of ``fn``'s docstring (``fn`` declares
+  ``KFACConfig``'s fields as its keyword-only arguments)."""
   args = re.search(r"\n  Args:\n.*?\n\n", KFACConfig.__doc__ or "", re.S)
   if args is None or fn.__doc__ is None:
     raise AssertionError("KFACConfig and fn must have docstrings.")

@@ -29,7 +29,7 @@ given is checked against both (``transform.checks``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,10 +37,22 @@ import jax.numpy as jnp
 import optax
 
 from kfac_jax.capture import layers as layers_lib
+from kfac_jax.capture.layers import LayerTable
 from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.distribution import sharding
+from kfac_jax.distribution.strategy import (
+  AssignmentStrategy,
+  DistributedStrategy,
+)
 from kfac_jax.factors.running import LayerFactors, init_factors
+from kfac_jax.hyperparameters import (
+  ComputeMethod,
+  DampingMode,
+  ScalarOrSchedule,
+  WeightSharing,
+)
 from kfac_jax.preconditioning import ekfac
+from kfac_jax.preconditioning.subspace import SubspaceSolver
 from kfac_jax.transform import (
   boxing,
   checks,
@@ -51,10 +63,12 @@ from kfac_jax.transform import (
 from kfac_jax.transform.accumulation import accumulate
 from kfac_jax.transform.config import (
   DEFAULT_DAMPING,
+  DEFAULT_INV_DTYPE,
+  DEFAULT_KL_CLIP,
   KFACConfig,
-  takes_config_arguments,
+  with_config_args_doc,
 )
-from kfac_jax.transform.quadratic_model import SplitLoss
+from kfac_jax.transform.quadratic_model import AdaptiveConfig, SplitLoss
 from kfac_jax.transform.state import AccumulatorState, ScaleByKFACState
 
 __all__ = [
@@ -66,9 +80,38 @@ __all__ = [
 ]
 
 
-@takes_config_arguments
+@with_config_args_doc
 def scale_by_kfac(
-  *args: Any, **kwargs: Any
+  *,
+  learning_rate: ScalarOrSchedule = 0.1,
+  damping: ScalarOrSchedule = DEFAULT_DAMPING,
+  damping_mode: DampingMode | str | None = None,
+  factor_decay: ScalarOrSchedule = 0.95,
+  kl_clip: ScalarOrSchedule | None = DEFAULT_KL_CLIP,
+  momentum: ScalarOrSchedule | None = 0.0,
+  factor_update_steps: ScalarOrSchedule = 1,
+  inv_update_steps: ScalarOrSchedule = 1,
+  compute_method: ComputeMethod | str | None = None,
+  compute_eigenvalue_outer_product: bool = True,
+  accumulation_steps: int = 1,
+  skip_layers: Sequence[str] | str | None = None,
+  factor_dtype: jnp.dtype | None = None,
+  inv_dtype: jnp.dtype = DEFAULT_INV_DTYPE,
+  mesh_axes: str | Sequence[str] | None = None,
+  grad_worker_fraction: DistributedStrategy | float = (
+    DistributedStrategy.COMM_OPT
+  ),
+  assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
+  params_partition_specs: Any = None,
+  layers: LayerTable | None = None,
+  precondition_embeddings: bool = False,
+  decomposition_batch_size: int | None = None,
+  factor_batch_size: int | float | None = None,
+  weight_sharing: WeightSharing | str = WeightSharing.EXPAND,
+  gradient_from_stats: bool = False,
+  adaptive: AdaptiveConfig | None = None,
+  eigen_solver: str | SubspaceSolver = "eigh",
+  eigenvalue_correction: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC gradient preconditioning (KAISA's algorithm) as an optax transform.
 
@@ -107,7 +150,39 @@ def scale_by_kfac(
     Pauloski et al., KAISA: An Adaptive Second-Order Optimizer Framework for
     Deep Neural Networks, SC'21.
   """
-  return transformation(KFACConfig(*args, **kwargs))
+  # The arguments are KFACConfig's fields, in the same order, with the same
+  # annotations and defaults (tests/test_validation.py checks it).
+  return transformation(
+    KFACConfig(
+      learning_rate=learning_rate,
+      damping=damping,
+      damping_mode=damping_mode,
+      factor_decay=factor_decay,
+      kl_clip=kl_clip,
+      momentum=momentum,
+      factor_update_steps=factor_update_steps,
+      inv_update_steps=inv_update_steps,
+      compute_method=compute_method,
+      compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+      accumulation_steps=accumulation_steps,
+      skip_layers=skip_layers,
+      factor_dtype=factor_dtype,
+      inv_dtype=inv_dtype,
+      mesh_axes=mesh_axes,
+      grad_worker_fraction=grad_worker_fraction,
+      assignment_strategy=assignment_strategy,
+      params_partition_specs=params_partition_specs,
+      layers=layers,
+      precondition_embeddings=precondition_embeddings,
+      decomposition_batch_size=decomposition_batch_size,
+      factor_batch_size=factor_batch_size,
+      weight_sharing=weight_sharing,
+      gradient_from_stats=gradient_from_stats,
+      adaptive=adaptive,
+      eigen_solver=eigen_solver,
+      eigenvalue_correction=eigenvalue_correction,
+    )
+  )
 
 
 def transformation(config: KFACConfig) -> optax.GradientTransformationExtraArgs:
