@@ -7,7 +7,6 @@ their means and resets the sums, the others emit zeros.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -15,8 +14,6 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from kfac_jax.capture import layers as layers_lib
-from kfac_jax.capture.layers import LayerInfo
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import ekfac
 from kfac_jax.transform import step
@@ -28,11 +25,7 @@ def accumulate(
   config: KFACConfig,
   state: ScaleByKFACState,
   grads: Any,
-  layers: Mapping[str, LayerInfo],
-  active: Sequence[str],
-  batch_factors: Callable[[], dict[str, LayerFactors]],
-  sharded: Mapping[str, tuple[str, ...]],
-  batch_scales: step.BatchScales | None = None,
+  inputs: step.StepInputs,
 ) -> tuple[Any, ScaleByKFACState]:
   """One micro-batch: its sums added, and the optimizer step on the last.
 
@@ -40,12 +33,10 @@ def accumulate(
     config: the transformation's configuration (``accumulation_steps > 1``).
     state: the state, with its ``accumulator``.
     grads: the micro-batch's gradients.
-    layers: the registered layers.
-    active: the layers to precondition.
-    batch_factors: gives the micro-batch's factors of ``active``'s blocks.
-    sharded: as in ``step.optimizer_step``.
-    batch_scales: with ``eigenvalue_correction``, gives the micro-batch's
-      EKFAC ``S_batch`` in the given eigenbases; summed in the state's bases
+    inputs: as in ``step.optimizer_step``: its ``batch_factors`` (not
+      ``None``) give the micro-batch's factors of the active blocks; with
+      ``eigenvalue_correction`` its ``batch_scales`` give the micro-batch's
+      EKFAC ``S_batch`` in the given eigenbases, summed in the state's bases
       (which change only at the optimizer step) and carried into the step's
       new ones there.
 
@@ -55,7 +46,10 @@ def accumulate(
   accumulator = state.accumulator
   # accumulation_steps > 1: init made the accumulator (checks.py checks).
   assert accumulator is not None
-  batch_blocks = step.block_names(layers, active)
+  batch_factors, batch_scales = inputs.batch_factors, inputs.batch_scales
+  # The step has statistics: check_no_stats refuses NO_STATS here.
+  assert batch_factors is not None
+  batch_blocks = inputs.active_blocks
   factor_step = state.count % config.factor_update_steps(state.count) == 0
   # Off factor steps the sums are not used; adding zeros keeps the factor
   # computation inside the cond.
@@ -69,7 +63,7 @@ def accumulate(
   # The state's eigenbases on every device (``Placement.replicated``).
   state_bases = lambda: step.eigenbases(
     config.placement.replicated(
-      layers_lib.blocks_of(layers), state.preconditioners, batch_blocks
+      inputs.dims, state.preconditioners, batch_blocks
     )
   )
   if batch_scales is not None:
@@ -133,11 +127,11 @@ def accumulate(
       config,
       state,
       mean_grads,
-      layers,
-      active,
-      lambda: mean_factors,
-      sharded,
-      batch_scales=None if batch_scales is None else mean_scales,
+      inputs._replace(
+        batch_factors=lambda: mean_factors,
+        factored=None,
+        batch_scales=None if batch_scales is None else mean_scales,
+      ),
     )
     reset = AccumulatorState(
       micro_step=jnp.zeros([], jnp.int32),

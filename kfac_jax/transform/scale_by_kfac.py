@@ -326,9 +326,10 @@ def _update_values(
         damping=quadratic_model.clip_damping(model.damping, adaptive)
       )
     )
+  dims = layers_lib.blocks_of(layers)
   checks.check_preconditioners(
     state.preconditioners,
-    jax.eval_shape(lambda: config.placement.init(layers_lib.blocks_of(layers))),
+    jax.eval_shape(lambda: config.placement.init(dims)),
   )
   if kfac_stats is checks.NO_STATS:
     checks.check_no_stats(config)
@@ -342,29 +343,15 @@ def _update_values(
     active, batch_factors, batch_scales, factored = _from_stats(
       config, kfac_stats, layers, updates, sharded
     )
+  inputs = step.step_inputs(
+    layers, active, sharded, batch_factors, factored, batch_scales, dims
+  )
   if config.accumulation_steps > 1:
     # check_no_stats refuses NO_STATS with accumulation_steps > 1.
     assert batch_factors is not None
-    return accumulate(
-      config,
-      state,
-      updates,
-      layers,
-      active,
-      batch_factors,
-      sharded,
-      batch_scales,
-    )
+    return accumulate(config, state, updates, inputs)
   preconditioned, new_state = step.optimizer_step(
-    config,
-    state,
-    updates,
-    layers,
-    active,
-    batch_factors,
-    sharded,
-    factored,
-    batch_scales,
+    config, state, updates, inputs
   )
   if adaptive is None:
     return preconditioned, new_state

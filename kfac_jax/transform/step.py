@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +63,55 @@ Blocks = dict[str, jax.Array]
 BatchScales = Callable[[Mapping[str, EigenPreconditioner]], Blocks]
 
 
+class StepInputs(NamedTuple):
+  """What one ``update`` reads besides the config, state and gradients,
+  computed once per update (``scale_by_kfac._update_values``)."""
+
+  # The registered layers.
+  layers: Mapping[str, LayerInfo]
+  # The layers to precondition.
+  active: Sequence[str]
+  # {block: (dA, dG)} of every registered layer (``layers.blocks_of``).
+  dims: Dims
+  # The blocks of ``active`` (``block_names``).
+  active_blocks: Sequence[str]
+  # {layer: mesh axes} of kernels sharded by ``params_partition_specs``.
+  sharded: Mapping[str, tuple[str, ...]]
+  # Gives the batch factors of ``active``'s blocks; ``None`` on a step
+  # without statistics (``NO_STATS``): no factor update.
+  batch_factors: Callable[[], dict[str, LayerFactors]] | None
+  # {block: aᵀg} preconditioned in that form instead of the block of the
+  # gradients (``gradient_from_stats``), else ``None``.
+  factored: Mapping[str, FactoredGradient] | None = None
+  # With ``eigenvalue_correction``, gives EKFAC's batch ``S_batch`` of
+  # ``active``'s blocks in the given eigenbases (``None`` without
+  # statistics).
+  batch_scales: BatchScales | None = None
+
+
+def step_inputs(
+  layers: Mapping[str, LayerInfo],
+  active: Sequence[str],
+  sharded: Mapping[str, tuple[str, ...]],
+  batch_factors: Callable[[], dict[str, LayerFactors]] | None,
+  factored: Mapping[str, FactoredGradient] | None = None,
+  batch_scales: BatchScales | None = None,
+  dims: Dims | None = None,
+) -> StepInputs:
+  """The ``StepInputs`` of ``layers`` and ``active`` (``dims``, if given,
+  the ``blocks_of(layers)`` already computed)."""
+  return StepInputs(
+    layers=layers,
+    active=active,
+    dims=layers_lib.blocks_of(layers) if dims is None else dims,
+    active_blocks=block_names(layers, active),
+    sharded=sharded,
+    batch_factors=batch_factors,
+    factored=factored,
+    batch_scales=batch_scales,
+  )
+
+
 def eigenbases(
   preconditioners: Mapping[str, Preconditioner],
 ) -> Mapping[str, EigenPreconditioner]:
@@ -76,12 +125,7 @@ def optimizer_step(
   config: KFACConfig,
   state: ScaleByKFACState,
   grads: Any,
-  layers: Mapping[str, LayerInfo],
-  active: Sequence[str],
-  batch_factors: Callable[[], dict[str, LayerFactors]] | None,
-  sharded: Mapping[str, tuple[str, ...]],
-  factored: Mapping[str, FactoredGradient] | None = None,
-  batch_scales: BatchScales | None = None,
+  inputs: StepInputs,
 ) -> tuple[Any, ScaleByKFACState]:
   """Factor update, decomposition and preconditioning of one optimizer step.
 
@@ -89,17 +133,7 @@ def optimizer_step(
     config: the transformation's configuration.
     state: the state before the step.
     grads: the (mean) gradients of the step.
-    layers: the registered layers.
-    active: the layers to precondition.
-    batch_factors: gives the batch factors of ``active``'s blocks; ``None``
-      on a step without statistics (``NO_STATS``): no factor update.
-    sharded: ``{layer: mesh axes}`` of kernels sharded by
-      ``params_partition_specs``.
-    factored: ``{block: aᵀg}`` preconditioned in that form instead of the
-      block of ``grads`` (``gradient_from_stats``).
-    batch_scales: with ``eigenvalue_correction``, gives EKFAC's batch
-      ``S_batch`` of ``active``'s blocks in the given eigenbases (``None``
-      without statistics).
+    inputs: the step's layers and what it reads from the statistics.
 
   Returns:
     The updates and the state after the step (accumulator untouched).
@@ -111,15 +145,19 @@ def optimizer_step(
     # The adaptive mode's state carries λ (init made it, checks.py checks).
     assert state.quadratic_model is not None
     damping = state.quadratic_model.damping
-  dims = layers_lib.blocks_of(layers)
-  active_blocks = block_names(layers, active)
+  layers, active, dims, active_blocks = (
+    inputs.layers,
+    inputs.active,
+    inputs.dims,
+    inputs.active_blocks,
+  )
   decomposition_step = count % config.inv_update_steps(count) == 0
   # Scheduled (or traced) values out of range at this step cannot raise
   # under jit: the parts of the step they feed leave the state as it was
   # and count it.
   scheduled_damping = config.damping if config.adaptive is None else None
   factors, skipped = update_factors(
-    config, state, batch_factors, decomposition_step
+    config, state, inputs.batch_factors, decomposition_step
   )
   preconditioners, counts = guarded_decomposition(
     config.placement,
@@ -140,17 +178,11 @@ def optimizer_step(
     scales = replicate(
       config,
       update_scales(
-        config,
-        state,
-        dims,
-        eigenbases(applied),
-        batch_scales,
-        active_blocks,
-        decomposition_step,
+        config, state, inputs, eigenbases(applied), decomposition_step
       ),
     )
   preconditioned, gradient_matrices = precondition(
-    config, grads, layers, active, applied, damping, sharded, factored, scales
+    config, grads, inputs, applied, damping, scales
   )
   updates_ok = hp.all_valid(
     count,
@@ -336,10 +368,8 @@ def guarded_decomposition(
 def update_scales(
   config: KFACConfig,
   state: ScaleByKFACState,
-  dims: Dims,
+  inputs: StepInputs,
   bases: Mapping[str, EigenPreconditioner],
-  batch_scales: BatchScales | None,
-  active_blocks: Sequence[str],
   decomposition_step: jax.Array,
 ) -> Blocks:
   """EKFAC's running ``S`` after this step (``preconditioning.ekfac``).
@@ -356,6 +386,11 @@ def update_scales(
   (its micro-batches were summed in the old bases).
   """
   count = state.count
+  dims, batch_scales, active_blocks = (
+    inputs.dims,
+    inputs.batch_scales,
+    inputs.active_blocks,
+  )
   # EKFAC's state carries S (init made it, checks.py checks).
   assert state.eigenvalue_scales is not None
   current = dict(state.eigenvalue_scales)
@@ -401,15 +436,13 @@ def update_scales(
 def precondition(
   config: KFACConfig,
   grads: Any,
-  layers: Mapping[str, LayerInfo],
-  active: Sequence[str],
+  inputs: StepInputs,
   preconditioners: Any,
   damping: jax.Array,
-  sharded: Mapping[str, tuple[str, ...]],
-  factored: Mapping[str, FactoredGradient] | None,
   scales: Blocks | None = None,
 ) -> tuple[Blocks, Blocks]:
-  """``P`` of every block of ``active``, and the blocks' gradient matrices.
+  """``P`` of every block of ``inputs.active``, and the blocks' gradient
+  matrices.
 
   ``P = (A ⊗ G + λI)⁻¹ vec(∇)`` (eigen) or ``(A + λI)⁻¹ ∇ (G + λI)⁻¹``
   (inverse), with ``∇`` the block of ``grads`` or its ``factored`` form,
@@ -417,14 +450,15 @@ def precondition(
   ``Q_A [(Q_Aᵀ ∇ Q_G) / (S + λ)] Q_Gᵀ``, and ``preconditioners`` are the
   active blocks' eigenbases on every device (``Placement.replicated``).
   """
+  sharded = inputs.sharded
   gradient_matrices = {}
-  for name in active:
-    layer = layers[name]
+  for name in inputs.active:
+    layer = inputs.layers[name]
     blocks = to_matrix(
       layers_lib.get_layer_params(grads, layer), layer, jnp.float32
     )
     gradient_matrices.update(zip(layer.block_names, blocks))
-  gradients = {**gradient_matrices, **(factored or {})}
+  gradients = {**gradient_matrices, **(inputs.factored or {})}
   if config.factored_damping:
     # Undo the λ factor of `factored_damping_scaled`, P = λ·P(∇/λ), so the
     # layers keep their scale against unregistered parameters' ∇ (with the
@@ -434,7 +468,7 @@ def precondition(
     gradients = {b: divided(g, damping) for b, g in gradients.items()}
   if scales is None:
     preconditioned = config.placement.precondition(
-      layers_lib.blocks_of(layers), preconditioners, gradients, damping, sharded
+      inputs.dims, preconditioners, gradients, damping, sharded
     )
   else:
     preconditioned = config.placement.precondition_replicated(
