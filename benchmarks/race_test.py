@@ -11,11 +11,9 @@ from benchmarks.race import sweep
 from examples import tasks
 
 
-def test_sweep_grid_of_learning_rates_and_adaptive_damping():
-  """The sweep tries center × (1/3, 1, 3) of each optimizer's swept value
-  (kfac_adaptive's λ₀ around kfac-jax's 150) and grows past a winning edge."""
-  # The race's own grid logic, checked without running it.
-  task = tasks.Task(
+def toy_task() -> tasks.Task:
+  """A task with no data or model: for the race's logic, not its runs."""
+  return tasks.Task(
     name="toy",
     description="",
     metric="loss",
@@ -26,6 +24,13 @@ def test_sweep_grid_of_learning_rates_and_adaptive_damping():
     loss_fn=None,
     evaluate=None,
   )
+
+
+def test_sweep_grid_of_learning_rates_and_adaptive_damping():
+  """The sweep tries center × (1/3, 1, 3) of each optimizer's swept value
+  (kfac_adaptive's λ₀ around kfac-jax's 150) and grows past a winning edge."""
+  # The race's own grid logic, checked without running it.
+  task = toy_task()
 
   class Recorded:
     """The sweep's runs: the final loss is |log10(value / best)|."""
@@ -108,17 +113,7 @@ def test_race_takes_the_sweeps_seed_zero_run_and_leaves_out_what_cannot_run(
     seeds=[0, 1],
     clock="cpu",
   )
-  task = tasks.Task(
-    name="toy",
-    description="",
-    metric="loss",
-    higher_is_better=False,
-    data=(),
-    batch_size=1,
-    init=None,
-    loss_fn=None,
-    evaluate=None,
-  )
+  task = toy_task()
   contest = race.Race(args, tmp_path / "race.json", {})
   result = race.race_task(task, args, contest)
   assert trained == [

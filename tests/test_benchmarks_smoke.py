@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import kfac_jax
+from benchmarks.race_test import toy_task
 from examples import flops, models, targets, tasks, training
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -400,17 +401,7 @@ def test_convergence_smoke_and_resume(tmp_path):
 def test_time_to_target_readouts():
   """The interpolated crossing, the metric at a time, and medians over seeds
   that count a miss as infinitely late."""
-  task = tasks.Task(
-    name="toy",
-    description="",
-    metric="loss",
-    higher_is_better=False,
-    data=(),
-    batch_size=1,
-    init=None,
-    loss_fn=None,
-    evaluate=None,
-  )
+  task = toy_task()
   run = dict(
     curve=[
       dict(step=s, seconds=t, metric=m)
