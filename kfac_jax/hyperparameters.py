@@ -95,18 +95,26 @@ def static_positive_integer(
   name: str, value: Any, static_arg: str | None = None
 ) -> int:
   """A positive integer (NumPy integers and 0-d arrays accepted, bools not)."""
+  return static_integer(name, value, 1, static_arg)
+
+
+def static_integer(
+  name: str, value: Any, minimum: int, static_arg: str | None = None
+) -> int:
+  """An integer ``≥ minimum`` (NumPy integers and 0-d arrays accepted, bools
+  not)."""
+  kind = "a positive integer" if minimum == 1 else f"an integer ≥ {minimum}"
   value = static_scalar(name, value, static_arg)
   if isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be a positive integer; got {value!r}.")
+    raise TypeError(f"{name} must be {kind}; got {value!r}.")
   try:
     integer = operator.index(value)
   except TypeError as e:
     raise TypeError(
-      f"{name} must be a positive integer; got {value!r} "
-      f"({type(value).__name__})."
+      f"{name} must be {kind}; got {value!r} ({type(value).__name__})."
     ) from e
-  if integer < 1:
-    raise ValueError(f"{name} must be a positive integer; got {value!r}.")
+  if integer < minimum:
+    raise ValueError(f"{name} must be {kind}; got {value!r}.")
   return integer
 
 

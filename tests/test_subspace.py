@@ -77,6 +77,46 @@ def test_a_slowly_drifting_factor_keeps_its_eigenbasis():
   assert worst > 0  # The basis did move.
 
 
+def test_zero_steps_keep_the_basis_until_it_drifts_past_the_threshold():
+  # With no subspace step the stored basis stays (columns sorted by their
+  # quotient) and only the eigenvalues diag(QᵀFQ) move, while the drift
+  # ‖offdiag(QᵀFQ)‖_F / ‖F‖_F of the kept basis grows with the rotation of
+  # F's eigenvectors; past the threshold eigh replaces it.
+  threshold = 0.02
+  # The drift is read to about √(4d·ε) (test above); rounding of qᵀ(Fq):
+  # 2d terms of λ_max = 1.
+  read = np.sqrt(4 * DIM * EPS32)
+  factors = drifting_factors(200, seed=4)
+  factor, basis, _ = next(factors)
+  q = jnp.asarray(basis, jnp.float32)
+  kept = fell = 0
+  for factor, _, _ in factors:
+    f32 = jnp.asarray(factor, jnp.float32)
+    refreshed = subspace.subspace_refresh(f32, q, steps=0)
+    eigenvalues, new_q, drift = refreshed
+    q64 = np.asarray(q, np.float64)
+    b = q64.T @ factor @ q64
+    order = np.argsort(-np.diag(b))
+    np.testing.assert_array_equal(new_q, np.asarray(q)[:, order])
+    assert_float32_close(eigenvalues, np.diag(b)[order], terms=2 * DIM)
+    exact_drift = np.linalg.norm(b - np.diag(np.diag(b))) / np.linalg.norm(
+      factor
+    )
+    assert abs(float(drift) - exact_drift) <= read
+    (eigenvalues, q), fell_back = subspace.refresh_or_eigh(
+      f32, refreshed, q, threshold
+    )
+    if exact_drift > threshold + read:
+      assert int(fell_back) == 1
+    elif exact_drift < threshold - read:
+      assert int(fell_back) == 0
+      np.testing.assert_array_equal(q, new_q)
+    kept += 1 - int(fell_back)
+    fell += int(fell_back)
+  # Both happened: the basis was kept for steps, and replaced when it drifted.
+  assert kept > fell > 0, (kept, fell)
+
+
 def test_an_abrupt_change_falls_back_to_eigh():
   rng = np.random.default_rng(1)
   x = rng.standard_normal((3 * DIM, DIM))
@@ -120,11 +160,12 @@ def loss_fn(params, x, y):
   return jnp.mean((MLP().apply({"params": params}, x) - y) ** 2)
 
 
-def test_the_transformation_counts_fallbacks_and_decomposes_exactly():
+@pytest.mark.parametrize("solver", ["subspace", kfac_jax.SubspaceSolver(0)])
+def test_the_transformation_counts_fallbacks_and_decomposes_exactly(solver):
   x = jax.random.normal(jax.random.PRNGKey(0), (16, 4))
   y = jax.random.normal(jax.random.PRNGKey(1), (16, 3))
   params = MLP().init(jax.random.PRNGKey(2), x)["params"]
-  tx = kfac_jax.scale_by_kfac(eigen_solver="subspace", kl_clip=None)
+  tx = kfac_jax.scale_by_kfac(eigen_solver=solver, kl_clip=None)
   state = tx.init(params)
   assert int(state.eigh_fallbacks) == 0
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params, x, y)
@@ -189,8 +230,8 @@ def test_the_transformation_counts_fallbacks_and_decomposes_exactly():
       "drift_threshold must be",
     ),
     (
-      dict(eigen_solver=kfac_jax.SubspaceSolver(steps=0)),
-      "SubspaceSolver.steps must be a positive integer",
+      dict(eigen_solver=kfac_jax.SubspaceSolver(steps=-1)),
+      "SubspaceSolver.steps must be an integer ≥ 0",
     ),
   ],
 )

@@ -255,6 +255,31 @@ def blocks_of(layers: LayerTable) -> dict[str, tuple[int, int]]:
   }
 
 
+def within_factor_size(
+  layers: LayerTable, max_factor_dim: int | None
+) -> tuple[dict[str, LayerInfo], frozenset[str]]:
+  """``layers`` split by the size of their Kronecker factors.
+
+  Args:
+    layers: ``{name: LayerInfo}``.
+    max_factor_dim: the largest ``activation_dim`` (``[in+1, in+1]`` for a
+      Dense with bias) and ``gradient_dim`` (``[out, out]``) kept; ``None``:
+      no limit.
+
+  Returns:
+    ``(kept, left_out)``: the layers whose A and G are both at most
+    ``max_factor_dim`` on a side (in ``layers``' order), and the names of
+    the others.
+  """
+  if max_factor_dim is None:
+    return dict(layers), frozenset()
+  fits = lambda layer: (
+    max(layer.activation_dim, layer.gradient_dim) <= max_factor_dim
+  )
+  kept = {name: layer for name, layer in layers.items() if fits(layer)}
+  return kept, frozenset(layers) - frozenset(kept)
+
+
 def path_key_name(key: Any) -> str:
   for attribute in ("key", "name", "idx"):
     if hasattr(key, attribute):

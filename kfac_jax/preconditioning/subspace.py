@@ -9,10 +9,13 @@ refreshes its Shampoo eigenbases:
     ρ = diag(Qᵀ F Q),   Q ← Q[:, argsort(−ρ)],   Q ← qr(F Q),
 
 then eigenvalues from the Rayleigh quotients of the result,
-``d = max(diag(Qᵀ F Q), 0)``. Sorting the columns by decreasing ``ρ`` before
-each QR keeps column ``j`` on the ``j``-th eigenvector: QR orthogonalizes
-each column against those before it, which removes from the small
-eigenvalues' columns the large eigenvalues' components that ``F Q`` amplifies.
+``d = max(diag(Qᵀ F Q), 0)``. With ``k = 0`` the basis is kept as it is
+(its columns sorted) and only the eigenvalues are refreshed, for one
+``[d, d]`` product: the refresh by drift, which pays while the basis holds.
+Sorting the columns by decreasing ``ρ`` before each QR keeps column ``j``
+on the ``j``-th eigenvector: QR orthogonalizes each column against those
+before it, which removes from the small eigenvalues' columns the large
+eigenvalues' components that ``F Q`` amplifies.
 A step costs two ``[d, d]`` products and one QR (``O(d³)`` FLOPs, but a
 fraction of ``eigh``'s time: ``benchmarks/decomposition_time.py``).
 
@@ -55,7 +58,9 @@ class SubspaceSolver(NamedTuple):
   is ``SubspaceSolver()``).
 
   Attributes:
-    steps: k ≥ 1 steps of ``Q ← qr(F·Q)`` per refresh.
+    steps: k ≥ 0 steps of ``Q ← qr(F·Q)`` per refresh; 0 keeps the basis
+      and refreshes its eigenvalues ``diag(Qᵀ F Q)`` only, until the drift
+      passes ``drift_threshold`` and ``eigh`` replaces it.
     drift_threshold: in ``(0, 1]``: a refresh with
       ``‖F − Q diag(d) Qᵀ‖_F > drift_threshold·‖F‖_F`` is replaced by a
       full ``eigh`` (and counted in the state's ``eigh_fallbacks``).
@@ -96,7 +101,7 @@ def subspace_refresh(
   Args:
     factor: ``F``, symmetric ``[d, d]`` (any float dtype; run in float32).
     basis: ``Q₀``, the previous eigenbasis ``[d, d]`` (columns in any order).
-    steps: ``k ≥ 1``.
+    steps: ``k ≥ 0`` (0: ``Q₀`` with its columns sorted).
 
   Returns:
     ``(d, Q, δ)``: the Rayleigh quotients clamped at 0 ``[d]``, the basis
@@ -112,6 +117,9 @@ def subspace_refresh(
     q, _ = jnp.linalg.qr(product[:, order])
     product = f @ q
   quotients = rayleigh_quotients(q, product)
+  if steps == 0:
+    order = jnp.argsort(-quotients)
+    q, quotients = q[:, order], quotients[order]
   return jnp.maximum(quotients, 0.0), q, drift(f, quotients)
 
 

@@ -279,6 +279,7 @@ def check_stats(
   layers: Mapping[str, LayerInfo],
   skip: Sequence[re.Pattern[str]],
   gradients: Any,
+  left_out: frozenset[str] = frozenset(),
 ) -> list[str]:
   """Checks ``kfac_stats`` against the layers and the gradients.
 
@@ -287,6 +288,7 @@ def check_stats(
     layers: the registered layers (the state's).
     skip: the compiled ``skip_layers``.
     gradients: the incoming gradients.
+    left_out: layers ``max_factor_dim`` leaves out: their stats are unused.
 
   Returns:
     The layers to precondition: those of ``layers`` whose stats a
@@ -345,7 +347,11 @@ def check_stats(
     active.append(name)
   for name, layer_stats in stats.items():
     # Embed tables are layers only with precondition_embeddings.
-    if name in layers or layer_stats.signature.num_embeddings is not None:
+    if (
+      name in layers
+      or name in left_out
+      or layer_stats.signature.num_embeddings is not None
+    ):
       continue
     path = tuple(name.split("/")) if name else ()
     if layers_lib.is_skipped_layer(

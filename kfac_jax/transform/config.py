@@ -121,6 +121,13 @@ class KFACConfig:
       table such layers still get (unused) state, and the capture given the
       same pattern leaves them without stats, which ``update`` refuses: skip
       by path there.
+    max_factor_dim: layers with a Kronecker factor larger than this on a
+      side (A's ``prod(contracted) + 1`` with a bias, G's outputs per group)
+      are left to the chained optimizer, as ``skip_layers`` leaves them:
+      their ``O(d³)`` decomposition and ``O(d²·out)`` preconditioning
+      outweigh what they give (a 3136→256 Dense head: A is ``[3137,
+      3137]``). Their stats, if the capture computes them, are unused (and
+      left out of a jitted step). Positive integer; ``None``: no limit.
     factor_dtype: storage dtype of A and G; default float32 (the kernel's
       dtype if wider). A bfloat16 running average stalls once
       ``(1 − d)·|F_batch − F|`` is below half a bfloat16 step of ``F``, so
@@ -275,6 +282,7 @@ class KFACConfig:
   accumulation_steps: int = 1
   if not TYPE_CHECKING:
     skip_layers: Sequence[str] | str | None = None
+  max_factor_dim: int | None = None
   factor_dtype: jnp.dtype | None = None
   inv_dtype: jnp.dtype = DEFAULT_INV_DTYPE
   mesh_axes: str | Sequence[str] | None = None
@@ -309,6 +317,11 @@ class KFACConfig:
       hp.static_positive_integer("accumulation_steps", self.accumulation_steps),
     )
     set_("skip_layers", layers_lib.compile_patterns(given.skip_layers))
+    if self.max_factor_dim is not None:
+      set_(
+        "max_factor_dim",
+        hp.static_positive_integer("max_factor_dim", self.max_factor_dim),
+      )
     _check_layer_table(self.layers)
     if self.adaptive is not None:
       _check_adaptive(self, self.adaptive)
@@ -398,15 +411,20 @@ class KFACConfig:
       else None
     )
 
-  @property
-  def find_layers(self) -> Callable[..., dict[str, LayerInfo]]:
-    """``layers_lib.find_layers`` with this configuration's skips and table."""
-    return functools.partial(
-      layers_lib.find_layers,
+  def find_layers(
+    self, params: Any, warn_untraced: bool = False
+  ) -> tuple[dict[str, LayerInfo], frozenset[str]]:
+    """The layers of ``params`` to precondition, and the names of those
+    ``max_factor_dim`` leaves out (``layers_lib.find_layers`` with this
+    configuration's skips and table, then ``within_factor_size``)."""
+    layers = layers_lib.find_layers(
+      params,
       skip=self.skip_layers,
       table=self.layers,
+      warn_untraced=warn_untraced,
       include_embeddings=self.precondition_embeddings,
     )
+    return layers_lib.within_factor_size(layers, self.max_factor_dim)
 
 
 def _hyperparameters(config: KFACConfig) -> dict[str, Any]:
@@ -569,7 +587,7 @@ def _eigen_solver(solver: Any) -> str | SubspaceSolver:
       "eigen_solver must be 'eigh', 'subspace' or a "
       f"kfac_jax.SubspaceSolver(steps, drift_threshold); got {solver!r}."
     )
-  steps = hp.static_positive_integer("SubspaceSolver.steps", solver.steps)
+  steps = hp.static_integer("SubspaceSolver.steps", solver.steps, 0)
   threshold = solver.drift_threshold
   if (
     isinstance(threshold, bool)

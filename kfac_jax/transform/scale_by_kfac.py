@@ -95,6 +95,7 @@ def scale_by_kfac(
   compute_eigenvalue_outer_product: bool = True,
   accumulation_steps: int = 1,
   skip_layers: Sequence[str] | str | None = None,
+  max_factor_dim: int | None = None,
   factor_dtype: jnp.dtype | None = None,
   inv_dtype: jnp.dtype = DEFAULT_INV_DTYPE,
   mesh_axes: str | Sequence[str] | None = None,
@@ -166,6 +167,7 @@ def scale_by_kfac(
       compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
       accumulation_steps=accumulation_steps,
       skip_layers=skip_layers,
+      max_factor_dim=max_factor_dim,
       factor_dtype=factor_dtype,
       inv_dtype=inv_dtype,
       mesh_axes=mesh_axes,
@@ -202,7 +204,7 @@ def init(config: KFACConfig, params: Any) -> ScaleByKFACState:
   checks.check_not_params_placeholder(params)
   if config.params_partition_specs is not None:
     sharding.check_params_specs(params, config.params_partition_specs)
-  layers = config.find_layers(params, warn_untraced=True)
+  layers, _ = config.find_layers(params, warn_untraced=True)
   factors = {}
   for layer in layers.values():
     kernel = layers_lib.get_layer_params(params, layer)[layer.kernel_key]
@@ -307,7 +309,7 @@ def _update_values(
   """``update`` on trees of arrays: the checks, then the step."""
   adaptive = config.adaptive
   checks.check_split_loss(split_loss, params, adaptive is not None)
-  layers = config.find_layers(updates)
+  layers, left_out = config.find_layers(updates)
   sharded = {}
   if config.params_partition_specs is not None:
     sharded = step.sharded_kernels(
@@ -341,7 +343,7 @@ def _update_values(
     )
   else:
     active, batch_factors, batch_scales, factored = _from_stats(
-      config, kfac_stats, layers, updates, sharded
+      config, kfac_stats, layers, left_out, updates, sharded
     )
   inputs = step.step_inputs(
     layers, active, sharded, batch_factors, factored, batch_scales, dims
@@ -365,13 +367,16 @@ def _from_stats(
   config: KFACConfig,
   kfac_stats: Any,
   layers: Mapping[str, layers_lib.LayerInfo],
+  left_out: frozenset[str],
   updates: Any,
   sharded: Mapping[str, tuple[str, ...]],
 ):
   """The layers to precondition and what the step reads from ``kfac_stats``:
   the batch factors and EKFAC's scales (as thunks), and the factored
   gradients of ``gradient_from_stats`` (else ``None``)."""
-  active = checks.check_stats(kfac_stats, layers, config.skip_layers, updates)
+  active = checks.check_stats(
+    kfac_stats, layers, config.skip_layers, updates, left_out
+  )
   if config.layers is None:
     layers_lib.warn_unmatched_skips(
       updates,
