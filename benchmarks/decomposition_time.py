@@ -12,7 +12,8 @@ platform it runs on:
 
 and marks the layout the library picks there (``Method.decompose_each_on``).
 The eigen method is timed with ``eigh`` and with the subspace solver
-(``eigen_solver="subspace"``, k = 1 and 2) refreshing the eigenbases of the
+(``eigen_solver="subspace"``, k = 1 and 2, and k = 0: the refresh by
+drift, eigenvalues only while the basis holds) refreshing the eigenbases of the
 same factors one averaging step earlier, ``F₀ = 0.95·F + 0.05·F'`` (a
 running factor's change between two refreshes at decay 0.95; its
 ``fallbacks`` column counts the factors that fell back to ``eigh``).
@@ -205,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   rows = []
   solvers = {
     "eigen": None,
+    "eigen subspace k=0": SubspaceSolver(0),
     "eigen subspace k=1": SubspaceSolver(1),
     "eigen subspace k=2": SubspaceSolver(2),
     "inverse": None,

@@ -19,6 +19,8 @@ carried from call to call (as in training):
   fraction_stats stats with ``factor_batch_size=0.25``
   reduce_stats   stats with ``weight_sharing="reduce"``
   both_stats     stats with both
+  levers_*       no_stats and full with all of the race's ``KFAC_LEVERS``
+                 (both, and ``max_factor_dim``)
 
 The step's count is set before each call (11: a factor step that does not
 decompose; 10: one that does, ``inv_update_steps=10``), the factors having
@@ -39,7 +41,8 @@ otherwise idle core the two agree). Amortized over a period of 10 steps:
 setting, ``factor_update_steps=1``), ``(9·no_stats + full) / 10`` with
 statistics only on the factor steps (``factor_update_steps=10``), and the
 same with the cheaper statistics of each lever (its full step estimated as
-``full − (stats − lever_stats)``).
+``full − (stats − lever_stats)``), and ``(9·levers_no_stats +
+levers_full) / 10``, the race's ``kfac_levers``.
 
   python -m benchmarks.phases --tasks mnist_bn resnet20   # minutes a task here
   python -m benchmarks.phases --smoke --out /tmp/x
@@ -67,7 +70,7 @@ from tqdm.auto import tqdm
 import kfac_jax
 from benchmarks import bench_common, phases_report
 from benchmarks.race import RACE_TASKS
-from benchmarks.race_optimizers import KFAC_SETTINGS
+from benchmarks.race_optimizers import KFAC_LEVERS, KFAC_SETTINGS
 from examples import tasks
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -81,6 +84,10 @@ CONFIGS = {
   "fraction": dict(factor_batch_size=FRACTION),
   "reduce": dict(weight_sharing="reduce"),
   "both": dict(factor_batch_size=FRACTION, weight_sharing="reduce"),
+  # factor_update_steps is the programs' (with or without statistics).
+  "levers": {
+    k: v for k, v in KFAC_LEVERS.items() if k != "factor_update_steps"
+  },
 }
 # (program, configuration, with statistics, count).
 KFAC_PROGRAMS = (
@@ -93,6 +100,8 @@ KFAC_PROGRAMS = (
   ("fraction_stats", "fraction", True, PLAIN_COUNT),
   ("reduce_stats", "reduce", True, PLAIN_COUNT),
   ("both_stats", "both", True, PLAIN_COUNT),
+  ("levers_no_stats", "levers", False, PLAIN_COUNT),
+  ("levers_full", "levers", True, DECOMPOSITION_COUNT),
 )
 
 
@@ -223,8 +232,10 @@ def build_programs(
       (config, stats), train_step(loss, tx, kfac=True, stats=stats)
     )
     opt_state = tx.init(params)
+    # The warmed factors of the layers this configuration keeps
+    # (max_factor_dim leaves some out).
     opt_state = tuple(
-      s._replace(factors=copies(factors))
+      s._replace(factors=copies({k: factors[k] for k in s.factors}))
       if isinstance(s, kfac_jax.ScaleByKFACState)
       else s
       for s in opt_state

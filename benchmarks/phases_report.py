@@ -41,6 +41,10 @@ ROWS = (
     "amortized_no_stats",
   ),
   ("amortized, NO_STATS + 1/4 of the batch + reduce", "amortized_all_levers"),
+  (
+    "amortized, that + max_factor_dim (the race's K-FAC + levers)",
+    "amortized_levers",
+  ),
 )
 
 
@@ -59,6 +63,9 @@ def derived(ms: Mapping[str, float], period: int) -> dict[str, float]:
   # The factor step's statistics and factor update at the levers' cost.
   out["amortized_all_levers"] = (
     plain * ms["no_stats"] + ms["full"] - ms["stats"] + ms["both_stats"]
+  ) / period
+  out["amortized_levers"] = (
+    plain * ms["levers_no_stats"] + ms["levers_full"]
   ) / period
   return out
 

@@ -30,6 +30,12 @@ EIGEN_ADAPTIVE = {
   "kfac_subspace2": dict(
     compute_method="eigen", eigen_solver="subspace", inv_update_steps=2
   ),
+  # Refresh by drift: bases kept, eigenvalues refreshed, eigh past the drift.
+  "kfac_drift": dict(
+    compute_method="eigen",
+    eigen_solver=kfac_jax.SubspaceSolver(steps=0),
+    inv_update_steps=5,
+  ),
   "kfac_ekfac": dict(
     compute_method="eigen",
     eigen_solver="subspace",
@@ -83,12 +89,15 @@ KFAC_SETTINGS = dict(
 # ``kfac_levers`` (on request): KFAC_SETTINGS with issue 49's cheap-step
 # levers, measured by phases.py: statistics only on the factor steps (every
 # STATS_EVERY-th; the others run without, kfac_stats=NO_STATS), from a
-# quarter of each batch, one row per example for weight-sharing layers.
+# quarter of each batch, one row per example for weight-sharing layers, and
+# layers with a factor over 2048 rows (of the race's tasks, only the
+# BatchNorm CNN's 3136→256 Dense) left to the SGD after K-FAC.
 STATS_EVERY = 10
 KFAC_LEVERS = dict(
   factor_update_steps=STATS_EVERY,
   factor_batch_size=0.25,
   weight_sharing="reduce",
+  max_factor_dim=2048,
 )
 # DeepMind kfac-jax's examples/autoencoder_mnist settings (damping adapted
 # every 5 steps by 0.95^5 within [1e-5, 1000], inverses every 5 steps, factor

@@ -102,7 +102,13 @@ def test_decomposition_time_smoke(tmp_path):
   result = run_smoke("decomposition_time", tmp_path, JAX_PLATFORMS="cpu")
   (results_file,) = tmp_path.glob("decomposition_time_*.json")
   rows = json.loads(results_file.read_text())["results"]
-  methods = ("eigen", "eigen subspace k=1", "eigen subspace k=2", "inverse")
+  methods = (
+    "eigen",
+    "eigen subspace k=0",
+    "eigen subspace k=1",
+    "eigen subspace k=2",
+    "inverse",
+  )
   assert sorted((row["method"], row["layout"]) for row in rows) == [
     (method, layout)
     for method in methods
@@ -515,6 +521,8 @@ def test_phases_report_arithmetic():
     fraction_stats=16.0,
     reduce_stats=15.0,
     both_stats=13.0,
+    levers_no_stats=9.0,
+    levers_full=30.0,
   )
   out = phases_report.derived(ms, period=10)
   assert out["adamw_update"] == 2.0 and out["statistics"] == 3.0
@@ -525,6 +533,7 @@ def test_phases_report_arithmetic():
   assert out["amortized_no_stats"] == (9 * 12.0 + 62.0) / 10
   # The factor step with both levers: 62 − (20 − 13).
   assert out["amortized_all_levers"] == (9 * 12.0 + 55.0) / 10
+  assert out["amortized_levers"] == (9 * 9.0 + 30.0) / 10
 
 
 def test_batch_norm_state_is_threaded_through_every_contestant():
