@@ -72,8 +72,9 @@ sets the step sizes of the first ~100 steps. On request, the same mode with
 the eigen method (``EIGEN_ADAPTIVE``): ``kfac_eigh`` (eigh every 5 steps),
 ``kfac_subspace`` and ``kfac_subspace2`` (``eigen_solver="subspace"`` every
 5 and 2 steps), ``kfac_drift`` (``SubspaceSolver(steps=0)`` every 5 steps:
-the bases kept, their eigenvalues refreshed) and ``kfac_ekfac`` (the subspace solver every 5 steps with
-``eigenvalue_correction=True``), swept over λ₀ like ``kfac_adaptive``.
+the bases kept, their eigenvalues refreshed) and ``kfac_ekfac`` (the
+subspace solver every 5 steps with ``eigenvalue_correction=True``), swept
+over λ₀ like ``kfac_adaptive``.
 Its quadratic model is computed on the
 first ``--curvature-examples`` of each batch (default 250: a quarter of the
 autoencoder's batch, all of the others'), Martens' curvature mini-batch. Its
