@@ -65,7 +65,11 @@ settings, ``KFAC_ADAPTIVE_SETTINGS``, except for λ's floor: the library's
 ``AdaptiveConfig`` default, 1e-4, where the example has 1e-5,
 ``--min-damping``; each run records λ, α, μ and ρ per step; it needs a
 split loss and no model state, so it leaves out the BatchNorm tasks); on
-request ``sgd`` (Nesterov momentum 0.9) and ``adam``. Having no learning
+request ``sgd`` (Nesterov momentum 0.9), ``adam``, ``kfac_levers``
+(``kfac`` with ``KFAC_LEVERS``, statistics only every 10th step) and
+``kfac_levers_kl`` (the same swept over its KL clip κ, center 0.1, at
+learning rate 0.1: once the clip binds, the step taken no longer depends
+on the rate). Having no learning
 rate, ``kfac_adaptive`` is swept over its initial damping λ₀ (the example's
 150 the center): λ then moves by at most a factor 0.95⁵ every 5 steps, so λ₀
 sets the step sizes of the first ~100 steps. On request, the same mode with

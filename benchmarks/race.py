@@ -207,7 +207,9 @@ class Race:
 
 def format_lr(name: str, lr: float) -> str:
   """``name``'s swept value as the tables and labels show it."""
-  return f"λ₀={lr:.3g}" if name in ADAPTIVE else f"lr={lr:.3g}"
+  if name in ADAPTIVE:
+    return f"λ₀={lr:.3g}"
+  return f"κ={lr:.3g}" if name in race_optimizers.KL_SWEPT else f"lr={lr:.3g}"
 
 
 def rounded(lr: float) -> float:

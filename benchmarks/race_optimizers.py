@@ -53,13 +53,20 @@ OPTIMIZERS = (
   "sgd",
   "adam",
   "kfac_levers",
+  "kfac_levers_kl",
   *EIGEN_ADAPTIVE,
 )
 DEFAULT_OPTIMIZERS = OPTIMIZERS[:6]
 FIRST_ORDER = ("sgd", "adam", "adamw", "muon", "soap", "kron")
 # The optimizers without a learning rate: their sweep is over λ₀.
 ADAPTIVE = ("kfac_adaptive", *EIGEN_ADAPTIVE)
-KFAC_OPTIMIZERS = ("kfac", "kfac_levers", *ADAPTIVE)
+# K-FAC with its levers, swept over the learning rate or over the KL clip κ
+# (the learning rate then LEVERS_LR): once the clip binds, the step taken,
+# lr·ν·P with ν = √(κ / (lr²·PᵀF̂P)), no longer depends on the rate.
+LEVERS = ("kfac_levers", "kfac_levers_kl")
+KL_SWEPT = ("kfac_levers_kl",)
+LEVERS_LR = 0.1
+KFAC_OPTIMIZERS = ("kfac", *LEVERS, *ADAPTIVE)
 # Each optimizer's customary learning rate (SOAP: the paper's default; the
 # adaptive ones: λ₀, that of KFAC_ADAPTIVE_SETTINGS, below); the sweep is
 # center × LR_GRID.
@@ -72,6 +79,7 @@ CENTERS = {
   "kron": 3e-4,
   "kfac": 0.1,
   "kfac_levers": 0.1,
+  "kfac_levers_kl": 0.1,  # κ
   **{name: 150.0 for name in ADAPTIVE},
 }
 LR_GRID = (1 / 3, 1.0, 3.0)
@@ -160,7 +168,7 @@ def unsupported(name: str, task: tasks.Task) -> str | None:
 def stats_every(name: str) -> int | None:
   """Every how many steps contestant ``name`` reads statistics (None: it
   is not K-FAC, or reads them every step)."""
-  return STATS_EVERY if name == "kfac_levers" else None
+  return STATS_EVERY if name in LEVERS else None
 
 
 def muon_dimensions(layers: Any) -> Any:
@@ -292,12 +300,14 @@ def build_optimizer(
       kron(lr, b1=0.9),
       description=f"distributed_kron.kron(lr={lr:g}, b1=0.9)",
     )
-  if name in ("kfac", "kfac_levers"):
+  if name in ("kfac", *LEVERS):
     settings = dict(
       KFAC_SETTINGS,
-      **(KFAC_LEVERS if name == "kfac_levers" else {}),
+      **(KFAC_LEVERS if name in LEVERS else {}),
       **kfac_dtypes(inv_dtype),
     )
+    if name in KL_SWEPT:
+      lr, settings["kl_clip"] = LEVERS_LR, lr
     return training.Optimizer(
       name,
       kfac_jax.kfac(
@@ -308,9 +318,7 @@ def build_optimizer(
       + ", ".join(f"{k}={v!r}" for k, v in settings.items())
       + ")"
       + (
-        "; kfac_stats=NO_STATS between factor steps"
-        if name == "kfac_levers"
-        else ""
+        "; kfac_stats=NO_STATS between factor steps" if name in LEVERS else ""
       ),
     )
   if name in ADAPTIVE:

@@ -650,6 +650,9 @@ def test_convergence_smoke_on_a_batch_norm_task(tmp_path):
     "kfac",
     "kfac_adaptive",
     "kfac_levers",
+    "kfac_levers_kl",
+    "--center",
+    "kfac_levers_kl=0.3",
     "--clock",
     "cpu",
     "--out",
@@ -659,8 +662,17 @@ def test_convergence_smoke_on_a_batch_norm_task(tmp_path):
   (path,) = tmp_path.glob("convergence_*.json")
   runs = json.loads(path.read_text())["runs"]
   # kfac_levers' second step is its program without statistics.
-  assert [r["optimizer"] for r in runs] == ["adamw", "kfac", "kfac_levers"]
-  assert "NO_STATS between factor steps" in runs[-1]["description"]
+  assert [r["optimizer"] for r in runs] == [
+    "adamw",
+    "kfac",
+    "kfac_levers",
+    "kfac_levers_kl",
+  ]
+  for run in runs[-2:]:
+    assert "NO_STATS between factor steps" in run["description"]
+  # kfac_levers_kl's swept value is the KL clip, at the levers' rate.
+  assert "kfac(lr=0.1," in runs[-1]["description"]
+  assert "kl_clip=0.3" in runs[-1]["description"]
   for run in runs:
     assert run["steps"] == 2 and not run["diverged"] and run["clock"] == "cpu"
     assert all(0 <= p["metric"] <= 100 for p in run["curve"])
