@@ -89,7 +89,7 @@ def test_left_out_layers_match_skip_layers(method, with_table):
 def test_a_limit_every_layer_fits_changes_nothing():
   params, loss_fn = _problem()
   _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
-  unlimited = kfac_jax.scale_by_kfac(damping=DAMPING)
+  unlimited = kfac_jax.scale_by_kfac(damping=DAMPING, max_factor_dim=None)
   limited = kfac_jax.scale_by_kfac(damping=DAMPING, max_factor_dim=257)
   expected, _ = unlimited.update(
     grads, unlimited.init(params), params, kfac_stats=stats
@@ -138,3 +138,24 @@ def test_jitted_chain_with_no_stats_steps_and_partition_specs():
 def test_max_factor_dim_must_be_a_positive_integer(value, error):
   with pytest.raises(error, match="max_factor_dim"):
     kfac_jax.scale_by_kfac(max_factor_dim=value)
+
+
+def test_the_default_leaves_out_a_head_over_8192_outputs():
+  # A vocabulary-sized head: its G would be [8193, 8193] (268 MB).
+  class Head(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(8193, name="head")(jnp.tanh(nn.Dense(4)(x)))
+
+  x = jnp.ones((2, 3))
+  params = Head().init(jax.random.PRNGKey(0), x)["params"]
+
+  def loss_fn(params):
+    return jnp.mean(Head().apply({"params": params}, x) ** 2)
+
+  tx = kfac_jax.scale_by_kfac()
+  state = tx.init(params)
+  assert sorted(state.factors) == ["Dense_0"]
+  _, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+  updates, _ = tx.update(grads, state, params, kfac_stats=stats)
+  jax.tree.map(np.testing.assert_array_equal, updates["head"], grads["head"])
