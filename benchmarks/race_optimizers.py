@@ -54,6 +54,7 @@ OPTIMIZERS = (
   "adam",
   "kfac_levers",
   "kfac_levers_kl",
+  "kfac_levers_adamw",
   *EIGEN_ADAPTIVE,
 )
 DEFAULT_OPTIMIZERS = OPTIMIZERS[:6]
@@ -63,8 +64,10 @@ ADAPTIVE = ("kfac_adaptive", *EIGEN_ADAPTIVE)
 # K-FAC with its levers, swept over the learning rate or over the KL clip κ
 # (the learning rate then LEVERS_LR): once the clip binds, the step taken,
 # lr·ν·P with ν = √(κ / (lr²·PᵀF̂P)), no longer depends on the rate.
-LEVERS = ("kfac_levers", "kfac_levers_kl")
-KL_SWEPT = ("kfac_levers_kl",)
+# kfac_levers_adamw: the same on K-FAC's layers, the other params
+# (embeddings, norms, layers left out) to AdamW at MUON_ADAM_LR, as Muon's.
+LEVERS = ("kfac_levers", "kfac_levers_kl", "kfac_levers_adamw")
+KL_SWEPT = ("kfac_levers_kl", "kfac_levers_adamw")
 LEVERS_LR = 0.1
 KFAC_OPTIMIZERS = ("kfac", *LEVERS, *ADAPTIVE)
 # Each optimizer's customary learning rate (SOAP: the paper's default; the
@@ -80,6 +83,7 @@ CENTERS = {
   "kfac": 0.1,
   "kfac_levers": 0.1,
   "kfac_levers_kl": 0.1,  # κ
+  "kfac_levers_adamw": 0.1,  # κ
   **{name: 150.0 for name in ADAPTIVE},
 }
 LR_GRID = (1 / 3, 1.0, 3.0)
@@ -308,19 +312,28 @@ def build_optimizer(
     )
     if name in KL_SWEPT:
       lr, settings["kl_clip"] = LEVERS_LR, lr
-    return training.Optimizer(
-      name,
-      kfac_jax.kfac(
-        learning_rate=lr, momentum=0.9, layers=task.layers, **settings
-      ),
-      uses_kfac=True,
-      description=f"kfac_jax.kfac(lr={lr:g}, momentum=0.9, "
+    tx = kfac_jax.kfac(
+      learning_rate=lr, momentum=0.9, layers=task.layers, **settings
+    )
+    description = (
+      f"kfac_jax.kfac(lr={lr:g}, momentum=0.9, "
       + ", ".join(f"{k}={v!r}" for k, v in settings.items())
       + ")"
-      + (
-        "; kfac_stats=NO_STATS between factor steps" if name in LEVERS else ""
-      ),
     )
+    if name == "kfac_levers_adamw":
+      tx = optax.partition(
+        {"kfac": tx, "other": optax.adamw(MUON_ADAM_LR)},
+        lambda params: kfac_jax.kfac_labels(
+          params, layers=task.layers, **settings
+        ),
+      )
+      description += (
+        f" on its layers, optax.adamw({MUON_ADAM_LR:g}) on the other "
+        "params (kfac_jax.kfac_labels)"
+      )
+    if name in LEVERS:
+      description += "; kfac_stats=NO_STATS between factor steps"
+    return training.Optimizer(name, tx, uses_kfac=True, description=description)
   if name in ADAPTIVE:
     settings = dict(
       KFAC_ADAPTIVE_SETTINGS,

@@ -18,6 +18,7 @@ from kfac_jax.preconditioning.subspace import SubspaceSolver
 from kfac_jax.train_state import TrainState
 from kfac_jax.transform.alias import kfac
 from kfac_jax.transform.checks import NO_STATS
+from kfac_jax.transform.labels import kfac_labels
 from kfac_jax.transform.partition_specs import get_opt_state_partition_specs
 from kfac_jax.transform.quadratic_model import (
   AdaptiveConfig,
@@ -54,6 +55,7 @@ __all__ = [
   "WeightSharing",
   "get_opt_state_partition_specs",
   "kfac",
+  "kfac_labels",
   "sampled_curvature",
   "scale_by_kfac",
   "schedules",

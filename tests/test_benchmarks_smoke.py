@@ -651,6 +651,7 @@ def test_convergence_smoke_on_a_batch_norm_task(tmp_path):
     "kfac_adaptive",
     "kfac_levers",
     "kfac_levers_kl",
+    "kfac_levers_adamw",
     "--center",
     "kfac_levers_kl=0.3",
     "--clock",
@@ -667,12 +668,14 @@ def test_convergence_smoke_on_a_batch_norm_task(tmp_path):
     "kfac",
     "kfac_levers",
     "kfac_levers_kl",
+    "kfac_levers_adamw",
   ]
-  for run in runs[-2:]:
+  for run in runs[-3:]:
     assert "NO_STATS between factor steps" in run["description"]
   # kfac_levers_kl's swept value is the KL clip, at the levers' rate.
-  assert "kfac(lr=0.1," in runs[-1]["description"]
-  assert "kl_clip=0.3" in runs[-1]["description"]
+  assert "kfac(lr=0.1," in runs[-2]["description"]
+  assert "kl_clip=0.3" in runs[-2]["description"]
+  assert "optax.adamw(0.001) on the other params" in runs[-1]["description"]
   for run in runs:
     assert run["steps"] == 2 and not run["diverged"] and run["clock"] == "cpu"
     assert all(0 <= p["metric"] <= 100 for p in run["curve"])
