@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import kfac_jax
 from tests import reference
 
 CONV_STRIDES = (2, 1)
@@ -119,3 +120,26 @@ def as_matrix(layer_tree) -> np.ndarray:
   if "bias" in layer_tree:
     matrix = np.concatenate([matrix, np.asarray(layer_tree["bias"])[None]])
   return matrix
+
+
+def train_with_no_stats_between(tx, loss_fn, params, steps: int = 6):
+  """``steps`` jitted steps of ``tx`` on ``loss_fn(params)``, with stats on
+  even steps and ``NO_STATS`` on odd ones (``factor_update_steps=2``).
+
+  Returns:
+    The losses ``[steps]`` and the final optimizer state.
+  """
+
+  def step(params, state, with_stats):
+    loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
+    stats = stats if with_stats else kfac_jax.NO_STATS
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state, loss
+
+  step = jax.jit(step, static_argnums=2)
+  state = tx.init(params)
+  losses = []
+  for i in range(steps):
+    params, state, loss = step(params, state, i % 2 == 0)
+    losses.append(float(loss))
+  return np.asarray(losses), state

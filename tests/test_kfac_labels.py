@@ -12,7 +12,7 @@ import optax
 
 import kfac_jax
 from kfac_jax.transform import labels as labels_lib
-from tests import reference
+from tests import kfac_problems, reference
 
 DAMPING = 0.01
 
@@ -111,18 +111,7 @@ def test_no_stats_steps_pass_through_the_partition():
     kfac_jax.kfac_labels(params, **settings),
   )
 
-  def step(params, state, with_stats):
-    loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
-    stats = stats if with_stats else kfac_jax.NO_STATS
-    updates, state = tx.update(grads, state, params, kfac_stats=stats)
-    return optax.apply_updates(params, updates), state, loss
-
-  step = jax.jit(step, static_argnums=2)
-  state = tx.init(params)
-  losses = []
-  for i in range(6):
-    params, state, loss = step(params, state, i % 2 == 0)
-    losses.append(float(loss))
+  losses, state = kfac_problems.train_with_no_stats_between(tx, loss_fn, params)
   assert np.isfinite(losses).all() and losses[-1] < losses[0]
   assert int(reference.kfac_state(state).skipped_factor_updates) == 0
 

@@ -7,11 +7,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import kfac_jax
-from tests import reference
+from tests import kfac_problems, reference
 
 close = reference.assert_float32_close
 
@@ -105,28 +104,13 @@ def test_jitted_chain_with_no_stats_steps_and_partition_specs():
   params, loss_fn = _problem()
   settings = dict(max_factor_dim=32, factor_update_steps=2)
   tx = kfac_jax.kfac(0.1, damping=DAMPING, **settings)
-  state = tx.init(params)
   specs = kfac_jax.get_opt_state_partition_specs(
     params, learning_rate=0.1, damping=DAMPING, **settings
   )
   kfac_specs = reference.kfac_state(specs)
   assert sorted(kfac_specs.factors) == ["Conv_0"]
 
-  def step(params, state, with_stats):
-    loss, grads, stats = kfac_jax.value_grad_and_stats(loss_fn)(params)
-    updates, state = tx.update(
-      grads,
-      state,
-      params,
-      kfac_stats=stats if with_stats else kfac_jax.NO_STATS,
-    )
-    return optax.apply_updates(params, updates), state, loss
-
-  step = jax.jit(step, static_argnums=2)
-  losses = []
-  for i in range(6):
-    params, state, loss = step(params, state, i % 2 == 0)
-    losses.append(float(loss))
+  losses, state = kfac_problems.train_with_no_stats_between(tx, loss_fn, params)
   assert np.isfinite(losses).all() and losses[-1] < losses[0]
   assert int(reference.kfac_state(state).skipped_factor_updates) == 0
 
