@@ -49,11 +49,6 @@ DEFAULT_KL_CLIP = 0.1
 # The dtype of the preconditioners unless given: a dtype instance, not the
 # callable jnp.float32 (see inv_dtype).
 DEFAULT_INV_DTYPE = jnp.dtype(jnp.float32)
-# Layers with a larger factor are left to the chained optimizer unless
-# asked: an output head over a 50k vocabulary would need a [50k, 50k] G
-# (10 GB in float32) and its inverse. SOAP's max_precond_dim (10,000) and
-# PSGD Kron's max_size_triangular (8,192) do the same.
-DEFAULT_MAX_FACTOR_DIM = 8192
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -132,8 +127,7 @@ class KFACConfig:
       their ``O(d³)`` decomposition and ``O(d²·out)`` preconditioning
       outweigh what they give (a 3136→256 Dense head: A is ``[3137,
       3137]``). Their stats, if the capture computes them, are unused (and
-      left out of a jitted step). Positive integer (default 8192, as SOAP's
-      and PSGD Kron's limits); ``None``: no limit.
+      left out of a jitted step). Positive integer; ``None``: no limit.
     factor_dtype: storage dtype of A and G; default float32 (the kernel's
       dtype if wider). A bfloat16 running average stalls once
       ``(1 − d)·|F_batch − F|`` is below half a bfloat16 step of ``F``, so
@@ -288,7 +282,7 @@ class KFACConfig:
   accumulation_steps: int = 1
   if not TYPE_CHECKING:
     skip_layers: Sequence[str] | str | None = None
-  max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
+  max_factor_dim: int | None = None
   factor_dtype: jnp.dtype | None = None
   inv_dtype: jnp.dtype = DEFAULT_INV_DTYPE
   mesh_axes: str | Sequence[str] | None = None

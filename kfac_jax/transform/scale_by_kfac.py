@@ -65,7 +65,6 @@ from kfac_jax.transform.config import (
   DEFAULT_DAMPING,
   DEFAULT_INV_DTYPE,
   DEFAULT_KL_CLIP,
-  DEFAULT_MAX_FACTOR_DIM,
   KFACConfig,
   with_config_args_doc,
 )
@@ -96,7 +95,7 @@ def scale_by_kfac(
   compute_eigenvalue_outer_product: bool = True,
   accumulation_steps: int = 1,
   skip_layers: Sequence[str] | str | None = None,
-  max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM,
+  max_factor_dim: int | None = None,
   factor_dtype: jnp.dtype | None = None,
   inv_dtype: jnp.dtype = DEFAULT_INV_DTYPE,
   mesh_axes: str | Sequence[str] | None = None,
