@@ -69,7 +69,10 @@ request ``sgd`` (Nesterov momentum 0.9), ``adam``, ``kfac_levers``
 (``kfac`` with ``KFAC_LEVERS``, statistics only every 10th step) and
 ``kfac_levers_kl`` (the same swept over its KL clip κ, center 0.1, at
 learning rate 0.1: once the clip binds, the step taken no longer depends
-on the rate). Having no learning
+on the rate), ``kfac_levers_adamw`` (that, with AdamW on the params K-FAC
+leaves out) and ``kfac_levers_scaled`` (``kfac_levers`` swept over the
+rate with the clip scaled along, κ = 10·lr²: the rate then scales the step
+whether or not the clip binds). Having no learning
 rate, ``kfac_adaptive`` is swept over its initial damping λ₀ (the example's
 150 the center): λ then moves by at most a factor 0.95⁵ every 5 steps, so λ₀
 sets the step sizes of the first ~100 steps. On request, the same mode with

@@ -55,6 +55,7 @@ OPTIMIZERS = (
   "kfac_levers",
   "kfac_levers_kl",
   "kfac_levers_adamw",
+  "kfac_levers_scaled",
   *EIGEN_ADAPTIVE,
 )
 DEFAULT_OPTIMIZERS = OPTIMIZERS[:6]
@@ -66,9 +67,18 @@ ADAPTIVE = ("kfac_adaptive", *EIGEN_ADAPTIVE)
 # lr·ν·P with ν = √(κ / (lr²·PᵀF̂P)), no longer depends on the rate.
 # kfac_levers_adamw: the same on K-FAC's layers, the other params
 # (embeddings, norms, layers left out) to AdamW at MUON_ADAM_LR, as Muon's.
-LEVERS = ("kfac_levers", "kfac_levers_kl", "kfac_levers_adamw")
+# kfac_levers_scaled: swept over the rate with κ = KL_PER_LR2·lr², which
+# makes the step lr·min(1, √(KL_PER_LR2 / PᵀF̂P))·P: the rate scales the
+# step whether or not the clip binds (KFAC_SETTINGS is its point lr = 0.1).
+LEVERS = (
+  "kfac_levers",
+  "kfac_levers_kl",
+  "kfac_levers_adamw",
+  "kfac_levers_scaled",
+)
 KL_SWEPT = ("kfac_levers_kl", "kfac_levers_adamw")
 LEVERS_LR = 0.1
+KL_PER_LR2 = 10.0
 KFAC_OPTIMIZERS = ("kfac", *LEVERS, *ADAPTIVE)
 # Each optimizer's customary learning rate (SOAP: the paper's default; the
 # adaptive ones: λ₀, that of KFAC_ADAPTIVE_SETTINGS, below); the sweep is
@@ -84,6 +94,7 @@ CENTERS = {
   "kfac_levers": 0.1,
   "kfac_levers_kl": 0.1,  # κ
   "kfac_levers_adamw": 0.1,  # κ
+  "kfac_levers_scaled": 0.1,
   **{name: 150.0 for name in ADAPTIVE},
 }
 LR_GRID = (1 / 3, 1.0, 3.0)
@@ -312,6 +323,8 @@ def build_optimizer(
     )
     if name in KL_SWEPT:
       lr, settings["kl_clip"] = LEVERS_LR, lr
+    if name == "kfac_levers_scaled":
+      settings["kl_clip"] = float(f"{KL_PER_LR2 * lr**2:.3g}")
     tx = kfac_jax.kfac(
       learning_rate=lr, momentum=0.9, layers=task.layers, **settings
     )
