@@ -504,6 +504,27 @@ def test_phases_smoke(tmp_path):
     assert f"| {label} |" in result.stdout
 
 
+def test_ablation_smoke(tmp_path):
+  """The ablation trains a variant as the race trains kfac_levers (its
+  statistics-free steps included) and reports its curve; a variant the
+  task's layers refuse is reported by its message, the others run."""
+  result = run_smoke(
+    "ablation",
+    tmp_path,
+    "--task",
+    "mnist_bn",
+    "--variants",
+    "ekfac",
+    "levers",
+  )
+  (path,) = tmp_path.glob("ablation_*.json")
+  (run,) = json.loads(path.read_text())["runs"]
+  assert run["variant"] == "levers" and run["steps"] == 2
+  assert "factor_update_steps=10" in run["description"]
+  assert "| ekfac | refused: " in result.stdout
+  assert "eigenvalue_correction=True" in result.stdout
+
+
 def test_phases_report_arithmetic():
   """The phases and amortized steps from made-up medians, by hand."""
   from benchmarks import phases_report  # pylint: disable=g-import-not-at-top
