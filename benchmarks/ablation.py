@@ -34,7 +34,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # Each variant's changes to kfac_levers' settings: statistics every step
 # from the whole batch, positions expanded (the levers' statistics are 10
 # steps old, from a quarter of the rows); damping; the KL clip; embeddings
-# preconditioned; EKFAC's scaling (eigen method).
+# preconditioned; EKFAC's scaling, or the gradient's second moment, in the
+# eigenbasis (eigen method).
 VARIANTS: dict[str, dict[str, Any]] = {
   "levers": {},
   "stats_every_step": dict(
@@ -45,6 +46,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
   "kl_clip_1": dict(kl_clip=1.0),
   "embeddings": dict(precondition_embeddings=True),
   "ekfac": dict(compute_method="eigen", eigenvalue_correction=True),
+  "second_moment": race_optimizers.SECOND_MOMENT,
 }
 
 

@@ -56,6 +56,7 @@ OPTIMIZERS = (
   "kfac_levers_kl",
   "kfac_levers_adamw",
   "kfac_levers_scaled",
+  "kfac_second_moment",
   *EIGEN_ADAPTIVE,
 )
 DEFAULT_OPTIMIZERS = OPTIMIZERS[:6]
@@ -70,12 +71,16 @@ ADAPTIVE = ("kfac_adaptive", *EIGEN_ADAPTIVE)
 # kfac_levers_scaled: swept over the rate with κ = KL_PER_LR2·lr², which
 # makes the step lr·min(1, √(KL_PER_LR2 / PᵀF̂P))·P: the rate scales the
 # step whether or not the clip binds (KFAC_SETTINGS is its point lr = 0.1).
+# kfac_second_moment: kfac_levers_scaled with the gradient's second moment
+# in K-FAC's eigenbasis in place of its eigenvalues (SECOND_MOMENT).
 LEVERS = (
   "kfac_levers",
   "kfac_levers_kl",
   "kfac_levers_adamw",
   "kfac_levers_scaled",
+  "kfac_second_moment",
 )
+KL_SCALED = ("kfac_levers_scaled", "kfac_second_moment")
 KL_SWEPT = ("kfac_levers_kl", "kfac_levers_adamw")
 LEVERS_LR = 0.1
 KL_PER_LR2 = 10.0
@@ -95,6 +100,7 @@ CENTERS = {
   "kfac_levers_kl": 0.1,  # κ
   "kfac_levers_adamw": 0.1,  # κ
   "kfac_levers_scaled": 0.1,
+  "kfac_second_moment": 0.1,
   **{name: 150.0 for name in ADAPTIVE},
 }
 LR_GRID = (1 / 3, 1.0, 3.0)
@@ -122,6 +128,9 @@ KFAC_LEVERS = dict(
   weight_sharing="reduce",
   max_factor_dim=2048,
 )
+# kfac_second_moment's changes: eigenbases, and SOAP's β₂ for the running
+# second moment of the gradient in them.
+SECOND_MOMENT = dict(compute_method="eigen", second_moment_decay=0.95)
 # DeepMind kfac-jax's examples/autoencoder_mnist settings (damping adapted
 # every 5 steps by 0.95^5 within [1e-5, 1000], inverses every 5 steps, factor
 # decay 0.95), used for every task; its initial damping, 150, is the center
@@ -323,7 +332,9 @@ def build_optimizer(
     )
     if name in KL_SWEPT:
       lr, settings["kl_clip"] = LEVERS_LR, lr
-    if name == "kfac_levers_scaled":
+    if name == "kfac_second_moment":
+      settings.update(SECOND_MOMENT)
+    if name in KL_SCALED:
       settings["kl_clip"] = float(f"{KL_PER_LR2 * lr**2:.3g}")
     tx = kfac_jax.kfac(
       learning_rate=lr, momentum=0.9, layers=task.layers, **settings

@@ -127,6 +127,7 @@ VALID = {
     st.builds(kfac_jax.SubspaceSolver, st.integers(1, 3), st.floats(1e-6, 1.0)),
   ),
   "eigenvalue_correction": st.booleans(),
+  "second_moment_decay": st.one_of(st.none(), st.floats(0.0, 0.999)),
 }
 
 
@@ -148,10 +149,16 @@ def valid_configs(draw):
     # Rounding to bfloat16 turns rank-deficient factors indefinite, where
     # the inverse method's Cholesky fails (test_validation.py).
     config["compute_method"] = "eigen"
-  if config.get("eigen_solver", "eigh") != "eigh" or config.get(
-    "eigenvalue_correction"
+  if config.get("second_moment_decay") is not None:
+    # The other estimate of the same scaling; v needs the dense gradient.
+    config["eigenvalue_correction"] = False
+    config["gradient_from_stats"] = False
+  if (
+    config.get("eigen_solver", "eigh") != "eigh"
+    or config.get("eigenvalue_correction")
+    or config.get("second_moment_decay") is not None
   ):
-    # Both work on eigenbases.
+    # All work on eigenbases.
     config["compute_method"] = "eigen"
   return config
 
@@ -246,6 +253,13 @@ INVALID = {
     st.one_of(NOT_POSITIVE, WRONG_TYPES, st.none()).map(schedule_returning),
   ),
   "factor_decay": invalid_scalar(NOT_DECAY),
+  # None is valid (off); 1 would keep v at 0.
+  "second_moment_decay": st.one_of(
+    NOT_DECAY,
+    st.just(1.0),
+    WRONG_TYPES,
+    st.one_of(NOT_DECAY, WRONG_TYPES, st.none()).map(schedule_returning),
+  ),
   "factor_update_steps": invalid_scalar(NOT_STEPS),
   "inv_update_steps": invalid_scalar(NOT_STEPS),
   "compute_method": st.one_of(

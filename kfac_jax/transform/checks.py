@@ -70,8 +70,8 @@ def check_state(
     ),
     (
       "eigenvalue_scales",
-      config.eigenvalue_correction,
-      "eigenvalue_correction=True",
+      config.keeps_eigenvalue_scales,
+      "eigenvalue_correction=True or second_moment_decay",
     ),
   ):
     if (getattr(state, field) is not None) != needed:

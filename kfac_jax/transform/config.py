@@ -243,6 +243,17 @@ class KFACConfig:
       every active basis each step (one all-gather unless every device
       keeps them all, ``grad_worker_fraction=1``) and preconditions every
       layer itself.
+    second_moment_decay: eigen method: β of a running second moment of the
+      gradient in the Kronecker eigenbasis, ``v ← β·v + (1 − β)·R²`` with
+      ``R = Q_Aᵀ ∇ Q_G``, updated every step (statistics or not), which
+      replaces ``outer(d_A, d_G)``: ``P = Q_A [R / (√v̂ + λ)] Q_Gᵀ``, ``v̂``
+      bias-corrected, ``√v̂`` divided by its mean under relative damping
+      (``preconditioning.second_moment``): Adam in K-FAC's eigenbasis, as
+      SOAP runs it in Shampoo's. Constant or schedule in [0, 1); ``None``:
+      off. Not with ``eigenvalue_correction`` (the other estimate of the
+      same scaling), the adaptive mode (its λ is on the Fisher's scale),
+      ``precondition_embeddings`` or ``gradient_from_stats``. ``v`` is
+      replicated as EKFAC's ``S`` is.
 
   Raises:
     ValueError, TypeError: an argument out of range or of the wrong kind,
@@ -259,6 +270,7 @@ class KFACConfig:
     damping_mode: DampingMode
     factor_decay: hp.Hyperparameter
     kl_clip: hp.Hyperparameter | None
+    second_moment_decay: hp.Hyperparameter | None
     momentum: hp.Hyperparameter
     factor_update_steps: hp.Hyperparameter
     inv_update_steps: hp.Hyperparameter
@@ -301,6 +313,8 @@ class KFACConfig:
   adaptive: AdaptiveConfig | None = None
   eigen_solver: str | SubspaceSolver = "eigh"
   eigenvalue_correction: bool = False
+  if not TYPE_CHECKING:
+    second_moment_decay: ScalarOrSchedule | None = None
   placement: placement_lib.Placement = dataclasses.field(init=False)
 
   def __post_init__(self) -> None:
@@ -357,6 +371,7 @@ class KFACConfig:
     )
     set_("eigen_solver", _eigen_solver(self.eigen_solver))
     _check_eigen_options(self)
+    _check_second_moment(self)
     set_(
       "placement",
       make_placement(
@@ -396,6 +411,12 @@ class KFACConfig:
   def reduce(self) -> bool:
     """Whether weight-sharing layers' factors use KFAC-reduce's rows."""
     return self.weight_sharing is WeightSharing.REDUCE
+
+  @property
+  def keeps_eigenvalue_scales(self) -> bool:
+    """Whether the state keeps a scaling in the eigenbasis
+    (``eigenvalue_scales``): EKFAC's ``S`` or the gradient's ``v``."""
+    return self.eigenvalue_correction or self.second_moment_decay is not None
 
   @property
   def relative_damping(self) -> bool:
@@ -439,6 +460,17 @@ def _hyperparameters(config: KFACConfig) -> dict[str, Any]:
     kl_clip=(
       None if config.kl_clip is None else hp.positive("kl_clip", config.kl_clip)
     ),
+    # 1 would keep v at 0, whose bias correction is then 0/0.
+    second_moment_decay=(
+      None
+      if config.second_moment_decay is None
+      else hp.hyperparameter(
+        "second_moment_decay",
+        config.second_moment_decay,
+        lambda v: (0 <= v) & (v < 1),
+        "in [0, 1)",
+      )
+    ),
     # From 1 on the chained momentum buffer grows geometrically.
     momentum=hp.hyperparameter(
       "momentum",
@@ -462,6 +494,7 @@ def _compute_method(config: KFACConfig) -> ComputeMethod:
     return ComputeMethod.parse(config.compute_method)
   needs_eigen = (
     hp.static_bool("eigenvalue_correction", config.eigenvalue_correction)
+    or config.second_moment_decay is not None
     or not (
       isinstance(config.eigen_solver, str) and config.eigen_solver == "eigh"
     )
@@ -606,11 +639,46 @@ def _check_eigen_options(config: KFACConfig) -> None:
   for name, on in (
     ("eigen_solver='subspace'", config.subspace_solver is not None),
     ("eigenvalue_correction=True", config.eigenvalue_correction),
+    ("second_moment_decay", config.second_moment_decay is not None),
   ):
     if on and config.compute_method is not ComputeMethod.EIGEN:
       raise ValueError(
         f"{name} works on eigenbases: it needs compute_method='eigen' (got "
         f"{config.compute_method.value!r})."
+      )
+
+
+def _check_second_moment(config: KFACConfig) -> None:
+  """``second_moment_decay`` against the settings it does not work with."""
+  if config.second_moment_decay is None:
+    return
+  for other, on, why in (
+    (
+      "eigenvalue_correction=True",
+      config.eigenvalue_correction,
+      "EKFAC's S from the gradient rows is the other estimate of the same "
+      "scaling",
+    ),
+    (
+      "adaptive=AdaptiveConfig(...)",
+      config.adaptive is not None,
+      "the adaptive mode's λ is on the Fisher's scale, √v on the gradient's",
+    ),
+    (
+      "precondition_embeddings=True",
+      config.precondition_embeddings,
+      "an embedding's A is kept diagonal, without an eigenbasis",
+    ),
+    (
+      "gradient_from_stats=True",
+      config.gradient_from_stats,
+      "v is read from the dense gradient every step",
+    ),
+  ):
+    if on:
+      raise ValueError(
+        f"scale_by_kfac(second_moment_decay=...) does not work with {other}: "
+        f"{why}. Drop one of the two."
       )
 
 

@@ -51,7 +51,7 @@ from kfac_jax.hyperparameters import (
   ScalarOrSchedule,
   WeightSharing,
 )
-from kfac_jax.preconditioning import ekfac
+from kfac_jax.preconditioning import ekfac, second_moment
 from kfac_jax.preconditioning.subspace import SubspaceSolver
 from kfac_jax.transform import (
   boxing,
@@ -113,6 +113,7 @@ def scale_by_kfac(
   adaptive: AdaptiveConfig | None = None,
   eigen_solver: str | SubspaceSolver = "eigh",
   eigenvalue_correction: bool = False,
+  second_moment_decay: ScalarOrSchedule | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC gradient preconditioning (KAISA's algorithm) as an optax transform.
 
@@ -183,6 +184,7 @@ def scale_by_kfac(
       adaptive=adaptive,
       eigen_solver=eigen_solver,
       eigenvalue_correction=eigenvalue_correction,
+      second_moment_decay=second_moment_decay,
     )
   )
 
@@ -245,12 +247,22 @@ def init(config: KFACConfig, params: Any) -> ScaleByKFACState:
     eigh_fallbacks=(
       None if config.subspace_solver is None else jnp.zeros([], jnp.int32)
     ),
-    eigenvalue_scales=(
-      None
-      if not config.eigenvalue_correction
-      else {block: ekfac.init_scales(*dims) for block, dims in blocks.items()}
-    ),
+    eigenvalue_scales=_init_eigenvalue_scales(config, blocks),
   )
+
+
+def _init_eigenvalue_scales(
+  config: KFACConfig, blocks: Mapping[str, tuple[int, int]]
+) -> dict[str, jax.Array] | None:
+  """EKFAC's ``S`` of identity factors, the gradient's ``v = 0``, or
+  ``None`` without either."""
+  if config.eigenvalue_correction:
+    return {block: ekfac.init_scales(*dims) for block, dims in blocks.items()}
+  if config.second_moment_decay is not None:
+    return {
+      block: second_moment.init_moment(*dims) for block, dims in blocks.items()
+    }
+  return None
 
 
 def _init_quadratic_model(

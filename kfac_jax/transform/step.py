@@ -37,7 +37,7 @@ from kfac_jax.distribution.placement import DecompositionCounts
 from kfac_jax.factors import batch as batch_lib
 from kfac_jax.factors import running
 from kfac_jax.factors.running import LayerFactors
-from kfac_jax.preconditioning import ekfac
+from kfac_jax.preconditioning import ekfac, second_moment
 from kfac_jax.preconditioning import inverse as inverse_lib
 from kfac_jax.preconditioning.eigen import EigenPreconditioner
 from kfac_jax.preconditioning.gradient_matrix import (
@@ -170,23 +170,27 @@ def optimizer_step(
     config.factored_damping,
     when=decomposition_step,
   )
-  scales, applied = None, preconditioners
-  if config.eigenvalue_correction:
-    # Every active basis on every device: S is kept replicated, as the
+  gradient_matrices = gradient_blocks(grads, inputs)
+  scales, applied, scaling = None, preconditioners, None
+  if config.keeps_eigenvalue_scales:
+    # Every active basis on every device: S (v) is kept replicated, as the
     # factors are, and each device preconditions every layer with it.
     applied = config.placement.replicated(dims, preconditioners, active_blocks)
-    scales = replicate(
+    scales, scaling = eigenbasis_scaling(
       config,
-      update_scales(
-        config, state, inputs, eigenbases(applied), decomposition_step
-      ),
+      state,
+      inputs,
+      eigenbases(applied),
+      gradient_matrices,
+      decomposition_step,
     )
-  preconditioned, gradient_matrices = precondition(
-    config, grads, inputs, applied, damping, scales
+  preconditioned = precondition(
+    config, gradient_matrices, inputs, applied, damping, scaling
   )
   updates_ok = hp.all_valid(
     count,
     scheduled_damping,
+    config.second_moment_decay,
     config.kl_clip,
     *(
       (None, None)
@@ -365,37 +369,75 @@ def guarded_decomposition(
   )
 
 
-def update_scales(
+def eigenbasis_scaling(
+  config: KFACConfig,
+  state: ScaleByKFACState,
+  inputs: StepInputs,
+  bases: Mapping[str, EigenPreconditioner],
+  gradients: Blocks,
+  decomposition_step: jax.Array,
+) -> tuple[Blocks, Blocks]:
+  """The state's scaling in the eigenbasis after this step (EKFAC's ``S``
+  or the gradient's ``v``), and what ``precondition`` divides by in place of
+  ``outer(d_A, d_G)``: ``S``, or ``√v̂`` (``second_moment``)."""
+  carried = carried_scales(config, state, inputs, bases, decomposition_step)
+  decay = config.second_moment_decay
+  if decay is None:
+    scales = replicate(
+      config, update_scales(config, state, inputs, bases, carried)
+    )
+    return scales, scales
+  new = {
+    b: second_moment.update_moment(
+      carried[b], gradients[b], bases[b], decay(state.count)
+    )
+    for b in gradients
+  }
+  # A non-finite gradient (or a scheduled β out of range) leaves v as it was.
+  ok = finite.all_finite(new)
+  decay_ok = hp.all_valid(state.count, decay)
+  if decay_ok is not None:
+    ok = ok & decay_ok
+  moments = replicate(
+    config,
+    {
+      b: (jnp.where(ok, new[b], v) if b in new else v)
+      for b, v in carried.items()
+    },
+  )
+  return moments, {
+    b: second_moment.root_mean_square(v, decay(state.count), state.count)
+    for b, v in moments.items()
+  }
+
+
+def carried_scales(
   config: KFACConfig,
   state: ScaleByKFACState,
   inputs: StepInputs,
   bases: Mapping[str, EigenPreconditioner],
   decomposition_step: jax.Array,
 ) -> Blocks:
-  """EKFAC's running ``S`` after this step (``preconditioning.ekfac``).
+  """The state's ``S`` (or ``v``) in ``bases``, the active blocks'
+  eigenbases after this step's decomposition, on every device
+  (``Placement.replicated``).
 
-  ``bases``: the active blocks' eigenbases after this step's decomposition,
-  on every device (``Placement.replicated``). On decomposition steps ``S``
-  is carried from the state's eigenbases into these (``ekfac.reproject``);
-  a non-finite ``S`` (a corrupted restore), or a state packed in another
-  layout (whose old bases cannot be read), restarts there from K-FAC's
-  ``outer(d_A, d_G)``. On factor steps it is then averaged with the
-  batch's, ``S ← d·S + (1 − d)·S_batch``, in the new bases; a batch with
-  NaN/Inf (or a scheduled ``d`` out of range) is left out, as it is from
-  the factors, and so is an accumulated batch on a state of another layout
-  (its micro-batches were summed in the old bases).
+  On decomposition steps it is carried from the state's eigenbases into
+  these (``ekfac.reproject``); a non-finite one (a corrupted restore), or a
+  state packed in another layout (whose old bases cannot be read), restarts
+  there: ``S`` from K-FAC's ``outer(d_A, d_G)``, ``v`` from 0.
   """
-  count = state.count
-  dims, batch_scales, active_blocks = (
-    inputs.dims,
-    inputs.batch_scales,
-    inputs.active_blocks,
-  )
-  # EKFAC's state carries S (init made it, checks.py checks).
+  dims, active_blocks = inputs.dims, inputs.active_blocks
+  # The state carries S or v (init made it, checks.py checks).
   assert state.eigenvalue_scales is not None
   current = dict(state.eigenvalue_scales)
   stale = config.placement.stale(dims, state.preconditioners)
   refresh = decomposition_step if stale is None else decomposition_step | stale
+
+  def restart(b: str) -> jax.Array:
+    if config.eigenvalue_correction:
+      return ekfac.kfac_scales(bases[b])
+    return jnp.zeros_like(current[b])
 
   def reprojected():
     old = eigenbases(
@@ -407,10 +449,29 @@ def update_scales(
       keep = jnp.isfinite(jnp.sum(moved))
       if stale is not None:
         keep = keep & ~stale
-      carried[b] = jnp.where(keep, moved, ekfac.kfac_scales(bases[b]))
+      carried[b] = jnp.where(keep, moved, restart(b))
     return carried
 
-  scales = lax.cond(refresh, reprojected, lambda: current)
+  return lax.cond(refresh, reprojected, lambda: current)
+
+
+def update_scales(
+  config: KFACConfig,
+  state: ScaleByKFACState,
+  inputs: StepInputs,
+  bases: Mapping[str, EigenPreconditioner],
+  scales: Blocks,
+) -> Blocks:
+  """EKFAC's running ``S`` after this step (``preconditioning.ekfac``).
+
+  ``scales``: ``S`` in ``bases``, this step's (``carried_scales``). On factor
+  steps it is averaged with the batch's, ``S ← d·S + (1 − d)·S_batch``; a
+  batch with NaN/Inf (or a scheduled ``d`` out of range) is left out, as it
+  is from the factors, and so is an accumulated batch on a state of another
+  layout (its micro-batches were summed in the old bases).
+  """
+  count, batch_scales = state.count, inputs.batch_scales
+  stale = config.placement.stale(inputs.dims, state.preconditioners)
   factor_step = count % config.factor_update_steps(count) == 0
 
   if batch_scales is None:  # a step without statistics (NO_STATS)
@@ -433,31 +494,37 @@ def update_scales(
   return lax.cond(factor_step, averaged, lambda: scales)
 
 
+def gradient_blocks(grads: Any, inputs: StepInputs) -> Blocks:
+  """The gradient matrices ``∇ [dA, dG]`` float32 of ``inputs.active``'s
+  blocks (``gradient_matrix.to_matrix``)."""
+  blocks = {}
+  for name in inputs.active:
+    layer = inputs.layers[name]
+    matrices = to_matrix(
+      layers_lib.get_layer_params(grads, layer), layer, jnp.float32
+    )
+    blocks.update(zip(layer.block_names, matrices))
+  return blocks
+
+
 def precondition(
   config: KFACConfig,
-  grads: Any,
+  gradient_matrices: Blocks,
   inputs: StepInputs,
   preconditioners: Any,
   damping: jax.Array,
   scales: Blocks | None = None,
-) -> tuple[Blocks, Blocks]:
-  """``P`` of every block of ``inputs.active``, and the blocks' gradient
-  matrices.
+) -> Blocks:
+  """``P`` of every block of ``inputs.active``.
 
   ``P = (A ⊗ G + λI)⁻¹ vec(∇)`` (eigen) or ``(A + λI)⁻¹ ∇ (G + λI)⁻¹``
-  (inverse), with ``∇`` the block of ``grads`` or its ``factored`` form,
-  from ``preconditioners``, the placement's state. With EKFAC's ``scales``,
-  ``Q_A [(Q_Aᵀ ∇ Q_G) / (S + λ)] Q_Gᵀ``, and ``preconditioners`` are the
-  active blocks' eigenbases on every device (``Placement.replicated``).
+  (inverse), with ``∇`` the block of ``gradient_matrices`` or its
+  ``factored`` form, from ``preconditioners``, the placement's state. With
+  ``scales`` (EKFAC's ``S``, or ``√v̂``), ``Q_A [(Q_Aᵀ ∇ Q_G) / (S + λ)]
+  Q_Gᵀ``, and ``preconditioners`` are the active blocks' eigenbases on every
+  device (``Placement.replicated``).
   """
   sharded = inputs.sharded
-  gradient_matrices = {}
-  for name in inputs.active:
-    layer = inputs.layers[name]
-    blocks = to_matrix(
-      layers_lib.get_layer_params(grads, layer), layer, jnp.float32
-    )
-    gradient_matrices.update(zip(layer.block_names, blocks))
   gradients = {**gradient_matrices, **(inputs.factored or {})}
   if config.factored_damping:
     # Undo the λ factor of `factored_damping_scaled`, P = λ·P(∇/λ), so the
@@ -467,20 +534,18 @@ def precondition(
     # it into the gradient's assembly, not on P (a kernel per block).
     gradients = {b: divided(g, damping) for b, g in gradients.items()}
   if scales is None:
-    preconditioned = config.placement.precondition(
+    return config.placement.precondition(
       inputs.dims, preconditioners, gradients, damping, sharded
     )
-  else:
-    preconditioned = config.placement.precondition_replicated(
-      {
-        b: ekfac.with_scales(p, scales[b], damping, config.relative_damping)
-        for b, p in preconditioners.items()
-      },
-      gradients,
-      damping,
-      sharded,
-    )
-  return preconditioned, gradient_matrices
+  return config.placement.precondition_replicated(
+    {
+      b: ekfac.with_scales(p, scales[b], damping, config.relative_damping)
+      for b, p in preconditioners.items()
+    },
+    gradients,
+    damping,
+    sharded,
+  )
 
 
 def kl_clip(
