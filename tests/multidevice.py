@@ -26,6 +26,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 import kfac_jax
 from kfac_jax.factors.running import factor_dims
 from kfac_jax.transform.config import KFACConfig
+from tests.reference import assert_float32_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,7 +143,9 @@ def train(
   """
   if split_loss is None:
     tx = optax.chain(
-      kfac_jax.scale_by_kfac(damping=0.01, inv_update_steps=2, **kwargs),
+      kfac_jax.scale_by_kfac(
+        **{"damping": 0.01, "inv_update_steps": 2, **kwargs}
+      ),
       optax.sgd(0.1, momentum=0.9),
     )
   else:
@@ -320,8 +323,9 @@ class DenseNet(nn.Module):
 def ekfac(axis_type: AxisType) -> None:
   """EKFAC on a mesh trains as on one device: every strategy (MEM/HYBRID
   gather the bases, COMM_OPT reads its own row), accumulation and (Auto
-  axes) kernels sharded over 'fsdp'; ``S`` and the rest of the state stay
-  where ``get_opt_state_partition_specs`` says."""
+  axes) kernels sharded over 'fsdp'; so does ``second_moment_decay``, on
+  the same path; ``S`` (``v``) and the rest of the state stay where
+  ``get_opt_state_partition_specs`` says."""
   # More rows a step (64) than any factor's dimension (≤ 13): no factor
   # has a cluster of equal eigenvalues, in which eigh's basis, and so S's
   # entries there, would be arbitrary.
@@ -356,6 +360,22 @@ def ekfac(axis_type: AxisType) -> None:
   runs.append(
     (dict(base, grad_worker_fraction="hybrid_opt", accumulation_steps=2), None)
   )
+  # The gradient's second moment takes EKFAC's replicated path (its v in
+  # place of S). At its first steps R / (|R|/mean|R| + λ) has slope up to
+  # 1/λ in R, which λ = 1 bounds by 1, so a mesh's other rounding of the
+  # bases moves P no more than it moves R (as for EKFAC).
+  runs += [
+    (
+      dict(
+        second_moment_decay=0.9,
+        factor_decay=0.5,
+        damping=1.0,
+        grad_worker_fraction=s,
+      ),
+      None,
+    )
+    for s in (STRATEGIES[0], STRATEGIES[-1])
+  ]
   if axis_type == AxisType.Auto:  # As in `fsdp`.
     runs.append(
       (
@@ -370,14 +390,21 @@ def ekfac(axis_type: AxisType) -> None:
     single = {
       k: v
       for k, v in kwargs.items()
-      if k in ("eigenvalue_correction", "factor_decay", "accumulation_steps")
+      if k
+      in (
+        "eigenvalue_correction",
+        "second_moment_decay",
+        "damping",
+        "factor_decay",
+        "accumulation_steps",
+      )
     }
     key = tuple(sorted(single.items()))
     if key not in references:
       references[key] = train(params, loss_fn, batches, single)
     reference = references[key]
     kwargs = dict(kwargs, mesh_axes=("data", "fsdp"))
-    label = f"EKFAC {kwargs}"
+    label = f"scaling in the eigenbasis {kwargs}"
     with jax.set_mesh(mesh):
       run = train(
         params,
@@ -389,16 +416,36 @@ def ekfac(axis_type: AxisType) -> None:
         params_sharding,
       )
       expected = kfac_jax.get_opt_state_partition_specs(
-        params, damping=0.01, inv_update_steps=2, **kwargs
+        params, **{"damping": 0.01, "inv_update_steps": 2, **kwargs}
       )
       assert_same_run(run, reference, kwargs, single, label)
     state, reference_state = run[1], reference[1]
     for block in reference_state.eigenvalue_scales:
-      np.testing.assert_allclose(
-        np.asarray(state.eigenvalue_scales[block]),
-        np.asarray(reference_state.eigenvalue_scales[block]),
-        **TOLERANCE,
-        err_msg=f"{label}: S of {block}",
+      actual = np.asarray(state.eigenvalue_scales[block])
+      expected_scales = np.asarray(reference_state.eigenvalue_scales[block])
+      if "second_moment_decay" not in kwargs:
+        np.testing.assert_allclose(
+          actual, expected_scales, **TOLERANCE, err_msg=f"{label}: S of {block}"
+        )
+        continue
+      # v = Σ β^k R² sums R = Q_Aᵀ ∇ Q_G entrywise: a basis vector moves by
+      # the factor's rounding (its 64-row sum, then a rotation of dA + dG
+      # terms) over its eigenvalue gap, ‖F‖/gap, and R² by twice that of
+      # max R² (v's largest entries).
+      factors = reference_state.factors[block]
+      condition = sum(
+        float(d.max() / np.diff(d).min())
+        for d in (
+          np.linalg.eigvalsh(np.asarray(f, np.float64))
+          for f in (factors.activation_factor, factors.gradient_factor)
+        )
+      )
+      assert_float32_close(
+        actual,
+        expected_scales,
+        terms=2 * (64 + sum(actual.shape)),
+        condition=condition,
+        err_msg=f"{label}: v of {block}",
       )
     is_spec = lambda s: isinstance(s, PartitionSpec)
     for leaf, spec in zip(
