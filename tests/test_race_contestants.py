@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 import kfac_jax
 from benchmarks import race_optimizers
@@ -21,12 +22,14 @@ def first_updates(name: str, lr: float) -> list[np.ndarray]:
   return [np.asarray(u, np.float64) for u in jax.tree.leaves(updates)]
 
 
-def test_scaled_clip_makes_the_rate_scale_the_whole_step():
-  """kfac_levers_scaled (κ = 10·lr²): tripling the rate triples every
-  entry of the step, clipped or not; kfac_levers (κ fixed at 0.1) clips
-  its K-FAC layers' step at the larger rate, so it does not triple."""
-  slow = first_updates("kfac_levers_scaled", 0.1)
-  fast = first_updates("kfac_levers_scaled", 0.3)
+@pytest.mark.parametrize("name", race_optimizers.KL_SCALED)
+def test_scaled_clip_makes_the_rate_scale_the_whole_step(name):
+  """kfac_levers_scaled and kfac_second_moment (κ = 10·lr²): tripling the
+  rate triples every entry of the step, clipped or not; kfac_levers (κ
+  fixed at 0.1) clips its K-FAC layers' step at the larger rate, so it
+  does not triple."""
+  slow = first_updates(name, 0.1)
+  fast = first_updates(name, 0.3)
   for got, want in zip(fast, slow):
     # Each entry against its own size: the two steps differ in κ's and
     # lr's roundings, κ/lr² (quotient, product), its square root and the
