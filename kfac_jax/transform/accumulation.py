@@ -16,6 +16,7 @@ from jax import lax
 
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import ekfac
+from kfac_jax.transform import eigenbasis_scaling as scaling_lib
 from kfac_jax.transform import step
 from kfac_jax.transform.config import KFACConfig
 from kfac_jax.transform.state import AccumulatorState, ScaleByKFACState
@@ -61,7 +62,7 @@ def accumulate(
   )
   scale_sums = accumulator.scales
   # The state's eigenbases on every device (``Placement.replicated``).
-  state_bases = lambda: step.eigenbases(
+  state_bases = lambda: scaling_lib.eigenbases(
     config.placement.replicated(
       inputs.dims, state.preconditioners, batch_blocks
     )
