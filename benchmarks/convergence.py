@@ -73,7 +73,9 @@ on the rate), ``kfac_levers_adamw`` (that, with AdamW on the params K-FAC
 leaves out) and ``kfac_levers_scaled`` (``kfac_levers`` swept over the
 rate with the clip scaled along, κ = 10·lr²: the rate then scales the step
 whether or not the clip binds), ``kfac_second_moment`` (that, with the
-gradient's second moment in K-FAC's eigenbasis, ``second_moment_decay``).
+gradient's second moment in K-FAC's eigenbasis, ``second_moment_decay``)
+and ``kfac_second_moment_adamw`` (that on K-FAC's layers, AdamW at 0.01·lr
+on the other params).
 Having no learning
 rate, ``kfac_adaptive`` is swept over its initial damping λ₀ (the example's
 150 the center): λ then moves by at most a factor 0.95⁵ every 5 steps, so λ₀

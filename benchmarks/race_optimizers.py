@@ -57,6 +57,7 @@ OPTIMIZERS = (
   "kfac_levers_adamw",
   "kfac_levers_scaled",
   "kfac_second_moment",
+  "kfac_second_moment_adamw",
   *EIGEN_ADAPTIVE,
 )
 DEFAULT_OPTIMIZERS = OPTIMIZERS[:6]
@@ -73,17 +74,29 @@ ADAPTIVE = ("kfac_adaptive", *EIGEN_ADAPTIVE)
 # step whether or not the clip binds (KFAC_SETTINGS is its point lr = 0.1).
 # kfac_second_moment: kfac_levers_scaled with the gradient's second moment
 # in K-FAC's eigenbasis in place of its eigenvalues (SECOND_MOMENT).
+# kfac_second_moment_adamw: that on K-FAC's layers, the other params to
+# AdamW at ADAMW_PER_LR·lr, so that one swept value sets both rates (0.01:
+# the race's AdamW and K-FAC rates on the transformer, 3e-3 and 0.3).
 LEVERS = (
   "kfac_levers",
   "kfac_levers_kl",
   "kfac_levers_adamw",
   "kfac_levers_scaled",
   "kfac_second_moment",
+  "kfac_second_moment_adamw",
 )
-KL_SCALED = ("kfac_levers_scaled", "kfac_second_moment")
+KL_SCALED = (
+  "kfac_levers_scaled",
+  "kfac_second_moment",
+  "kfac_second_moment_adamw",
+)
+SECOND_MOMENT_CONTESTANTS = ("kfac_second_moment", "kfac_second_moment_adamw")
+# The contestants whose params outside K-FAC's layers go to AdamW.
+OTHERS_TO_ADAMW = ("kfac_levers_adamw", "kfac_second_moment_adamw")
 KL_SWEPT = ("kfac_levers_kl", "kfac_levers_adamw")
 LEVERS_LR = 0.1
 KL_PER_LR2 = 10.0
+ADAMW_PER_LR = 0.01
 KFAC_OPTIMIZERS = ("kfac", *LEVERS, *ADAPTIVE)
 # Each optimizer's customary learning rate (SOAP: the paper's default; the
 # adaptive ones: λ₀, that of KFAC_ADAPTIVE_SETTINGS, below); the sweep is
@@ -101,6 +114,7 @@ CENTERS = {
   "kfac_levers_adamw": 0.1,  # κ
   "kfac_levers_scaled": 0.1,
   "kfac_second_moment": 0.1,
+  "kfac_second_moment_adamw": 0.1,
   **{name: 150.0 for name in ADAPTIVE},
 }
 LR_GRID = (1 / 3, 1.0, 3.0)
@@ -332,7 +346,7 @@ def build_optimizer(
     )
     if name in KL_SWEPT:
       lr, settings["kl_clip"] = LEVERS_LR, lr
-    if name == "kfac_second_moment":
+    if name in SECOND_MOMENT_CONTESTANTS:
       settings.update(SECOND_MOMENT)
     if name in KL_SCALED:
       settings["kl_clip"] = float(f"{KL_PER_LR2 * lr**2:.3g}")
@@ -344,15 +358,20 @@ def build_optimizer(
       + ", ".join(f"{k}={v!r}" for k, v in settings.items())
       + ")"
     )
-    if name == "kfac_levers_adamw":
+    if name in OTHERS_TO_ADAMW:
+      adamw_lr = (
+        MUON_ADAM_LR
+        if name == "kfac_levers_adamw"
+        else float(f"{ADAMW_PER_LR * lr:.3g}")
+      )
       tx = optax.partition(
-        {"kfac": tx, "other": optax.adamw(MUON_ADAM_LR)},
+        {"kfac": tx, "other": optax.adamw(adamw_lr)},
         lambda params: kfac_jax.kfac_labels(
           params, layers=task.layers, **settings
         ),
       )
       description += (
-        f" on its layers, optax.adamw({MUON_ADAM_LR:g}) on the other "
+        f" on its layers, optax.adamw({adamw_lr:g}) on the other "
         "params (kfac_jax.kfac_labels)"
       )
     if name in LEVERS:

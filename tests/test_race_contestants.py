@@ -24,7 +24,8 @@ def first_updates(name: str, lr: float) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("name", race_optimizers.KL_SCALED)
 def test_scaled_clip_makes_the_rate_scale_the_whole_step(name):
-  """kfac_levers_scaled and kfac_second_moment (κ = 10·lr²): tripling the
+  """kfac_levers_scaled and the second-moment contestants (κ = 10·lr²,
+  and AdamW's rate 0.01·lr on the params K-FAC leaves out): tripling the
   rate triples every entry of the step, clipped or not; kfac_levers (κ
   fixed at 0.1) clips its K-FAC layers' step at the larger rate, so it
   does not triple."""
@@ -33,7 +34,8 @@ def test_scaled_clip_makes_the_rate_scale_the_whole_step(name):
   for got, want in zip(fast, slow):
     # Each entry against its own size: the two steps differ in κ's and
     # lr's roundings, κ/lr² (quotient, product), its square root and the
-    # products by ν and lr, in the K-FAC scaling and in SGD's: 8 roundings.
+    # products by ν and lr, in the K-FAC scaling and in SGD's: 8 roundings
+    # (AdamW's step, lr's and its own weight decay's: fewer).
     reference.assert_float32_close(
       got, 3 * want, terms=8, scale=np.abs(3 * want)
     )
