@@ -43,27 +43,6 @@ EIGEN_ADAPTIVE = {
     inv_update_steps=5,
   ),
 }
-OPTIMIZERS = (
-  "adamw",
-  "muon",
-  "soap",
-  "kron",
-  "kfac",
-  "kfac_adaptive",
-  "sgd",
-  "adam",
-  "kfac_levers",
-  "kfac_levers_kl",
-  "kfac_levers_adamw",
-  "kfac_levers_scaled",
-  "kfac_second_moment",
-  "kfac_second_moment_adamw",
-  *EIGEN_ADAPTIVE,
-)
-DEFAULT_OPTIMIZERS = OPTIMIZERS[:6]
-FIRST_ORDER = ("sgd", "adam", "adamw", "muon", "soap", "kron")
-# The optimizers without a learning rate: their sweep is over λ₀.
-ADAPTIVE = ("kfac_adaptive", *EIGEN_ADAPTIVE)
 # K-FAC with its levers, swept over the learning rate or over the KL clip κ
 # (the learning rate then LEVERS_LR): once the clip binds, the step taken,
 # lr·ν·P with ν = √(κ / (lr²·PᵀF̂P)), no longer depends on the rate.
@@ -85,6 +64,22 @@ LEVERS = (
   "kfac_second_moment",
   "kfac_second_moment_adamw",
 )
+OPTIMIZERS = (
+  "adamw",
+  "muon",
+  "soap",
+  "kron",
+  "kfac",
+  "kfac_adaptive",
+  "sgd",
+  "adam",
+  *LEVERS,
+  *EIGEN_ADAPTIVE,
+)
+DEFAULT_OPTIMIZERS = OPTIMIZERS[:6]
+FIRST_ORDER = ("sgd", "adam", "adamw", "muon", "soap", "kron")
+# The optimizers without a learning rate: their sweep is over λ₀.
+ADAPTIVE = ("kfac_adaptive", *EIGEN_ADAPTIVE)
 KL_SCALED = (
   "kfac_levers_scaled",
   "kfac_second_moment",

@@ -1,4 +1,4 @@
-"""The README's settings, and the second-moment recipe of the docs' table,
+"""The README's settings, and the second-moment recipes of the docs' table,
 train a BatchNorm CNN without diverging.
 
 The README's chain is run as the README writes it (its program is executed
@@ -9,6 +9,8 @@ loss back up from step ~50 on (issue 49's NNX MNIST run).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -46,13 +48,17 @@ def readme_transformation() -> optax.GradientTransformationExtraArgs:
   return namespace["tx"]
 
 
-def train_losses(tx: optax.GradientTransformationExtraArgs) -> np.ndarray:
+def train_losses(
+  make_tx: Callable[[dict], optax.GradientTransformationExtraArgs],
+) -> np.ndarray:
+  """Per-step train losses of ``make_tx(params)`` on the BatchNorm CNN."""
   mnist = datasets.load_mnist()
   images = mnist.x_train[: BATCH * STEPS].reshape(-1, 28, 28, 1)
   labels = mnist.y_train[: BATCH * STEPS]
   model = BatchNormCNN()
   variables = model.init(jax.random.key(0), jnp.asarray(images[:BATCH]))
   params, batch_stats = variables["params"], variables["batch_stats"]
+  tx = make_tx(params)
 
   def loss_fn(params, batch_stats, x, y):
     logits, updates = model.apply(
@@ -93,17 +99,33 @@ SECOND_MOMENT_RECIPE = dict(
 )
 
 
+def recipe_transformation(
+  recipe: str, params: dict
+) -> optax.GradientTransformationExtraArgs:
+  """The README's chain, the second-moment recipe, or that recipe on
+  K-FAC's layers with the other params (here BatchNorm's scales and
+  biases) to AdamW at 0.01 × its rate (the table's transformer recipe)."""
+  if recipe == "readme":
+    return readme_transformation()
+  tx = kfac_jax.kfac(**SECOND_MOMENT_RECIPE)
+  if recipe == "second_moment":
+    return tx
+  settings = dict(SECOND_MOMENT_RECIPE)
+  rate = settings.pop("learning_rate")
+  return optax.partition(
+    {"kfac": tx, "other": optax.adamw(0.01 * rate)},
+    kfac_jax.kfac_labels(params, **settings),
+  )
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["readme", "second_moment"])
+@pytest.mark.parametrize(
+  "recipe", ["readme", "second_moment", "second_moment_adamw"]
+)
 def test_the_documented_settings_train_a_batch_norm_cnn_without_diverging(
   recipe,
 ):
-  tx = (
-    readme_transformation()
-    if recipe == "readme"
-    else kfac_jax.kfac(**SECOND_MOMENT_RECIPE)
-  )
-  losses = train_losses(tx)
+  losses = train_losses(lambda params: recipe_transformation(recipe, params))
   assert np.all(np.isfinite(losses))
   # Means of 10 steps: one batch's loss varies by ~±30 % around its trend.
   at_50, at_end = losses[45:55].mean(), losses[-10:].mean()
