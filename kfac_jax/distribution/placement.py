@@ -229,7 +229,7 @@ def precondition_each(
   preconditioned = {}
   for name, gradient in gradients.items():
     if name in sharded:
-      # Sharded kernels keep the dense form (step.factored_gradients).
+      # Sharded kernels keep the dense form (stats_blocks.factored_gradients).
       assert not isinstance(gradient, FactoredGradient), name
       preconditioned[name] = precondition_in_place(
         method, preconditioners[name], gradient, damping, sharded[name]

@@ -17,7 +17,7 @@ from jax import lax
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import ekfac
 from kfac_jax.transform import eigenbasis_scaling as scaling_lib
-from kfac_jax.transform import step
+from kfac_jax.transform import pinning, step
 from kfac_jax.transform.config import KFACConfig
 from kfac_jax.transform.state import AccumulatorState, ScaleByKFACState
 
@@ -75,12 +75,12 @@ def accumulate(
       lambda: batch_scales(state_bases()),
       lambda: zeros(sums),
     )
-    scale_sums = step.replicate(
+    scale_sums = pinning.replicate(
       config,
       {b: s + batch_s[b] if b in batch_s else s for b, s in sums.items()},
     )
   # Pinned: G's sums followed a sharded kernel's sharding, off the specs.
-  factor_sums = step.replicate(
+  factor_sums = pinning.replicate(
     config,
     {
       block: (
@@ -91,7 +91,7 @@ def accumulate(
       for block, sums in accumulator.factors.items()
     },
   )
-  gradient_sums = step.constrain_to_params(
+  gradient_sums = pinning.constrain_to_params(
     config,
     jax.tree.map(
       lambda s, g: s + g.astype(s.dtype), accumulator.gradients, grads
@@ -137,7 +137,9 @@ def accumulate(
     reset = AccumulatorState(
       micro_step=jnp.zeros([], jnp.int32),
       gradients=optax.tree.zeros_like(gradient_sums),
-      factors=step.replicate(config, jax.tree.map(jnp.zeros_like, factor_sums)),
+      factors=pinning.replicate(
+        config, jax.tree.map(jnp.zeros_like, factor_sums)
+      ),
       scales=jax.tree.map(jnp.zeros_like, scale_sums),
     )
     return new_updates, new_state._replace(accumulator=reset)

@@ -57,7 +57,9 @@ from kfac_jax.transform import (
   boxing,
   checks,
   nnx_variables,
+  pinning,
   quadratic_model,
+  stats_blocks,
   step,
 )
 from kfac_jax.transform.accumulation import accumulate
@@ -221,7 +223,9 @@ def init(config: KFACConfig, params: Any) -> ScaleByKFACState:
   if config.accumulation_steps > 1:
     accumulator = AccumulatorState(
       micro_step=jnp.zeros([], jnp.int32),
-      gradients=step.constrain_to_params(config, optax.tree.zeros_like(params)),
+      gradients=pinning.constrain_to_params(
+        config, optax.tree.zeros_like(params)
+      ),
       factors={
         block: LayerFactors(
           jnp.zeros((a, a), jnp.float32), jnp.zeros((g, g), jnp.float32)
@@ -275,7 +279,7 @@ def _init_quadratic_model(
   # The initial λ of the adaptive mode is a number (KFACConfig checks).
   assert not callable(damping)
   return quadratic_model.init(
-    step.constrain_to_params(config, params), damping, config.adaptive
+    pinning.constrain_to_params(config, params), damping, config.adaptive
   )
 
 
@@ -324,7 +328,7 @@ def _update_values(
   layers, left_out = config.find_layers(updates)
   sharded = {}
   if config.params_partition_specs is not None:
-    sharded = step.sharded_kernels(
+    sharded = stats_blocks.sharded_kernels(
       layers,
       sharding.check_params_specs(updates, config.params_partition_specs),
     )
@@ -396,16 +400,16 @@ def _from_stats(
       {s.signature.module_type or "" for s in kfac_stats.values()},
     )
   batch_factors = functools.partial(
-    step.stats_factors, config, kfac_stats, layers, active
+    stats_blocks.stats_factors, config, kfac_stats, layers, active
   )
   batch_scales = None
   if config.eigenvalue_correction:
     checks.check_dense_only(kfac_stats, active, "eigenvalue_correction=True")
     batch_scales = functools.partial(
-      step.stats_scales, config, kfac_stats, layers, active
+      stats_blocks.stats_scales, config, kfac_stats, layers, active
     )
   factored = (
-    step.factored_gradients(kfac_stats, layers, active, sharded)
+    stats_blocks.factored_gradients(kfac_stats, layers, active, sharded)
     if config.gradient_from_stats
     else None
   )

@@ -10,8 +10,9 @@
 4. ``kl_clip``: every ``P`` scaled by ``ν``;
 
 and ``adaptive_step`` turns ``−P`` into the adaptive mode's update. The
-sharding helpers (``constrain_to_params``, ``replicate``, ``pin_to_specs``)
-keep the state where ``get_opt_state_partition_specs`` says it is.
+constraints of ``pinning`` keep the state where
+``get_opt_state_partition_specs`` says it is; ``stats_blocks`` reads the
+step's inputs from the captured statistics.
 """
 
 from __future__ import annotations
@@ -23,18 +24,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec
 
 from kfac_jax import hyperparameters as hp
 from kfac_jax import linalg
 from kfac_jax.capture import layers as layers_lib
 from kfac_jax.capture.layers import LayerInfo
-from kfac_jax.capture.statistics import LayerStatistics
 from kfac_jax.distribution import placement as placement_lib
-from kfac_jax.distribution import sharding
 from kfac_jax.distribution.layout import Dims
 from kfac_jax.distribution.placement import DecompositionCounts
-from kfac_jax.factors import batch as batch_lib
 from kfac_jax.factors import running
 from kfac_jax.factors.running import LayerFactors
 from kfac_jax.preconditioning import ekfac
@@ -43,13 +40,12 @@ from kfac_jax.preconditioning.eigen import EigenPreconditioner
 from kfac_jax.preconditioning.gradient_matrix import (
   FactoredGradient,
   divided,
-  factored_is_cheaper,
   from_matrix,
   to_matrix,
 )
 from kfac_jax.preconditioning.kl_clip import kl_clip_scale
 from kfac_jax.transform import eigenbasis_scaling as scaling_lib
-from kfac_jax.transform import quadratic_model
+from kfac_jax.transform import pinning, quadratic_model
 from kfac_jax.transform.config import KFACConfig
 from kfac_jax.transform.quadratic_model import SplitLoss
 from kfac_jax.transform.state import (
@@ -59,7 +55,8 @@ from kfac_jax.transform.state import (
 )
 
 Blocks = dict[str, jax.Array]
-# {block: eigenbases} -> {block: EKFAC's S_batch} (``stats_scales``).
+# {block: eigenbases} -> {block: EKFAC's S_batch}
+# (``stats_blocks.stats_scales``).
 BatchScales = Callable[[Mapping[str, EigenPreconditioner]], Blocks]
 
 
@@ -168,7 +165,7 @@ def optimizer_step(
     # factors are, and each device preconditions every layer with it.
     applied = config.placement.replicated(dims, preconditioners, active_blocks)
     scales, scaling = (
-      replicate(config, blocks)
+      pinning.replicate(config, blocks)
       for blocks in scaling_lib.eigenbasis_scaling(
         config,
         state,
@@ -208,7 +205,7 @@ def optimizer_step(
     )
     for name in active
   }
-  factors, preconditioners = pin_to_specs(
+  factors, preconditioners = pinning.pin_to_specs(
     config, factors, preconditioners, dims
   )
   new_state = with_counts(
@@ -222,7 +219,7 @@ def optimizer_step(
     counts,
   )
   updates = replace_layers(grads, layers, layer_updates)
-  return constrain_to_params(config, updates), new_state
+  return pinning.constrain_to_params(config, updates), new_state
 
 
 def update_factors(
@@ -460,113 +457,9 @@ def adaptive_step(
     state.count % adaptive.damping_adaptation_interval == 0,
     adaptive,
   )
-  return constrain_to_params(config, step_updates), new_state._replace(
+  return pinning.constrain_to_params(config, step_updates), new_state._replace(
     quadratic_model=model_state
   )
-
-
-def constrain_to_params(config: KFACConfig, tree: Any) -> Any:
-  """``tree`` (params-shaped) constrained to ``params_partition_specs``."""
-  if config.params_partition_specs is None:
-    return tree
-  return sharding.constrain_like_params(tree, config.params_partition_specs)
-
-
-def replicate(config: KFACConfig, tree: Any) -> Any:
-  """``tree`` pinned replicated, as factors are (with sharded kernels the
-  factor products would otherwise follow them)."""
-  if config.params_partition_specs is None:
-    return tree
-  return jax.tree.map(
-    lambda x: sharding.constrain(x, PartitionSpec(), ()), tree
-  )
-
-
-def pin_to_specs(
-  config: KFACConfig, factors: Any, preconditioners: Any, dims: Dims
-) -> tuple[Any, Any]:
-  """Factors replicated, preconditioners as ``placement.partition_specs``.
-
-  With sharded kernels and no ``mesh_axes`` nothing else pins them: the
-  in-place preconditioning of a sharded kernel pulled its preconditioner,
-  the decomposition and the running factors onto the kernel's sharding,
-  off ``get_opt_state_partition_specs`` (a donated step then compiled
-  twice), or into shardings XLA could not lay out.
-  """
-  if config.params_partition_specs is None:
-    return factors, preconditioners
-  place = lambda spec, x: sharding.constrain(x, spec, ())
-  is_spec = lambda x: isinstance(x, PartitionSpec)
-  preconditioners = jax.tree.map(
-    place,
-    config.placement.partition_specs(dims),
-    preconditioners,
-    is_leaf=is_spec,
-  )
-  return replicate(config, factors), preconditioners
-
-
-def stats_scales(
-  config: KFACConfig,
-  stats: Mapping[str, LayerStatistics],
-  layers: Mapping[str, LayerInfo],
-  active: Sequence[str],
-  preconditioners: Mapping[str, EigenPreconditioner],
-) -> Blocks:
-  """EKFAC's batch ``{block: S_batch}`` of ``active`` in ``preconditioners``'
-  eigenbases, from the rows of the batch factors (``factors.batch``)."""
-  blocks = {}
-  for name in active:
-    calls = batch_lib.dense_calls(
-      stats[name],
-      fisher_scaled=config.adaptive is not None,
-      examples=config.factor_batch_size,
-      reduce=config.reduce,
-    )
-    for index, block in enumerate(layers[name].block_names):
-      blocks[block] = ekfac.batch_scales(
-        [(a[index], g[index], scale) for a, g, scale in calls],
-        preconditioners[block],
-      )
-  return blocks
-
-
-def stats_factors(
-  config: KFACConfig,
-  stats: Mapping[str, LayerStatistics],
-  layers: Mapping[str, LayerInfo],
-  active: Sequence[str],
-) -> dict[str, LayerFactors]:
-  """The batch factors ``{block: LayerFactors}`` of ``active`` from the
-  captured stats (``factors.batch.batch_factors``)."""
-  blocks = {}
-  for name in active:
-    factors = batch_lib.batch_factors(
-      stats[name],
-      fisher_scaled=config.adaptive is not None,
-      examples=config.factor_batch_size,
-      reduce=config.reduce,
-    )
-    blocks.update(
-      (block, LayerFactors(a, g))
-      for block, a, g in zip(layers[name].block_names, *factors)
-    )
-  return blocks
-
-
-def sharded_kernels(
-  layers: Mapping[str, LayerInfo], params_specs: Any
-) -> dict[str, tuple[str, ...]]:
-  """``{layer: mesh axes}`` of the layers whose kernel spec shards it."""
-  sharded = {}
-  for name, layer in layers.items():
-    if layer.num_blocks > 1:
-      continue  # its blocks are sliced from the whole gradient.
-    spec = layers_lib.get_layer_params(params_specs, layer)[layer.kernel_key]
-    axes = tuple(sharding.named_axes(spec or PartitionSpec()))
-    if axes:
-      sharded[name] = axes
-  return sharded
 
 
 def block_names(
@@ -574,37 +467,6 @@ def block_names(
 ) -> list[str]:
   """State keys of the blocks of ``names``, in order."""
   return [block for name in names for block in layers[name].block_names]
-
-
-def factored_gradients(
-  stats: Mapping[str, LayerStatistics],
-  layers: Mapping[str, LayerInfo],
-  active: Sequence[str],
-  sharded: Mapping[str, tuple[str, ...]],
-) -> dict[str, FactoredGradient]:
-  """``{block: aᵀg}`` of the dense layers for which that form is cheaper.
-
-  Decided per layer from static shapes (``factored_is_cheaper``); sharded
-  kernels keep the dense form, which ``precondition_in_place`` needs.
-  """
-  factored = {}
-  for name in active:
-    layer, signature = layers[name], stats[name].signature
-    if (
-      name in sharded
-      or signature.conv is not None
-      or signature.num_embeddings is not None
-    ):
-      continue
-    activation, gradient = batch_lib.gradient_rows_of_dense(stats[name])
-    if factored_is_cheaper(
-      activation.shape[1], layer.activation_dim, layer.gradient_dim
-    ):
-      factored.update(
-        (block, FactoredGradient(a, g))
-        for block, a, g in zip(layer.block_names, activation, gradient)
-      )
-  return factored
 
 
 def replace_layers(
