@@ -32,6 +32,17 @@ from kfac_jax.transform.config import KFACConfig
 Blocks = dict[str, jax.Array]
 
 
+def row_options(config: KFACConfig) -> dict[str, Any]:
+  """How the configuration reads the statistics' rows: Fisher-scaled in
+  the adaptive mode, from ``factor_batch_size`` examples, positions
+  reduced under KFAC-reduce (``factors.batch``)."""
+  return dict(
+    fisher_scaled=config.adaptive is not None,
+    examples=config.factor_batch_size,
+    reduce=config.reduce,
+  )
+
+
 def stats_scales(
   config: KFACConfig,
   stats: Mapping[str, LayerStatistics],
@@ -43,12 +54,7 @@ def stats_scales(
   eigenbases, from the rows of the batch factors (``factors.batch``)."""
   blocks = {}
   for name in active:
-    calls = batch_lib.dense_calls(
-      stats[name],
-      fisher_scaled=config.adaptive is not None,
-      examples=config.factor_batch_size,
-      reduce=config.reduce,
-    )
+    calls = batch_lib.dense_calls(stats[name], **row_options(config))
     for index, block in enumerate(layers[name].block_names):
       blocks[block] = ekfac.batch_scales(
         [(a[index], g[index], scale) for a, g, scale in calls],
@@ -67,12 +73,7 @@ def stats_factors(
   captured stats (``factors.batch.batch_factors``)."""
   blocks = {}
   for name in active:
-    factors = batch_lib.batch_factors(
-      stats[name],
-      fisher_scaled=config.adaptive is not None,
-      examples=config.factor_batch_size,
-      reduce=config.reduce,
-    )
+    factors = batch_lib.batch_factors(stats[name], **row_options(config))
     blocks.update(
       (block, LayerFactors(a, g))
       for block, a, g in zip(layers[name].block_names, *factors)
